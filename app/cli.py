@@ -45,7 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         parser.error(f"unknown command {command!r}")
     module = importlib.import_module(module_name)
-    return int(module.main(rest) or 0)
+    try:
+        return int(module.main(rest) or 0)
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,0 +1,188 @@
+"""Load a llama-architecture GGUF file: hyperparameters, tokenizer data and memory-mapped weights.
+
+Tensors are views into the file's memory map (GGUFReader maps it read-only): nothing is copied at start,
+and pages are read from disk as the kernels first touch them. Types the kernels do not run natively
+are dequantized to float32 once, with a logged notice.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .config import ModelConfig
+from .errors import ModelLoadError
+from .quant import BLOCK_BYTES, QType
+from .weights import LayerWeights, ModelWeights, WeightMatrix
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFTokenizerData:
+    """What `tokenizer.ggml.*` metadata says; turned into a `tokenizers.Tokenizer` by decoding.tokenizer."""
+
+    model: str  # "gpt2" = byte-level BPE
+    pre: str  # pre-tokenizer name, e.g. "smollm", "llama-bpe", "default"
+    tokens: list[str]
+    token_types: list[int]  # ggml token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
+    merges: list[str]  # "left right"
+    bos_token_id: int | None
+    eos_token_id: int | None
+    add_bos_token: bool
+    chat_template: str | None
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def _require(reader: Any, key: str) -> Any:
+    value = _field(reader, key)
+    if value is None:
+        raise ModelLoadError(f"GGUF metadata lacks '{key}'")
+    return value
+
+
+def _read_config(reader: Any, name: str) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"unsupported architecture {arch!r} (treadle runs {', '.join(SUPPORTED_ARCHITECTURES)})")
+    n_heads = int(_require(reader, f"{arch}.attention.head_count"))
+    dim = int(_require(reader, f"{arch}.embedding_length"))
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", dim // n_heads))
+    tokens = _require(reader, "tokenizer.ggml.tokens")
+    has_output = any(t.name == "output.weight" for t in reader.tensors)
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    eot = _field(reader, "tokenizer.ggml.eot_token_id")
+    eos_ids = tuple(dict.fromkeys(int(t) for t in (eos, eot) if t is not None))
+    return ModelConfig(
+        architecture=arch,
+        n_layers=int(_require(reader, f"{arch}.block_count")),
+        dim=dim,
+        hidden_dim=int(_require(reader, f"{arch}.feed_forward_length")),
+        n_heads=n_heads,
+        n_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", n_heads)),
+        head_dim=head_dim,
+        vocab_size=int(_field(reader, f"{arch}.vocab_size", len(tokens))),
+        max_context=int(_require(reader, f"{arch}.context_length")),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rms_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        tied_embeddings=not has_output,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=eos_ids,
+        add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", True)),
+        name=str(_field(reader, "general.name", name)),
+    )
+
+
+def _read_tokenizer(reader: Any) -> GGUFTokenizerData:
+    return GGUFTokenizerData(
+        model=str(_require(reader, "tokenizer.ggml.model")),
+        pre=str(_field(reader, "tokenizer.ggml.pre", "default")),
+        tokens=list(_require(reader, "tokenizer.ggml.tokens")),
+        token_types=[int(t) for t in _field(reader, "tokenizer.ggml.token_type", [])],
+        merges=list(_field(reader, "tokenizer.ggml.merges", [])),
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", True)),
+        chat_template=_field(reader, "tokenizer.chat_template"),
+    )
+
+
+def _to_matrix(tensor: Any, expected_shape: tuple[int, int]) -> WeightMatrix:
+    """A GGUF tensor (ggml dims are reversed: ne0 = columns) as a stored-form WeightMatrix."""
+    import gguf
+
+    n_cols, n_rows = (int(d) for d in tensor.shape[:2])
+    if (n_rows, n_cols) != expected_shape:
+        raise ModelLoadError(f"tensor {tensor.name} has shape {(n_rows, n_cols)}, expected {expected_shape}")
+    raw_type = int(tensor.tensor_type)
+    data = tensor.data
+    if raw_type in set(QType):
+        qtype = QType(raw_type)
+        if qtype in BLOCK_BYTES:
+            data = data.reshape(n_rows, -1)
+        elif qtype == QType.BF16:
+            data = data.view(np.uint16).reshape(n_rows, n_cols)
+        else:
+            data = data.reshape(n_rows, n_cols)
+        return WeightMatrix(qtype, n_rows, n_cols, data)
+    log.warning("%s is stored as %s, which treadle's kernels do not run: dequantized to F32 at load",
+                tensor.name, tensor.tensor_type.name)
+    dense = gguf.quants.dequantize(data, tensor.tensor_type).astype(np.float32).reshape(n_rows, n_cols)
+    return WeightMatrix(QType.F32, n_rows, n_cols, dense)
+
+
+def _to_vector(tensor: Any, length: int) -> np.ndarray:
+    if int(tensor.tensor_type) != QType.F32 or tensor.data.size != length:
+        raise ModelLoadError(f"norm tensor {tensor.name} should be F32 of {length} values")
+    return np.asarray(tensor.data, dtype=np.float32).reshape(length)
+
+
+def _read_weights(reader: Any, cfg: ModelConfig) -> ModelWeights:
+    tensors = {t.name: t for t in reader.tensors}
+
+    def get(name: str) -> Any:
+        if name not in tensors:
+            raise ModelLoadError(f"GGUF file lacks tensor '{name}'")
+        return tensors[name]
+
+    d, q, kv, h = cfg.dim, cfg.q_dim, cfg.kv_dim, cfg.hidden_dim
+    layers = []
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+        layers.append(
+            LayerWeights(
+                attn_norm=_to_vector(get(p + "attn_norm.weight"), d),
+                wq=_to_matrix(get(p + "attn_q.weight"), (q, d)),
+                wk=_to_matrix(get(p + "attn_k.weight"), (kv, d)),
+                wv=_to_matrix(get(p + "attn_v.weight"), (kv, d)),
+                wo=_to_matrix(get(p + "attn_output.weight"), (d, q)),
+                ffn_norm=_to_vector(get(p + "ffn_norm.weight"), d),
+                w_gate=_to_matrix(get(p + "ffn_gate.weight"), (h, d)),
+                w_up=_to_matrix(get(p + "ffn_up.weight"), (h, d)),
+                w_down=_to_matrix(get(p + "ffn_down.weight"), (d, h)),
+            )
+        )
+    embedding = _to_matrix(get("token_embd.weight"), (cfg.vocab_size, d))
+    lm_head = embedding if cfg.tied_embeddings else _to_matrix(get("output.weight"), (cfg.vocab_size, d))
+    return ModelWeights(embedding, tuple(layers), _to_vector(get("output_norm.weight"), d), lm_head)
+
+
+def _check_extent(reader: Any, path: Path) -> None:
+    """A truncated file maps fine but its last tensors would run past the end: refuse it up front."""
+    size = os.path.getsize(path)
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise ModelLoadError(f"{path.name} is truncated: tensor {t.name} ends past the file's {size} bytes")
+
+
+def load_gguf(path: Path) -> tuple[ModelConfig, ModelWeights, GGUFTokenizerData]:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path, "r")
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # the gguf package raises ValueError, KeyError, IndexError… on bad bytes
+        raise ModelLoadError(f"{path.name} is not a readable GGUF file ({type(exc).__name__}: {exc})") from None
+    try:
+        _check_extent(reader, path)
+        cfg = _read_config(reader, path.stem)
+        return cfg, _read_weights(reader, cfg), _read_tokenizer(reader)
+    except ModelLoadError:
+        raise
+    except Exception as exc:
+        raise ModelLoadError(f"{path.name}: malformed GGUF ({type(exc).__name__}: {exc})") from None

