@@ -1,0 +1,147 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from decoding import ModelLoadError, load_model
+from decoding.quant import QType
+from decoding.reference import forward_logits
+from tests.tinymodel import TinyShape, write_gguf, write_hf_directory
+
+
+def test_default_model_hyperparameters_come_from_the_gguf(default_model):
+    cfg = default_model.config
+    assert (cfg.n_layers, cfg.dim, cfg.hidden_dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) == (30, 576, 1536, 9, 3, 64)
+    assert cfg.vocab_size == 49152 and cfg.max_context == 8192
+    assert cfg.rope_theta == 100000.0 and abs(cfg.rms_eps - 1e-5) < 1e-9
+    assert cfg.tied_embeddings and default_model.weights.lm_head is default_model.weights.token_embedding
+    assert cfg.eos_token_ids == (2,) and cfg.add_bos_token is False
+
+
+def test_default_model_weights_stay_quantized_and_memory_mapped(default_model):
+    layer = default_model.weights.layers[0]
+    assert layer.wq.qtype == QType.Q4_1 and layer.wq.data.dtype == np.uint8
+    assert default_model.weights.token_embedding.qtype == QType.Q8_0
+    base = layer.wq.data
+    while getattr(base, "base", None) is not None and not isinstance(base, np.memmap):
+        base = base.base
+    assert isinstance(base, np.memmap), "weights must be views of the file's memory map, not copies"
+    assert 90e6 < default_model.weights.nbytes < 110e6
+
+
+def test_gguf_and_safetensors_of_the_same_weights_give_identical_logits(tmp_path):
+    shape = TinyShape(n_layers=2, dim=64, n_heads=4, n_kv_heads=2)
+    gguf_model = load_model(write_gguf(tmp_path / "tiny.gguf", shape, seed=5))
+    hf_model = load_model(write_hf_directory(tmp_path / "hf", shape, seed=5))
+    ids = gguf_model.tokenizer.encode("the quick brown fox jumps over the lazy dog")
+    assert ids == hf_model.tokenizer.encode("the quick brown fox jumps over the lazy dog")
+    np.testing.assert_array_equal(forward_logits(gguf_model, ids), forward_logits(hf_model, ids))
+
+
+@pytest.mark.parametrize("dtype", ["F16", "BF16"])
+def test_half_precision_safetensors_load_as_stored(tmp_path, dtype):
+    model = load_model(write_hf_directory(tmp_path / dtype, seed=1, dtype=dtype))
+    assert model.weights.layers[0].wq.qtype == QType[dtype]
+    reference = load_model(write_hf_directory(tmp_path / "f32", seed=1))
+    ids = [5, 80, 120, 7, 33]
+    np.testing.assert_allclose(forward_logits(model, ids), forward_logits(reference, ids), atol=0.05)
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.F16, QType.BF16])
+def test_quantized_gguf_types_load_in_their_stored_form(tmp_path, qtype):
+    model = load_model(write_gguf(tmp_path / f"{qtype.name}.gguf", qtype=qtype, seed=2))
+    assert model.weights.layers[1].w_down.qtype == qtype
+    reference = load_model(write_gguf(tmp_path / "f32.gguf", seed=2))
+    ids = [10, 20, 30, 40]
+    tolerance = {QType.Q4_0: 1.5, QType.Q4_1: 1.0}.get(qtype, 0.1)
+    np.testing.assert_allclose(forward_logits(model, ids), forward_logits(reference, ids), atol=tolerance)
+
+
+def test_other_ggml_types_are_dequantized_at_load_with_a_notice(tmp_path, caplog):
+    q5 = _rewrite_with_q5_0(write_gguf(tmp_path / "f32.gguf", seed=3), tmp_path / "q5_0.gguf")
+    with caplog.at_level("WARNING"):
+        model = load_model(q5)
+    assert model.weights.layers[0].w_up.qtype == QType.F32
+    assert any("Q5_0" in r.getMessage() for r in caplog.records)
+    reference = load_model(tmp_path / "f32.gguf")
+    np.testing.assert_allclose(model.weights.layers[0].w_up.dequantize(),
+                               reference.weights.layers[0].w_up.dequantize(), atol=0.05)
+
+
+def _rewrite_with_q5_0(src: Path, dst: Path) -> Path:
+    """A copy of `src` with blk.0.ffn_up stored as Q5_0, a type the kernels do not run."""
+    import gguf
+
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(str(dst), "llama")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value = field.contents()
+        vtype = field.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(field.name, value, vtype, sub_type=field.types[-1])
+        else:
+            writer.add_key_value(field.name, value, vtype)
+    for t in reader.tensors:
+        data = np.asarray(t.data)
+        if t.name == "blk.0.ffn_up.weight":
+            dense = data.reshape(int(t.shape[1]), int(t.shape[0]))
+            writer.add_tensor(t.name, gguf.quants.quantize(dense, gguf.GGMLQuantizationType.Q5_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q5_0)
+        else:
+            writer.add_tensor(t.name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+def test_truncated_gguf_is_refused_with_its_name(tmp_path, tiny_gguf):
+    truncated = tmp_path / "cut.gguf"
+    data = tiny_gguf.read_bytes()
+    truncated.write_bytes(data[: len(data) * 2 // 3])
+    with pytest.raises(ModelLoadError, match="cut.gguf"):
+        load_model(truncated)
+
+
+def test_garbage_and_empty_files_are_refused(tmp_path):
+    for name, content in (("empty.gguf", b""), ("text.gguf", b"not a model at all\n" * 10)):
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(ModelLoadError):
+            load_model(tmp_path / name)
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'qwen2'"):
+        load_model(write_gguf(tmp_path / "q.gguf", architecture="qwen2"))
+
+
+def test_unknown_model_name_is_refused():
+    with pytest.raises(ModelLoadError, match="unknown model 'no-such-model'"):
+        load_model("no-such-model")
+
+
+def test_hf_directory_with_missing_tensor_is_refused(tmp_path):
+    directory = write_hf_directory(tmp_path / "hf")
+    (directory / "model.safetensors").write_bytes((directory / "model.safetensors").read_bytes()[:1000])
+    with pytest.raises(ModelLoadError):
+        load_model(directory)
+
+
+@pytest.mark.parametrize("model_arg", ["no-such-model", "TRUNCATED"])
+def test_cli_prints_one_line_and_exits_2_for_a_bad_model(tmp_path, tiny_gguf, model_arg):
+    if model_arg == "TRUNCATED":
+        model_arg = str(tmp_path / "cut.gguf")
+        Path(model_arg).write_bytes(tiny_gguf.read_bytes()[:4000])
+    result = subprocess.run(
+        [sys.executable, "-m", "app.cli", "generate", "--model", model_arg, "hello"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("treadle: error:"), result.stderr
+    assert "Traceback" not in result.stderr
