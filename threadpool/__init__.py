@@ -1,0 +1,21 @@
+"""A pool of persistent, pinned threads that run numba kernels SPMD and meet at spin barriers.
+
+    from threadpool import SpinPool, barrier_wait
+
+    @numba.njit(nogil=True, cache=True)
+    def scale(tid, nthreads, barrier, x, y):      # x, y: float32 (n,)
+        rows = (x.size + nthreads - 1) // nthreads
+        for i in range(tid * rows, min(x.size, (tid + 1) * rows)):
+            y[i] = 2 * x[i]
+        barrier_wait(barrier, tid)                 # every thread now sees all of y
+
+    with SpinPool() as pool:
+        pool.run(scale, x, y)
+
+Atomics for nopython code live in `threadpool.atomics`; the benchmark in `threadpool.bench`.
+"""
+
+from threadpool.barrier import BarrierAborted, barrier_wait, make_barrier
+from threadpool.pool import SpinPool
+
+__all__ = ["BarrierAborted", "SpinPool", "barrier_wait", "make_barrier"]

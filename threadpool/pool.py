@@ -1,0 +1,304 @@
+"""SpinPool: persistent, pinned worker threads that run numba kernels SPMD, caller included.
+
+    with SpinPool() as pool:                      # n_threads = usable cores
+        pool.run(kernel, x, y)                    # kernel(tid, nthreads, barrier, x, y) on every thread
+
+The calling thread is thread 0 and does its share: with n_threads=2 there is exactly one worker.
+That matters on a 2-core machine, where a caller waiting on two spinning workers is three busy
+threads on two cores and costs a scheduler time slice (milliseconds) per run.
+
+A run: thread 0 publishes the task and bumps the epoch (`kick_off`), runs its own share, marks
+itself departed from the barrier, then waits until every worker reports the epoch finished
+(`wait_for_workers`). Workers wait for the next epoch by spinning for `spin_us`, then parking on a
+futex (`wait_for_work`), so an idle pool uses no CPU. Inside the kernel threads meet at
+`barrier_wait(barrier, tid)`.
+
+Errors: every thread catches what its kernel raises and marks itself departed, which makes threads
+still waiting for it at a barrier raise `BarrierAborted`. `run` waits for all threads, then
+re-raises the root cause (the first exception that is not a `BarrierAborted`), or, if threads only
+disagreed on how many barriers to pass, a `BarrierAborted` naming the counts. The pool stays
+usable. A kernel that never returns (an endless loop) still hangs `run`: nothing can stop a
+thread inside nopython code.
+
+Workers need the GIL for a few microseconds to enter and leave each kernel (numba's dispatcher
+unboxes the arguments); kernels must be `nogil=True` or the threads run one at a time.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+from numba import njit
+
+from threadpool.affinity import pin_thread, usable_cores
+from threadpool.barrier import (
+    BarrierAborted,
+    arrival_counts,
+    barrier_wait,
+    make_barrier,
+    mark_departed,
+    reset_barrier,
+)
+from threadpool.handoff import (
+    EPOCH,
+    SHUTDOWN,
+    announce_parking,
+    epoch_futex_address,
+    futex_wake_all,
+    kick_off,
+    leave_parking,
+    load_acquire_from_python,
+    make_control,
+    nanoseconds_per_spin,
+    report_finished,
+    request_shutdown,
+    spin_while_equal,
+    wait_for_work,
+    wait_for_workers,
+)
+
+DEFAULT_SPIN_US = 100.0
+# When workers are still busy after thread 0 spun for spin_us, it polls this often instead.
+_SLOW_WAIT_POLL_SECONDS = 50e-6
+
+Kernel = Callable[..., Any]  # kernel(tid, nthreads, barrier, *args)
+
+
+class _PoolState:
+    """Everything the workers share with the pool. Holds no reference to the SpinPool, so that
+    dropping the last reference to the pool runs its finalizer, which stops the workers."""
+
+    __slots__ = ("num_threads", "barrier", "control", "max_spins", "epoch", "task", "errors",
+                 "run_lock", "running_thread", "worker_idents", "is_closed")
+
+    def __init__(self, num_threads: int, max_spins: int) -> None:
+        self.num_threads = num_threads
+        self.barrier: np.ndarray = make_barrier(num_threads)  # int64 ((1 + n) * 8,)
+        self.control: np.ndarray = make_control(num_threads - 1)  # int64 ((2 + n - 1) * 8,)
+        self.max_spins = max_spins
+        self.epoch = 0  # runs started so far; written by thread 0 under run_lock
+        self.task: tuple[Kernel, tuple[Any, ...]] | None = None
+        self.errors: list[BaseException | None] = [None] * num_threads
+        self.run_lock = threading.Lock()
+        self.running_thread: int | None = None
+        self.worker_idents: set[int] = set()
+        self.is_closed = False
+
+
+class SpinPool:
+    """A fixed team of `n_threads` threads (the caller + n_threads - 1 workers) for SPMD kernels.
+
+    n_threads: default, the number of usable cores (`os.sched_getaffinity`).
+    pin:       pin worker tid to `cores[tid]` (thread 0, the caller, is never pinned by the pool).
+    cores:     the cores to use, default the usable ones in ascending order.
+    spin_us:   how long an idle worker spins before parking; 0 parks at once.
+    """
+
+    def __init__(
+        self,
+        n_threads: int | None = None,
+        pin: bool = True,
+        cores: Sequence[int] | None = None,
+        spin_us: float = DEFAULT_SPIN_US,
+    ) -> None:
+        cores = list(cores) if cores is not None else usable_cores()
+        n_threads = len(cores) if n_threads is None else n_threads
+        if n_threads < 1 or not cores:
+            raise ValueError(f"need at least one thread and one core, got {n_threads=}, {cores=}")
+        if spin_us < 0:
+            raise ValueError(f"spin_us must be >= 0, got {spin_us}")
+        self.n_threads = n_threads
+        self.spin_us = spin_us
+        self._state = _PoolState(n_threads, max_spins=int(spin_us * 1000 / nanoseconds_per_spin()))
+        _compile_helpers()
+        threads = _start_workers(self._state)
+        # Registered before pinning, so that a bad core id still stops the started workers.
+        self._finalizer = weakref.finalize(self, _stop_workers, self._state, threads)
+        if pin:
+            try:
+                for tid, thread in enumerate(threads, start=1):
+                    pin_thread(thread.native_id, cores[tid % len(cores)])
+            except OSError:
+                self.close()
+                raise
+
+    @property
+    def barrier(self) -> np.ndarray:
+        """The barrier passed to every kernel: int64 ((1 + n_threads) * 8,)."""
+        return self._state.barrier
+
+    def run(self, kernel: Kernel, *args: Any) -> None:
+        """Run `kernel(tid, n_threads, barrier, *args)` on every thread (this one is tid 0) and
+        return when all have finished; re-raises what a thread raised. Calls from several Python
+        threads at once run one after another."""
+        state = self._state
+        if threading.get_ident() in (state.running_thread, *state.worker_idents):
+            raise RuntimeError("SpinPool.run called from inside one of its own kernels")
+        with state.run_lock:
+            if state.is_closed:
+                raise RuntimeError("SpinPool is closed")
+            state.running_thread = threading.get_ident()
+            try:
+                self._run_locked(kernel, args)
+            finally:
+                state.running_thread = None
+
+    def _run_locked(self, kernel: Kernel, args: tuple[Any, ...]) -> None:
+        state = self._state
+        if state.num_threads == 1:
+            reset_barrier(state.barrier)
+            kernel(0, 1, state.barrier, *args)
+            return
+        state.epoch += 1
+        state.task, state.errors = (kernel, args), [None] * state.num_threads
+        if start_run(state.barrier, state.control, state.epoch) > 0:
+            futex_wake_all(epoch_futex_address(state.control))
+        _call_kernel(state, 0, kernel, args)
+        _finish_run(state)
+        state.task = None  # do not keep the arguments alive between runs
+        error = _root_cause(state.errors, state.barrier)
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        """Stop and join every worker. Idempotent; `run` fails afterwards."""
+        self._finalizer()
+
+    def __enter__(self) -> SpinPool:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        closed = " closed" if self._state.is_closed else ""
+        return f"<SpinPool n_threads={self.n_threads} spin_us={self.spin_us}{closed}>"
+
+
+# ---- the pieces of a run -------------------------------------------------------------------------
+# Each nopython helper below is one GIL release: a worker that wants the GIL back while another
+# thread holds it sleeps on a condition variable (microseconds), so a run makes as few
+# Python <-> nopython crossings as it can.
+
+
+@njit(nogil=True, cache=True, _nrt=False)
+def start_run(barrier: np.ndarray, control: np.ndarray, epoch: int) -> int:
+    """Thread 0: reset the barrier and kick off run `epoch`; returns the number of parked workers."""
+    reset_barrier(barrier)  # workers are idle: they finished the previous run
+    return kick_off(control, epoch)
+
+
+@njit(nogil=True, cache=True, _nrt=False)
+def finish_share_and_wait(barrier: np.ndarray, control: np.ndarray, epoch: int, max_spins: int) -> bool:
+    """Thread 0, after its share: leave the barrier, then spin until all workers finished."""
+    mark_departed(barrier, 0)
+    return wait_for_workers(control, barrier[0] - 1, epoch, max_spins)
+
+
+@njit(nogil=True, cache=True, _nrt=False)
+def finish_share_and_spin(barrier: np.ndarray, control: np.ndarray, tid: int, epoch: int,
+                          max_spins: int) -> int:
+    """Worker `tid`, after its share: leave the barrier, report run `epoch` finished, then spin
+    for the next epoch; returns it, or `epoch` if `max_spins` passed without one."""
+    mark_departed(barrier, tid)
+    report_finished(control, tid - 1, epoch)
+    return spin_while_equal(control, EPOCH, epoch, max_spins)
+
+
+def _call_kernel(state: _PoolState, tid: int, kernel: Kernel, args: tuple[Any, ...]) -> None:
+    """Run thread `tid`'s share, keeping what it raises for the caller of `run`."""
+    try:
+        kernel(tid, state.num_threads, state.barrier, *args)
+    except BaseException as exc:  # noqa: BLE001 - handed to the caller of run()
+        exc.add_note(f"raised in SpinPool thread {tid} of {state.num_threads}")
+        state.errors[tid] = exc
+
+
+def _finish_run(state: _PoolState) -> None:
+    """Thread 0: leave the barrier and wait until every worker finished the current epoch; spin
+    for up to spin_us, then poll gently (a long, unbalanced kernel should not burn a core)."""
+    max_spins = max(state.max_spins, 1)
+    if finish_share_and_wait(state.barrier, state.control, state.epoch, max_spins):
+        return
+    while not wait_for_workers(state.control, state.num_threads - 1, state.epoch, max_spins):
+        time.sleep(_SLOW_WAIT_POLL_SECONDS)
+
+
+def _root_cause(errors: list[BaseException | None], barrier: np.ndarray) -> BaseException | None:
+    """The exception `run` should raise: the first one that is not a consequence of another
+    thread leaving (BarrierAborted); if there are only those, a mismatch in barrier counts."""
+    raised = [error for error in errors if error is not None]
+    for error in raised:
+        if not isinstance(error, BarrierAborted):
+            return error
+    if raised:
+        mismatch = BarrierAborted(
+            f"kernel threads passed different numbers of barriers: {arrival_counts(barrier).tolist()}"
+        )
+        mismatch.__cause__ = raised[0]
+        return mismatch
+    return None
+
+
+# ---- worker lifetime ----------------------------------------------------------------------------
+
+
+def _worker_main(state: _PoolState, tid: int) -> None:
+    """A worker's whole life: wait for an epoch, run its share, report; until shutdown."""
+    epoch = wait_for_work(state.control, 0, state.max_spins)
+    while not load_acquire_from_python(state.control, SHUTDOWN):
+        assert state.task is not None
+        kernel, args = state.task
+        _call_kernel(state, tid, kernel, args)
+        del kernel, args  # the pool drops the task after the run; so do we
+        next_epoch = finish_share_and_spin(state.barrier, state.control, tid, epoch, state.max_spins)
+        if next_epoch == epoch:  # spun for spin_us in vain: park
+            next_epoch = wait_for_work(state.control, epoch, state.max_spins)
+        epoch = next_epoch
+
+
+def _start_workers(state: _PoolState) -> list[threading.Thread]:
+    threads = [
+        threading.Thread(target=_worker_main, args=(state, tid), name=f"SpinPool-worker-{tid}", daemon=True)
+        for tid in range(1, state.num_threads)
+    ]
+    for thread in threads:
+        thread.start()
+        assert thread.ident is not None
+        state.worker_idents.add(thread.ident)
+    return threads
+
+
+def _stop_workers(state: _PoolState, threads: list[threading.Thread]) -> None:
+    """Finalizer (close, garbage collection or interpreter exit): wake, stop and join workers.
+    Daemon threads, so a pool nobody closed cannot block interpreter exit before this runs."""
+    with state.run_lock:
+        state.is_closed = True
+        request_shutdown(state.control, state.epoch + 1)
+    for thread in threads:
+        if thread is not threading.current_thread():
+            thread.join()
+
+
+def _compile_helpers() -> None:
+    """Load (or compile) every helper a worker calls before any worker exists, so that workers
+    never compile and the first run is not slowed by it."""
+    barrier, control = make_barrier(2), make_control(1)
+    start_run(barrier, control, 1)
+    finish_share_and_spin(barrier, control, 1, 1, 1)
+    finish_share_and_wait(barrier, control, 1, 1)
+    barrier_wait(make_barrier(1), 0)
+    arrival_counts(barrier)
+    reset_barrier(barrier)
+    wait_for_work(control, 0, 1)
+    if announce_parking(control, 1):
+        leave_parking(control)
+    load_acquire_from_python(control, SHUTDOWN)
