@@ -27,10 +27,19 @@ test: install
 	$(PY) -m pytest
 
 # Regenerates tests/golden/ from transformers + torch (optional, heavy; see scripts/make_golden.py).
-golden: install
-	$(PIP) install 'torch==2.13.0'
-	$(PIP) install -e '.[golden]'
-	$(PY) scripts/make_golden.py
+# A separate venv, so torch never enters .venv; torch first and alone (the CPU wheel on disk).
+# Depends on `install` only for the default model's GGUF, which the script finds in .venv.
+GOLDEN_VENV := .venv-golden
+GOLDEN_STAMP := $(GOLDEN_VENV)/.installed
+
+$(GOLDEN_STAMP): scripts/golden-requirements.txt
+	$(PYTHON) -m venv $(GOLDEN_VENV)
+	$(GOLDEN_VENV)/bin/pip install 'torch==2.13.0'
+	$(GOLDEN_VENV)/bin/pip install -r scripts/golden-requirements.txt
+	touch $(GOLDEN_STAMP)
+
+golden: install $(GOLDEN_STAMP)
+	$(GOLDEN_VENV)/bin/python scripts/make_golden.py
 
 clean:
 	rm -rf $(VENV) .numba_cache
