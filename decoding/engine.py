@@ -1,0 +1,353 @@
+"""The engine: one thread turning the loop — schedule → run the model step → sample → publish.
+
+`submit()` and `abort()` may be called from any thread or from the asyncio loop: they only put
+commands in a bounded inbox. The engine thread owns all engine state and applies the inbox before
+anything else in every step. It is the pool's thread 0, so it takes part in every model step, and it
+parks on a condition while there is nothing to do: an idle server burns no CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from kvcache.errors import KVCacheError
+from kvcache.manager import KVCacheManager
+from kvcache.storage import KVCacheSpec, KVCacheStorage
+from threadpool import SpinPool
+
+from .detokenizer import IncrementalDetokenizer
+from .model import Model
+from .output_processor import finish_output, process_token, usage_of
+from .outputs import RequestOutput, RequestStream
+from .params import InvalidParams, SamplingParams
+from .runner import ModelRunner
+from .sampling import SampleRequest, Sampler, log_softmax, top_logprobs, TokenLogprobs
+from .scheduler import Scheduler, SchedulerOutput
+from .sequence import Request, Sequence, SequenceStatus, seed_generator
+from .step_batch import build_step_batch
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(RuntimeError):
+    """Running plus waiting requests reached `max_queue`: try again later (HTTP 429)."""
+
+
+class RequestTooLarge(ValueError):
+    """The request can never be served: longer than the context, or larger than the whole KV cache."""
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 256
+    kv_cache_mb: float = 512.0
+    num_kv_blocks: int | None = None  # overrides kv_cache_mb
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    max_queue: int = 256  # running + waiting requests; more are refused
+    n_threads: int | None = None  # None: every usable core
+    pin_threads: bool = True
+    max_model_len: int | None = None  # None: the model's context
+
+
+class EngineObserver(Protocol):
+    """Called on the engine thread; implementations must not block (metrics, logs)."""
+
+    def on_step(self, seconds: float, kernel_seconds: float, num_tokens: int, num_seqs: int) -> None: ...
+    def on_first_token(self, seconds: float) -> None: ...
+    def on_token(self, seconds_since_previous: float) -> None: ...
+    def on_request_finished(self, request: Request, finish_reason: str) -> None: ...
+    def on_preemption(self) -> None: ...
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_steps: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    step_seconds: float = 0.0
+    kernel_seconds: float = 0.0
+
+
+_Command = tuple[str, Any]
+
+
+class Engine:
+    def __init__(self, model: Model, config: EngineConfig | None = None) -> None:
+        self.model = model
+        self.config = cfg = config or EngineConfig()
+        self.max_model_len = min(cfg.max_model_len or model.config.max_context, model.config.max_context)
+        mc = model.config
+        spec = KVCacheSpec(n_layers=mc.n_layers, n_kv_heads=mc.n_kv_heads, head_dim=mc.head_dim,
+                           block_size=cfg.block_size)
+        num_blocks = cfg.num_kv_blocks or spec.num_blocks_for_mib(cfg.kv_cache_mb)
+        self.storage = KVCacheStorage.allocate(spec, num_blocks)
+        self.kv = KVCacheManager(num_blocks, cfg.block_size, self.max_model_len, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.pool = SpinPool(cfg.n_threads, pin=cfg.pin_threads)
+        max_logit_rows = max(cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        self.runner = ModelRunner(model, self.storage, self.pool, cfg.max_num_batched_tokens, max_logit_rows)
+        self.sampler = Sampler(mc.vocab_size)
+        self.eos_token_ids = mc.eos_token_ids
+        self.stats = EngineStats()
+        self.observers: list[EngineObserver] = []
+        self.fault_hook: Callable[[SchedulerOutput], None] | None = None  # tests inject step failures here
+        self._requests: dict[str, Request] = {}  # engine thread only
+        self._inbox: deque[_Command] = deque()
+        self._wakeup = threading.Condition()
+        self._num_unfinished = 0  # submitted and not yet finished; guarded by _wakeup
+        self._ids = itertools.count()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    # ---- any thread -------------------------------------------------------------------------------
+
+    def start(self) -> Engine:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="treadle-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+               loop: asyncio.AbstractEventLoop | None = None) -> RequestStream:
+        """Queue a request; its outputs arrive on the returned stream (async if `loop` is given)."""
+        self.validate(prompt_ids, params)
+        request_id = request_id or f"req-{next(self._ids)}"
+        stream = RequestStream(request_id, loop)
+        with self._wakeup:
+            if self._stopping:
+                raise RuntimeError("the engine is shutting down")
+            if self._num_unfinished >= self.config.max_queue:
+                raise QueueFull(f"{self._num_unfinished} requests are running or waiting (max_queue)")
+            self._num_unfinished += 1
+            self._inbox.append(("add", Request(request_id, list(prompt_ids), params, stream)))
+            self._wakeup.notify()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        with self._wakeup:
+            self._inbox.append(("abort", request_id))
+            self._wakeup.notify()
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise `RequestTooLarge` or `InvalidParams` for what could never be served."""
+        vocab = self.model.config.vocab_size
+        if not prompt_ids:
+            raise InvalidParams("prompt", "the prompt is empty")
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise InvalidParams("prompt", f"token ids must lie in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in (*params.logit_bias, *params.stop_token_ids)):
+            raise InvalidParams("logit_bias", f"token ids must lie in [0, {vocab})")
+        total = len(prompt_ids) + params.max_tokens
+        if len(prompt_ids) >= self.max_model_len:
+            raise RequestTooLarge(f"the prompt has {len(prompt_ids)} tokens; the context holds {self.max_model_len}")
+        if total > self.max_model_len:
+            raise RequestTooLarge(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceed "
+                                  f"the context of {self.max_model_len} tokens")
+        try:
+            self.kv.check_fits(total)
+        except KVCacheError as exc:
+            raise RequestTooLarge(str(exc)) from None
+
+    @property
+    def num_unfinished(self) -> int:
+        return self._num_unfinished
+
+    def shutdown(self) -> None:
+        with self._wakeup:
+            self._stopping = True
+            self._wakeup.notify()
+        if self._thread is not None:
+            self._thread.join()
+        self.pool.close()
+
+    # ---- engine thread ----------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._wakeup:
+                while not self._inbox and not self.scheduler.has_work and not self._stopping:
+                    self._wakeup.wait()
+                if self._stopping:
+                    break
+            self.step()
+        self._drain_inbox()
+        for request in list(self._requests.values()):
+            self._fail_request(request, "abort", "the engine shut down")
+
+    def step(self) -> None:
+        self._drain_inbox()
+        scheduled = self.scheduler.schedule()
+        for _ in scheduled.preempted:
+            self._notify("on_preemption")
+        if not scheduled.chunks:
+            return
+        started = time.perf_counter()
+        try:
+            if self.fault_hook is not None:
+                self.fault_hook(scheduled)
+            kernel_seconds = self._run_step(scheduled)
+        except Exception as exc:  # a failed step ends only the requests it touched
+            log.exception("engine step failed")
+            for request in {id(c.seq.request): c.seq.request for c in scheduled.chunks}.values():
+                self._fail_request(request, "error", f"internal error while generating: {type(exc).__name__}")
+            return
+        seconds = time.perf_counter() - started
+        self.stats.num_steps += 1
+        self.stats.step_seconds += seconds
+        self.stats.kernel_seconds += kernel_seconds
+        self._notify("on_step", seconds, kernel_seconds, scheduled.num_tokens, len(scheduled.chunks))
+
+    def _run_step(self, scheduled: SchedulerOutput) -> float:
+        batch, logit_row_of_chunk = build_step_batch(self.kv, scheduled)
+        kernel_started = time.perf_counter()
+        logits = self.runner.forward(batch)
+        kernel_seconds = time.perf_counter() - kernel_started
+        rows: list[int] = []
+        seqs: list[Sequence] = []
+        for chunk, first_row in zip(scheduled.chunks, logit_row_of_chunk):
+            seq = chunk.seq
+            seq.num_computed_tokens += chunk.num_tokens
+            self.stats.num_prompt_tokens += chunk.num_tokens if not seq.output_ids else 0
+            if seq.params.prompt_logprobs is not None and first_row >= 0 and not seq.output_ids:
+                self._record_prompt_logprobs(seq, chunk.token_ids, logits[first_row : first_row + chunk.num_tokens])
+            if chunk.samples:
+                last_row = first_row + (chunk.num_tokens - 1 if seq.params.prompt_logprobs is not None
+                                        and not seq.output_ids else 0)
+                for s in self._fork_choices(seq):
+                    rows.append(last_row)
+                    seqs.append(s)
+        if seqs:
+            requests = [SampleRequest(s.params, s.rng, s.prompt_ids, s.output_ids) for s in seqs]
+            tokens, logprobs = self.sampler.sample(logits[rows], requests)
+            for seq, token, lp in zip(seqs, tokens.tolist(), logprobs):
+                self._publish(seq, process_token(seq, token, lp, self.eos_token_ids, self.max_model_len))
+        return kernel_seconds
+
+    def _fork_choices(self, seq: Sequence) -> list[Sequence]:
+        """When a request with n > 1 finishes its prompt, its other choices fork from it here."""
+        request = seq.request
+        if seq.output_ids or len(request.sequences) == request.params.n:
+            return [seq]
+        children = []
+        for index in range(len(request.sequences), request.params.n):
+            child = Sequence(request, index, IncrementalDetokenizer(self.model.tokenizer, request.prompt_ids,
+                                                                    request.params.skip_special_tokens),
+                             seed_generator(request.params.seed, index))
+            self.kv.fork(seq.seq_id, child.seq_id)
+            child.num_computed_tokens = seq.num_computed_tokens
+            request.sequences.append(child)
+            self.scheduler.add_running(child)
+            children.append(child)
+        return [seq, *children]
+
+    def _record_prompt_logprobs(self, seq: Sequence, token_ids: list[int], logits: np.ndarray) -> None:
+        """Row i of a chunk predicts the token after it: the logprob of each prompt token given its prefix."""
+        request = seq.request
+        if request.prompt_logprobs is None:
+            request.prompt_logprobs = [None]  # nothing predicts the first token
+        begin = seq.num_computed_tokens - len(token_ids)
+        logprobs = log_softmax(logits)
+        k = request.params.prompt_logprobs or 0
+        for i in range(len(token_ids)):
+            position = begin + i + 1
+            if position < len(request.prompt_ids):
+                token = request.prompt_ids[position]
+                request.prompt_logprobs.append(TokenLogprobs(token, float(logprobs[i, token]),
+                                                             top_logprobs(logprobs[i], k)))
+
+    def _drain_inbox(self) -> None:
+        while True:
+            with self._wakeup:
+                if not self._inbox:
+                    return
+                command, payload = self._inbox.popleft()
+            if command == "add":
+                self._add_request(payload)
+            elif command == "abort" and payload in self._requests:
+                self._fail_request(self._requests[payload], "abort", None)
+
+    def _add_request(self, request: Request) -> None:
+        self._requests[request.request_id] = request
+        params = request.params
+        seq = Sequence(request, 0, IncrementalDetokenizer(self.model.tokenizer, request.prompt_ids,
+                                                          params.skip_special_tokens),
+                       seed_generator(params.seed, 0))
+        request.sequences.append(seq)
+        self.scheduler.add(seq)
+
+    def _publish(self, seq: Sequence, output: RequestOutput) -> None:
+        request = seq.request
+        now = request.last_token_time or time.monotonic()
+        if output.token_ids:
+            self.stats.num_generation_tokens += 1
+            if len(seq.output_ids) == 1 and seq.index == 0:
+                self._notify("on_first_token", now - request.arrival_time)
+        if request.prompt_logprobs is not None and seq.index == 0 and len(seq.output_ids) == 1:
+            output.prompt_logprobs = request.prompt_logprobs
+        if output.finish_reason is not None:
+            self.scheduler.remove(seq)
+            request.num_finished_choices += 1
+        is_last = request.is_finished
+        if is_last:
+            output.usage = usage_of(seq)
+            self._finish_request(request, output.finish_reason or "stop")
+        request.stream.put(output, is_last=is_last)
+
+    def _fail_request(self, request: Request, reason: str, error: str | None) -> None:
+        """End every unfinished choice of a request (abort, engine error, shutdown)."""
+        if request.request_id not in self._requests:
+            return
+        pending = [s for s in request.sequences if s.finish_reason is None]
+        for index in range(len(request.sequences), request.params.n):  # choices not forked yet
+            pending.append(Sequence(request, index, IncrementalDetokenizer(self.model.tokenizer), seed_generator(None, 0)))
+        for seq in pending:
+            if seq.status != SequenceStatus.FINISHED and seq in request.sequences:
+                self.scheduler.remove(seq)
+            output = finish_output(seq, reason, error=error, flush_text=False)
+            request.num_finished_choices += 1
+            is_last = request.is_finished
+            if is_last:
+                output.usage = usage_of(seq)
+                self._finish_request(request, reason)
+            request.stream.put(output, is_last=is_last)
+
+    def _finish_request(self, request: Request, reason: str) -> None:
+        del self._requests[request.request_id]
+        with self._wakeup:
+            self._num_unfinished -= 1
+        self._notify("on_request_finished", request, reason)
+
+    def _notify(self, method: str, *args: Any) -> None:
+        for observer in self.observers:
+            try:
+                getattr(observer, method)(*args)
+            except Exception:  # an observer must never take the engine down
+                log.exception("engine observer %s.%s failed", type(observer).__name__, method)
+
+    # ---- convenience for synchronous callers (CLI, benchmarks, tests) -------------------------------
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[RequestOutput]:
+        """Submit and wait: the merged output of each choice."""
+        merged: dict[int, RequestOutput] = {}
+        for output in self.submit(prompt_ids, params):
+            if output.index in merged:
+                merged[output.index].merge(output)
+            else:
+                merged[output.index] = output
+        return [merged[i] for i in sorted(merged)]
+
+    @property
+    def num_kv_blocks_used(self) -> int:
+        return self.kv.num_used_blocks

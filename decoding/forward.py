@@ -1,0 +1,176 @@
+"""The model step: every layer of one engine step inside one `pool.run`, a barrier between phases.
+
+    embed → for each layer: RMSNorm → Q,K,V → RoPE, write K/V to the paged cache → paged attention
+    → output projection (+ residual) → RMSNorm → SwiGLU gate·up → down projection (+ residual)
+    → final RMSNorm of the rows that sample → LM head
+
+Three lifetimes, as in llama2.c: `ModelConfig` (shape), `KernelWeights` (read-only, stored form),
+`RunState` (scratch sized once for the largest step; nothing is allocated per step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit
+from numba.typed import List
+
+from kvcache.attention import attention_scratch, paged_attention_rows, write_kv_rows
+from threadpool import barrier_wait
+
+from .config import ModelConfig
+from .kernels import dequantize_row, matmul_rows, rmsnorm_row, rope_row, split_range, swiglu_rows
+from .reference import rope_tables
+from .weights import ModelWeights, WeightMatrix
+
+# order of a layer's matrices in KernelWeights.matrices
+WQ, WK, WV, WO, W_GATE, W_UP, W_DOWN = range(7)
+MATRICES_PER_LAYER = 7
+
+
+def _as_bytes(matrix: WeightMatrix) -> np.ndarray:
+    """The stored rows as a plain (n_rows, row_bytes) uint8 array (a view: no copy of the weights)."""
+    data = np.asarray(matrix.data)
+    return np.ascontiguousarray(data).view(np.uint8).reshape(matrix.n_rows, -1)
+
+
+@dataclass(slots=True)
+class KernelWeights:
+    matrices: List  # n_layers · 7 arrays (n_rows, row_bytes) uint8, in WQ..W_DOWN order per layer
+    qtypes: np.ndarray  # (n_layers, 7) int64 storage type of each matrix
+    norms: np.ndarray  # (n_layers, 2, dim) float32: attention norm, feed-forward norm
+    embedding: np.ndarray  # (vocab, row_bytes) uint8
+    embedding_qtype: int
+    lm_head: np.ndarray  # (vocab, row_bytes) uint8
+    lm_head_qtype: int
+    output_norm: np.ndarray  # (dim,) float32
+    rope_cos: np.ndarray  # (max_context, head_dim / 2) float32
+    rope_sin: np.ndarray  # (max_context, head_dim / 2) float32
+
+    @classmethod
+    def build(cls, cfg: ModelConfig, weights: ModelWeights) -> KernelWeights:
+        matrices = List()
+        qtypes = np.zeros((cfg.n_layers, MATRICES_PER_LAYER), dtype=np.int64)
+        norms = np.zeros((cfg.n_layers, 2, cfg.dim), dtype=np.float32)
+        for i, layer in enumerate(weights.layers):
+            for j, m in enumerate((layer.wq, layer.wk, layer.wv, layer.wo, layer.w_gate, layer.w_up, layer.w_down)):
+                matrices.append(_as_bytes(m))
+                qtypes[i, j] = int(m.qtype)
+            norms[i, 0], norms[i, 1] = layer.attn_norm, layer.ffn_norm
+        cos, sin = rope_tables(np.arange(cfg.max_context), cfg.head_dim, cfg.rope_theta)
+        return cls(
+            matrices, qtypes, norms,
+            _as_bytes(weights.token_embedding), int(weights.token_embedding.qtype),
+            _as_bytes(weights.lm_head), int(weights.lm_head.qtype),
+            np.ascontiguousarray(weights.output_norm, dtype=np.float32), cos, sin,
+        )  # fmt: skip
+
+
+@dataclass(slots=True)
+class RunState:
+    """Scratch for the largest step, allocated once."""
+
+    x: np.ndarray  # (max_tokens, dim) residual stream
+    xb: np.ndarray  # (max_tokens, dim) normed input of a block
+    q: np.ndarray  # (max_tokens, n_heads · head_dim)
+    k: np.ndarray  # (max_tokens, n_kv_heads · head_dim)
+    v: np.ndarray  # (max_tokens, n_kv_heads · head_dim)
+    attn: np.ndarray  # (max_tokens, n_heads · head_dim) attention output
+    hb: np.ndarray  # (max_tokens, hidden_dim) SwiGLU output
+    final: np.ndarray  # (max_logit_rows, dim) final-normed rows that sample
+    logits: np.ndarray  # (max_logit_rows, vocab)
+    row_buffers: np.ndarray  # (n_threads, 2, max(dim, hidden_dim, q_dim)) dequantized weight rows
+    attn_scratch: np.ndarray  # kvcache.attention.attention_scratch
+
+    @classmethod
+    def allocate(cls, cfg: ModelConfig, max_tokens: int, max_logit_rows: int, n_threads: int,
+                 block_size: int) -> RunState:
+        def zeros(*shape: int) -> np.ndarray:
+            return np.zeros(shape, dtype=np.float32)
+
+        widest = max(cfg.dim, cfg.hidden_dim, cfg.q_dim)
+        return cls(
+            zeros(max_tokens, cfg.dim), zeros(max_tokens, cfg.dim), zeros(max_tokens, cfg.q_dim),
+            zeros(max_tokens, cfg.kv_dim), zeros(max_tokens, cfg.kv_dim), zeros(max_tokens, cfg.q_dim),
+            zeros(max_tokens, cfg.hidden_dim), zeros(max_logit_rows, cfg.dim),
+            zeros(max_logit_rows, cfg.vocab_size), zeros(n_threads, 2, widest),
+            attention_scratch(n_threads, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, block_size),
+        )  # fmt: skip
+
+
+@njit(nogil=True, cache=True)
+def model_step(
+    tid, nthreads, barrier,
+    token_ids, positions, slot_mapping, block_tables, context_lens, query_start_loc, logit_rows,
+    matrices, qtypes, norms, embedding, embedding_qtype, lm_head, lm_head_qtype, output_norm, rope_cos, rope_sin,
+    n_heads, n_kv_heads, head_dim, rms_eps, key_cache, value_cache,
+    x, xb, q, k, v, attn, hb, final, logits, row_buffers, attn_scratch,
+):  # fmt: skip
+    n_tokens = token_ids.shape[0]
+    n_layers = qtypes.shape[0]
+    dim = x.shape[1]
+    hidden_dim = hb.shape[1]
+    q_dim = n_heads * head_dim
+    kv_dim = n_kv_heads * head_dim
+    buf = row_buffers[tid]
+    t_begin, t_end = split_range(n_tokens, tid, nthreads)
+
+    for t in range(t_begin, t_end):  # token embeddings
+        dequantize_row(embedding[token_ids[t]], embedding_qtype, dim, x[t])
+    barrier_wait(barrier, tid)
+
+    for layer in range(n_layers):
+        w = layer * 7
+        for t in range(t_begin, t_end):  # attention RMSNorm
+            rmsnorm_row(x[t], norms[layer, 0], rms_eps, xb[t])
+        barrier_wait(barrier, tid)
+
+        r0, r1 = split_range(q_dim, tid, nthreads)  # Q, K, V projections
+        matmul_rows(matrices[w + 0], qtypes[layer, 0], dim, xb, n_tokens, q, 0, r0, r1, False, buf[0])
+        r0, r1 = split_range(kv_dim, tid, nthreads)
+        matmul_rows(matrices[w + 1], qtypes[layer, 1], dim, xb, n_tokens, k, 0, r0, r1, False, buf[0])
+        matmul_rows(matrices[w + 2], qtypes[layer, 2], dim, xb, n_tokens, v, 0, r0, r1, False, buf[0])
+        barrier_wait(barrier, tid)
+
+        for t in range(t_begin, t_end):  # RoPE on queries and keys
+            position = positions[t]
+            rope_row(q[t], n_heads, head_dim, rope_cos[position], rope_sin[position])
+            rope_row(k[t], n_kv_heads, head_dim, rope_cos[position], rope_sin[position])
+        barrier_wait(barrier, tid)
+        keys = k[:n_tokens].reshape((n_tokens, n_kv_heads, head_dim))
+        values = v[:n_tokens].reshape((n_tokens, n_kv_heads, head_dim))
+        write_kv_rows(keys, values, key_cache[layer], value_cache[layer], slot_mapping, tid, nthreads)
+        barrier_wait(barrier, tid)
+
+        queries = q.reshape((q.shape[0], n_heads, head_dim))  # paged attention
+        attn_out = attn.reshape((attn.shape[0], n_heads, head_dim))
+        paged_attention_rows(attn_out, queries, key_cache[layer], value_cache[layer], block_tables, context_lens,
+                             query_start_loc, attn_scratch, tid, nthreads)
+        barrier_wait(barrier, tid)
+
+        r0, r1 = split_range(dim, tid, nthreads)  # output projection, added to the residual
+        matmul_rows(matrices[w + 3], qtypes[layer, 3], q_dim, attn, n_tokens, x, 0, r0, r1, True, buf[0])
+        barrier_wait(barrier, tid)
+
+        for t in range(t_begin, t_end):  # feed-forward RMSNorm
+            rmsnorm_row(x[t], norms[layer, 1], rms_eps, xb[t])
+        barrier_wait(barrier, tid)
+
+        r0, r1 = split_range(hidden_dim, tid, nthreads)  # SwiGLU
+        swiglu_rows(matrices[w + 4], qtypes[layer, 4], matrices[w + 5], qtypes[layer, 5], dim, xb, n_tokens, hb,
+                    r0, r1, buf[0], buf[1])
+        barrier_wait(barrier, tid)
+
+        r0, r1 = split_range(dim, tid, nthreads)  # down projection, added to the residual
+        matmul_rows(matrices[w + 6], qtypes[layer, 6], hidden_dim, hb, n_tokens, x, 0, r0, r1, True, buf[0])
+        barrier_wait(barrier, tid)
+
+    n_rows = logit_rows.shape[0]
+    i0, i1 = split_range(n_rows, tid, nthreads)
+    for i in range(i0, i1):  # final RMSNorm, only for rows that sample
+        rmsnorm_row(x[logit_rows[i]], output_norm, rms_eps, final[i])
+    barrier_wait(barrier, tid)
+    vocab = logits.shape[1]
+    r0, r1 = split_range(vocab, tid, nthreads)  # LM head
+    matmul_rows(lm_head, lm_head_qtype, dim, final, n_rows, logits, 0, r0, r1, False, buf[0])

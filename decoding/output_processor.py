@@ -1,0 +1,65 @@
+"""After sampling: append each token, detokenize, check stop conditions, build the deltas to publish."""
+
+from __future__ import annotations
+
+import time
+
+from .outputs import RequestOutput, Usage
+from .sampling import TokenLogprobs
+from .sequence import Sequence, find_stop, partial_stop_suffix
+
+
+def finish_output(seq: Sequence, reason: str, stop_reason: str | int | None = None, error: str | None = None,
+                  flush_text: bool = True) -> RequestOutput:
+    """The closing delta of a choice: whatever text was held back, and why it ended."""
+    text = ""
+    if flush_text:
+        text = seq.held_text + seq.detokenizer.flush()
+    seq.held_text = ""
+    seq.finish_reason = reason
+    return RequestOutput(seq.request.request_id, seq.index, text=text, finish_reason=reason,
+                         stop_reason=stop_reason, error=error)
+
+
+def process_token(seq: Sequence, token: int, logprobs: TokenLogprobs | None, eos_token_ids: tuple[int, ...],
+                  max_model_len: int) -> RequestOutput:
+    """Append a sampled token to its sequence; returns the delta (with finish_reason if it ended)."""
+    request, params = seq.request, seq.params
+    now = time.monotonic()
+    request.first_token_time = request.first_token_time or now
+    request.last_token_time = now
+    seq.output_ids.append(token)
+    logprob_list = [logprobs] if logprobs is not None else []
+
+    def ended(reason: str, stop_reason: str | int | None = None, flush: bool = True) -> RequestOutput:
+        out = finish_output(seq, reason, stop_reason, flush_text=flush)
+        out.token_ids, out.logprobs = [token], logprob_list
+        return out
+
+    if token in eos_token_ids and not params.ignore_eos:
+        return ended("stop")
+    if token in params.stop_token_ids:
+        return ended("stop", token)
+    text = seq.held_text + seq.detokenizer.add(token)
+    if params.stop:
+        match = find_stop(text, params.stop, 0)
+        if match is not None:
+            start, stop = match
+            seq.held_text = ""
+            out = ended("stop", stop, flush=False)
+            out.text = text[:start]
+            return out
+        hold = partial_stop_suffix(text, params.stop)
+        text, seq.held_text = text[: len(text) - hold], text[len(text) - hold :]
+    else:
+        seq.held_text = ""
+    if len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= max_model_len:
+        out = ended("length")
+        out.text = text + out.text
+        return out
+    return RequestOutput(request.request_id, seq.index, text=text, token_ids=[token], logprobs=logprob_list)
+
+
+def usage_of(seq: Sequence) -> Usage:
+    request = seq.request
+    return Usage(len(request.prompt_ids), request.num_completion_tokens, request.num_cached_tokens)

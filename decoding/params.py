@@ -1,0 +1,78 @@
+"""SamplingParams: what a request asks of the sampler and the stop checks, validated once at the edge."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM has no cap. A bound keeps per-token stop checks cheap.
+MAX_STOP_STRING_CHARS = 256
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+MAX_N = 16
+
+
+class InvalidParams(ValueError):
+    """A sampling parameter is out of range; `param` names it (the app answers 400 with it)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = all tokens
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's: divides positive logits of seen tokens (prompt and output)
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from each token already generated
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted per occurrence in the generated text
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: no logprobs; k ≥ 0: the sampled token's and the top k
+    prompt_logprobs: int | None = None  # same for every prompt token (completions' echo)
+    n: int = 1
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, param: str, message: str) -> None:
+            if not ok:
+                raise InvalidParams(param, message)
+
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            check(math.isfinite(getattr(self, name)), name, f"{name} must be a finite number")
+        check(self.max_tokens >= 1, "max_tokens", "max_tokens must be at least 1")
+        check(0.0 <= self.temperature <= 100.0, "temperature", "temperature must be between 0 and 100")
+        check(0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]")
+        check(self.top_k == -1 or self.top_k >= 0, "top_k", "top_k must be -1, 0 (disabled) or positive")
+        check(0.0 <= self.min_p <= 1.0, "min_p", "min_p must be in [0, 1]")
+        check(0.0 < self.repetition_penalty <= 10.0, "repetition_penalty", "repetition_penalty must be in (0, 10]")
+        check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "presence_penalty must be in [-2, 2]")
+        check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "frequency_penalty must be in [-2, 2]")
+        check(1 <= self.n <= MAX_N, "n", f"n must be between 1 and {MAX_N}")
+        check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings")
+        check(all(0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop), "stop",
+              f"stop strings must be 1..{MAX_STOP_STRING_CHARS} characters")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            check(value is None or 0 <= value <= MAX_TOP_LOGPROBS, name, f"{name} must be between 0 and {MAX_TOP_LOGPROBS}")
+        check(all(math.isfinite(b) and -100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias",
+              "logit_bias values must be between -100 and 100")
+        check(self.seed is None or -(2**63) <= self.seed < 2**64, "seed", "seed must fit in 64 bits")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def effective_top_k(self) -> int:
+        return 0 if self.top_k < 0 else self.top_k

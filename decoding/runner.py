@@ -1,0 +1,62 @@
+"""The runner: turns a scheduled step into the kernel's arrays and runs the model step on the pool."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvcache.batch import KVBatchArrays
+from kvcache.storage import KVCacheStorage
+from threadpool import SpinPool
+
+from .forward import KernelWeights, RunState, model_step
+from .model import Model
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """One step's flat batch: the rows of every scheduled sequence, back to back."""
+
+    token_ids: np.ndarray  # (num_tokens,) int32
+    kv: KVBatchArrays  # positions, slot mapping, block tables, context lengths, query starts
+    logit_rows: np.ndarray  # (num_logit_rows,) int32: rows whose logits are needed, in output order
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, before the step
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+
+class ModelRunner:
+    def __init__(self, model: Model, storage: KVCacheStorage, pool: SpinPool, max_num_tokens: int,
+                 max_logit_rows: int) -> None:
+        cfg = model.config
+        self.config = cfg
+        self.storage = storage
+        self.pool = pool
+        self.max_num_tokens = max_num_tokens
+        self.max_logit_rows = max_logit_rows
+        self.weights = KernelWeights.build(cfg, model.weights)
+        self.state = RunState.allocate(cfg, max_num_tokens, max_logit_rows, pool.n_threads, storage.spec.block_size)
+
+    def forward(self, batch: StepBatch) -> np.ndarray:
+        """Run one step; returns logits (num_logit_rows, vocab), a view valid until the next step."""
+        if not 0 < batch.num_tokens <= self.max_num_tokens:
+            raise ValueError(f"a step holds 1..{self.max_num_tokens} tokens, got {batch.num_tokens}")
+        if batch.logit_rows.shape[0] > self.max_logit_rows:
+            raise ValueError(f"a step samples at most {self.max_logit_rows} rows")
+        if batch.block_copies:
+            self.storage.copy_blocks(batch.block_copies)
+        cfg, w, s, kv = self.config, self.weights, self.state, batch.kv
+        self.pool.run(
+            model_step,
+            batch.token_ids, kv.positions, kv.slot_mapping, kv.block_tables, kv.context_lens, kv.query_start_loc,
+            batch.logit_rows,
+            w.matrices, w.qtypes, w.norms, w.embedding, w.embedding_qtype, w.lm_head, w.lm_head_qtype,
+            w.output_norm, w.rope_cos, w.rope_sin,
+            cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, np.float32(cfg.rms_eps),
+            self.storage.key_cache, self.storage.value_cache,
+            s.x, s.xb, s.q, s.k, s.v, s.attn, s.hb, s.final, s.logits, s.row_buffers, s.attn_scratch,
+        )  # fmt: skip
+        return s.logits[: batch.logit_rows.shape[0]]

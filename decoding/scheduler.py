@@ -1,0 +1,141 @@
+"""The scheduler: which sequences compute how many tokens this step (Orca/vLLM iteration-level scheduling).
+
+Each step has a token budget. It goes first to every running sequence's decode token, so streams keep
+flowing; then to prefills already under way, a chunk each; then to waiting sequences, first come first
+served, as far as the budget, `max_num_seqs` and free KV blocks allow. A long prompt is therefore split
+over several steps instead of stalling every stream. When a decode needs a block and none is free, the
+most recently admitted sequence is preempted: its blocks are freed and it goes back to the front of
+the queue, to be recomputed (prefix caching often finds its blocks still there).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvcache.manager import BlockCopy, KVCacheManager
+
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    seq: Sequence
+    token_ids: list[int]  # the tokens whose KV this step computes, at positions num_computed_tokens…
+    samples: bool  # the chunk reaches the sequence's end: its last row's logits pick the next token
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    block_copies: list[BlockCopy] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be at least max_num_seqs: every decode needs a slot")
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the newest is preempted first
+        self.num_preemptions = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence that already holds blocks (a fork of a running one)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a finished or aborted sequence out of the queues and release its blocks."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.kv.free(seq.seq_id)
+        elif seq.status == SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens - self._schedule_decodes(out)
+        budget = self._schedule_prefills(out, budget)
+        if not out.preempted:  # admitting right after preempting would only trade one for another
+            self._admit(out, budget)
+        return out
+
+    def _schedule_decodes(self, out: SchedulerOutput) -> int:
+        num_scheduled = 0
+        for seq in list(self.running):
+            if seq.status != SequenceStatus.RUNNING or not (seq.is_prefill_done and seq.num_uncomputed_tokens == 1):
+                continue
+            while not self.kv.can_append(seq.seq_id, 1):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:
+                continue
+            out.chunks.append(self._chunk(seq, 1, out))
+            num_scheduled += 1
+        return num_scheduled
+
+    def _schedule_prefills(self, out: SchedulerOutput, budget: int) -> int:
+        for seq in self.running:
+            if budget == 0:
+                break
+            if seq.is_prefill_done and seq.num_uncomputed_tokens <= 1:
+                continue  # a decode, already scheduled (or preempted) above
+            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            out.chunks.append(self._chunk(seq, num_tokens, out))
+            budget -= num_tokens
+        return budget
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            token_ids = seq.all_token_ids()
+            if not self.kv.can_allocate(token_ids):
+                break  # first come, first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            num_cached = self.kv.allocate(seq.seq_id, token_ids)
+            seq.num_computed_tokens = num_cached
+            if seq.request.num_cached_tokens == 0 and not seq.output_ids:
+                seq.request.num_cached_tokens = num_cached
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            out.chunks.append(self._chunk(seq, num_tokens, out))
+            budget -= num_tokens
+
+    def _chunk(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> ScheduledChunk:
+        begin = seq.num_computed_tokens
+        token_ids = seq.token_ids(begin, begin + num_tokens)
+        out.block_copies.extend(self.kv.append_slots(seq.seq_id, token_ids))
+        return ScheduledChunk(seq, token_ids, samples=begin + num_tokens == seq.num_tokens)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq.seq_id)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)  # older victims are preempted later, so they end up first
+        out.preempted.append(seq)

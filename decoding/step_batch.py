@@ -1,0 +1,38 @@
+"""Flatten a SchedulerOutput into the runner's StepBatch."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvcache.batch import build_batch_arrays
+from kvcache.manager import KVCacheManager
+
+from .runner import StepBatch
+from .scheduler import SchedulerOutput
+
+
+def build_step_batch(kv: KVCacheManager, scheduled: SchedulerOutput) -> tuple[StepBatch, list[int]]:
+    """The batch, and for each chunk the index of its first logits row (-1 if it needs none).
+
+    A chunk needs logits for its last row when it samples, and for every row while a request asks
+    for prompt logprobs; only those rows go through the final norm and the LM head.
+    """
+    token_ids = np.fromiter((t for c in scheduled.chunks for t in c.token_ids), dtype=np.int32,
+                            count=scheduled.num_tokens)
+    arrays = build_batch_arrays(kv, [c.seq.seq_id for c in scheduled.chunks], [c.num_tokens for c in scheduled.chunks])
+    logit_rows: list[int] = []
+    first_rows: list[int] = []
+    row = 0
+    for chunk in scheduled.chunks:
+        end = row + chunk.num_tokens
+        if chunk.seq.params.prompt_logprobs is not None and not chunk.seq.output_ids:
+            first_rows.append(len(logit_rows))
+            logit_rows.extend(range(row, end))
+        elif chunk.samples:
+            first_rows.append(len(logit_rows))
+            logit_rows.append(end - 1)
+        else:
+            first_rows.append(-1)
+        row = end
+    batch = StepBatch(token_ids, arrays, np.asarray(logit_rows, dtype=np.int32), scheduled.block_copies)
+    return batch, first_rows
