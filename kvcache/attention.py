@@ -1,0 +1,229 @@
+"""Paged attention and the KV write, as numba kernels run SPMD on the thread pool.
+
+Both take `tid` / `nthreads` and do only their own share; the caller puts a barrier after each.
+One layer's step is
+
+    write_kv_rows(key, value, key_cache[layer], value_cache[layer], slot_mapping, tid, nthreads)
+    barrier()
+    paged_attention_rows(out, query, key_cache[layer], value_cache[layer], block_tables,
+                         context_lens, query_start_loc, scratch, tid, nthreads)
+    barrier()
+
+One flat batch holds decodes (one query row) and prefill chunks (several) alike. The query rows of
+sequence s are its last positions: row `query_start_loc[s] + i` sits at position
+`context_lens[s] - query_len + i` and attends to positions 0..itself, so a chunk sees all earlier
+context and itself causally.
+
+Work is split into (query row, KV head) items dealt round-robin to threads; one item computes the
+outputs of every query head of that KV head's group, reading each K/V tile once for the group. The
+arithmetic of an item depends only on its own row, its sequence's KV and the block size: never on
+`nthreads`, on the other sequences in the batch, or on how the prompt was split into chunks (a
+position's output is bit-identical whether it was a decode or a row of any prefill chunk). That is
+what lets the engine promise outputs independent of batching, chunking, preemption and thread count.
+
+The softmax is online (flash-attention's running max and sum, rescaled per block), so no buffer
+scales with the context; per-thread scratch comes from `attention_scratch`, sized once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+# One query head's row of scratch: its scaled query, its output accumulator, one block's scores
+# (then softmax weights), and the running max and running sum of the online softmax.
+_NUM_SOFTMAX_STATS = 2
+
+
+def attention_scratch(max_threads: int, n_heads: int, n_kv_heads: int, head_dim: int, block_size: int) -> np.ndarray:
+    """Per-thread scratch for `paged_attention_rows`, allocated once at start.
+
+    Shape (max_threads, n_heads // n_kv_heads, 2 * head_dim + block_size + 2) float32.
+    """
+    if n_heads % n_kv_heads:
+        raise ValueError(f"{n_heads} query heads do not split into groups over {n_kv_heads} KV heads")
+    group_size = n_heads // n_kv_heads
+    width = 2 * head_dim + block_size + _NUM_SOFTMAX_STATS
+    return np.zeros((max_threads, group_size, width), dtype=np.float32)
+
+
+@njit(nogil=True, cache=True, fastmath=False)
+def write_kv_rows(key, value, key_cache, value_cache, slot_mapping, tid, nthreads):
+    """Store this step's K and V rows at their slots (slot = block_id * block_size + offset).
+
+    key, value:   (num_tokens, n_kv_heads, head_dim) float32
+    key_cache:    (num_blocks, n_kv_heads, head_dim, block_size) float32, one layer
+    value_cache:  (num_blocks, n_kv_heads, block_size, head_dim) float32, one layer
+    slot_mapping: (num_tokens,) int32
+    Rows are split into contiguous ranges, one per thread; every slot is written by one thread.
+    """
+    num_tokens = slot_mapping.shape[0]
+    n_kv_heads = key.shape[1]
+    head_dim = key.shape[2]
+    block_size = value_cache.shape[2]
+    begin = num_tokens * tid // nthreads
+    end = num_tokens * (tid + 1) // nthreads
+    for token in range(begin, end):
+        slot = slot_mapping[token]
+        block_id = slot // block_size
+        offset = slot - block_id * block_size
+        for kv_head in range(n_kv_heads):
+            for d in range(head_dim):
+                key_cache[block_id, kv_head, d, offset] = key[token, kv_head, d]
+            for d in range(head_dim):
+                value_cache[block_id, kv_head, offset, d] = value[token, kv_head, d]
+
+
+@njit(nogil=True, cache=True, fastmath=False)
+def paged_attention_rows(
+    out, query, key_cache, value_cache, block_tables, context_lens, query_start_loc, scratch, tid, nthreads
+):
+    """Causal grouped-query attention of every query row over its sequence's paged KV.
+
+    out, query:      (num_tokens, n_heads, head_dim) float32; query head h reads KV head
+                     h // (n_heads // n_kv_heads); scale 1 / sqrt(head_dim)
+    key_cache:       (num_blocks, n_kv_heads, head_dim, block_size) float32, one layer
+    value_cache:     (num_blocks, n_kv_heads, block_size, head_dim) float32, one layer
+    block_tables:    (num_seqs, max_blocks_per_seq) int32; only the first ceil(context_len / block_size)
+                     entries of a row are read
+    context_lens:    (num_seqs,) int32, this step's rows included
+    query_start_loc: (num_seqs + 1,) int32; sequence s owns rows [query_start_loc[s], query_start_loc[s+1])
+    scratch:         (nthreads or more, group_size, 2 * head_dim + block_size + 2) float32 (`attention_scratch`)
+    """
+    n_kv_heads = key_cache.shape[1]
+    group_size = query.shape[1] // n_kv_heads
+    item = 0
+    for seq in range(context_lens.shape[0]):
+        row_begin = query_start_loc[seq]
+        row_end = query_start_loc[seq + 1]
+        first_position = context_lens[seq] - (row_end - row_begin)
+        for row in range(row_begin, row_end):
+            for kv_head in range(n_kv_heads):
+                # Round-robin over items balances the causal triangle of a prefill chunk.
+                if item % nthreads == tid:
+                    position = first_position + (row - row_begin)
+                    _attend_row_group(
+                        out, query, key_cache, value_cache, block_tables[seq], row, position,
+                        kv_head * group_size, kv_head, scratch[tid],
+                    )  # fmt: skip
+                item += 1
+
+
+@njit(nogil=True, cache=True, fastmath=False)
+def _attend_row_group(out, query, key_cache, value_cache, block_table, row, position, first_head, kv_head, work):
+    """Outputs of query row `row` (at `position`) for the query heads of `kv_head`'s group.
+
+    work: (group_size, 2 * head_dim + block_size + 2) float32; row g serves query head first_head + g
+    and holds [scaled query | output accumulator | one block's scores, then weights | max, sum].
+    Every inner loop runs over a unit-stride 1-D view with a plain loop index, so numba proves the
+    indices non-negative and vectorises. (Views are sliced inline: returning them in a tuple from a
+    helper costs numba reference counting in the innermost loop, twice the kernel's time.)
+    """
+    group_size = work.shape[0]
+    head_dim = value_cache.shape[3]
+    block_size = value_cache.shape[2]
+    acc_begin, weights_begin, stats_begin = head_dim, 2 * head_dim, 2 * head_dim + block_size
+    scale = np.float32(1.0 / math.sqrt(head_dim))
+    for g in range(group_size):
+        work_row = work[g]
+        q = query[row, first_head + g]
+        for d in range(head_dim):
+            work_row[d] = q[d] * scale
+            work_row[acc_begin + d] = 0.0
+        work_row[stats_begin] = -np.inf  # running max
+        work_row[stats_begin + 1] = 0.0  # running sum of exp(score - running max)
+
+    for logical_block in range(position // block_size + 1):
+        block_id = block_table[logical_block]
+        keys = key_cache[block_id, kv_head]  # (head_dim, block_size)
+        values = value_cache[block_id, kv_head]  # (block_size, head_dim)
+        num_keys = min(block_size, position + 1 - logical_block * block_size)  # causal within the last block
+        for g in range(group_size):
+            work_row = work[g]
+            acc = work_row[acc_begin:weights_begin]
+            weights = work_row[weights_begin:stats_begin]
+            _block_scores(weights, keys, work_row[:acc_begin], num_keys)
+            correction = _softmax_block_update(weights, num_keys, work_row[stats_begin:])
+            if correction != 1.0:
+                for d in range(head_dim):
+                    acc[d] *= correction
+            _accumulate_values(acc, values, weights, num_keys)
+
+    for g in range(group_size):
+        work_row = work[g]
+        inv_sum = np.float32(1.0) / work_row[stats_begin + 1]
+        out_row = out[row, first_head + g]
+        for d in range(head_dim):
+            out_row[d] = work_row[acc_begin + d] * inv_sum
+
+
+@njit(nogil=True, cache=True, fastmath=False, inline="always")
+def _block_scores(scores, keys, q_scaled, num_keys):
+    """scores[t] = sum over d of q_scaled[d] * keys[d, t], for the block's first num_keys keys.
+
+    Eight rows of the transposed tile per pass, added as a fixed tree: eight times fewer trips of
+    the running scores through memory than one row at a time, the same sum for every caller.
+    """
+    head_dim = keys.shape[0]
+    for t in range(num_keys):
+        scores[t] = 0.0
+    d = 0
+    while d + 8 <= head_dim:
+        q0, q1, q2, q3 = q_scaled[d], q_scaled[d + 1], q_scaled[d + 2], q_scaled[d + 3]
+        q4, q5, q6, q7 = q_scaled[d + 4], q_scaled[d + 5], q_scaled[d + 6], q_scaled[d + 7]
+        k0, k1, k2, k3 = keys[d], keys[d + 1], keys[d + 2], keys[d + 3]
+        k4, k5, k6, k7 = keys[d + 4], keys[d + 5], keys[d + 6], keys[d + 7]
+        for t in range(num_keys):
+            scores[t] += ((q0 * k0[t] + q1 * k1[t]) + (q2 * k2[t] + q3 * k3[t])) + (
+                (q4 * k4[t] + q5 * k5[t]) + (q6 * k6[t] + q7 * k7[t])
+            )
+        d += 8
+    while d < head_dim:  # head_dim not a multiple of 8
+        q_d = q_scaled[d]
+        k_d = keys[d]
+        for t in range(num_keys):
+            scores[t] += q_d * k_d[t]
+        d += 1
+
+
+@njit(nogil=True, cache=True, fastmath=False, inline="always")
+def _softmax_block_update(scores, num_keys, stats):
+    """Turn one block's scores into exp(score - new max), in place; fold them into the running sum.
+
+    Returns the factor exp(old max - new max) by which everything accumulated so far must shrink
+    (0 for the first block, whose old max is -inf).
+    """
+    block_max = scores[0]
+    for t in range(1, num_keys):
+        block_max = max(block_max, scores[t])
+    new_max = max(stats[0], block_max)
+    correction = np.float32(math.exp(stats[0] - new_max))
+    block_sum = np.float32(0.0)
+    for t in range(num_keys):
+        weight = np.float32(math.exp(scores[t] - new_max))
+        scores[t] = weight
+        block_sum += weight
+    stats[0] = new_max
+    stats[1] = stats[1] * correction + block_sum
+    return correction
+
+
+@njit(nogil=True, cache=True, fastmath=False, inline="always")
+def _accumulate_values(acc, values, weights, num_keys):
+    """acc += sum over t of weights[t] * values[t], four value rows per pass in a fixed tree."""
+    head_dim = values.shape[1]
+    t = 0
+    while t + 4 <= num_keys:
+        w0, w1, w2, w3 = weights[t], weights[t + 1], weights[t + 2], weights[t + 3]
+        v0, v1, v2, v3 = values[t], values[t + 1], values[t + 2], values[t + 3]
+        for d in range(head_dim):
+            acc[d] += (w0 * v0[d] + w1 * v1[d]) + (w2 * v2[d] + w3 * v3[d])
+        t += 4
+    while t < num_keys:
+        w = weights[t]
+        v = values[t]
+        for d in range(head_dim):
+            acc[d] += w * v[d]
+        t += 1

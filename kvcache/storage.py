@@ -1,0 +1,101 @@
+"""The KV arrays: allocated once at start, sized from a memory budget, never resized per request.
+
+Layout, chosen for `attention.paged_attention_rows`, which for one (query row, KV head) walks the
+sequence's blocks and, per block, computes `block_size` scores and then a weighted sum of
+`block_size` value rows:
+
+    key_cache:   (n_layers, num_blocks, n_kv_heads, head_dim, block_size)   K transposed per block
+    value_cache: (n_layers, num_blocks, n_kv_heads, block_size, head_dim)
+
+- Both are float32 and C-contiguous; one layer's slice `key_cache[layer]` is what a kernel gets.
+- One (block, KV head) tile of either is contiguous (block_size * head_dim floats, 4 KiB at 16 x 64),
+  so the kernel streams whole tiles and every query head of a GQA group reuses them from L1.
+- Keys are transposed within the tile so that the scores of a block are `block_size` independent
+  sums: the loop over head_dim is outside, the loop over the block's keys inside and contiguous. It
+  vectorises without reassociating any sum (fastmath stays off: results are bit-reproducible), the
+  same reason vLLM gives its key cache a different layout from its value cache.
+- Values keep head_dim innermost: the weighted sum adds `p * v` rows, contiguous over head_dim.
+The KV write for a new token is one strided store per key element: a few per token, against a
+whole context read per query.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvcache.errors import KVCacheError
+
+BYTES_PER_ELEMENT = 4  # float32
+MIB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    """The shape of one block, from the model's hyperparameters (defaults: SmolLM2-135M)."""
+
+    n_layers: int = 30
+    n_kv_heads: int = 3
+    head_dim: int = 64
+    block_size: int = 16
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token on every layer (46,080 B for the default model)."""
+        return self.n_layers * 2 * self.n_kv_heads * self.head_dim * BYTES_PER_ELEMENT
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    def num_blocks_for_mib(self, kv_cache_mb: float) -> int:
+        """How many whole blocks fit in `kv_cache_mb` MiB (1 GiB holds 1456 default blocks)."""
+        num_blocks = int(kv_cache_mb * MIB) // self.bytes_per_block
+        if num_blocks < 1:
+            raise KVCacheError(
+                f"{kv_cache_mb} MiB holds no KV block of {self.bytes_per_block / MIB:.2f} MiB; raise kv_cache_mb"
+            )
+        return num_blocks
+
+
+@dataclass(slots=True)
+class KVCacheStorage:
+    """Every layer's K and V for `num_blocks` blocks."""
+
+    spec: KVCacheSpec
+    key_cache: np.ndarray  # (n_layers, num_blocks, n_kv_heads, head_dim, block_size) float32
+    value_cache: np.ndarray  # (n_layers, num_blocks, n_kv_heads, block_size, head_dim) float32
+
+    @classmethod
+    def allocate(cls, spec: KVCacheSpec, num_blocks: int) -> KVCacheStorage:
+        """Allocate and touch every page now, so that no step pays page faults and an over-large
+        budget fails at start rather than when the cache fills up under load."""
+        key_cache = np.empty(
+            (spec.n_layers, num_blocks, spec.n_kv_heads, spec.head_dim, spec.block_size), dtype=np.float32
+        )
+        value_cache = np.empty(
+            (spec.n_layers, num_blocks, spec.n_kv_heads, spec.block_size, spec.head_dim), dtype=np.float32
+        )
+        key_cache.fill(0.0)
+        value_cache.fill(0.0)
+        return cls(spec, key_cache, value_cache)
+
+    @classmethod
+    def from_budget(cls, spec: KVCacheSpec, kv_cache_mb: float) -> KVCacheStorage:
+        return cls.allocate(spec, spec.num_blocks_for_mib(kv_cache_mb))
+
+    @property
+    def num_blocks(self) -> int:
+        return self.key_cache.shape[1]
+
+    def copy_blocks(self, copies: Iterable[tuple[int, int]]) -> None:
+        """Perform the manager's copy-on-write copies (src, dst) on every layer.
+
+        Run before the step's KV writes: a copy's source may be released by then, but nothing
+        overwrites it until the writes.
+        """
+        for src_block_id, dst_block_id in copies:
+            self.key_cache[:, dst_block_id] = self.key_cache[:, src_block_id]
+            self.value_cache[:, dst_block_id] = self.value_cache[:, src_block_id]

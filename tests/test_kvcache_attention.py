@@ -1,0 +1,174 @@
+"""Paged attention equals dense causal attention, and never depends on threads, neighbours or chunking."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from kvcache.attention import attention_scratch, paged_attention_rows, write_kv_rows
+
+
+@dataclass(slots=True)
+class PagedCase:
+    """Random sequences laid out in a paged cache with shuffled, non-contiguous block ids."""
+
+    keys: list[np.ndarray]  # per sequence (context_len, n_kv_heads, head_dim) float32
+    values: list[np.ndarray]  # per sequence (context_len, n_kv_heads, head_dim) float32
+    queries: list[np.ndarray]  # per sequence (context_len, n_heads, head_dim) float32: one per position
+    block_tables: np.ndarray  # (num_seqs, max_blocks) int32
+    key_cache: np.ndarray  # (num_blocks, n_kv_heads, head_dim, block_size) float32
+    value_cache: np.ndarray  # (num_blocks, n_kv_heads, block_size, head_dim) float32
+
+
+def make_case(
+    rng: np.random.Generator,
+    context_lens: list[int],
+    block_size: int,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+) -> PagedCase:
+    num_blocks_per_seq = [-(-n // block_size) for n in context_lens]
+    num_blocks = sum(num_blocks_per_seq) + 3  # a few blocks nobody owns
+    shuffled_ids = rng.permutation(num_blocks).astype(np.int32)
+    block_tables = np.zeros((len(context_lens), max(num_blocks_per_seq)), dtype=np.int32)
+    taken = 0
+    for seq, n in enumerate(num_blocks_per_seq):
+        block_tables[seq, :n] = shuffled_ids[taken : taken + n]
+        taken += n
+    # NaN everywhere the kernel must not read: unused slots, unused blocks.
+    key_cache = np.full((num_blocks, n_kv_heads, head_dim, block_size), np.nan, dtype=np.float32)
+    value_cache = np.full((num_blocks, n_kv_heads, block_size, head_dim), np.nan, dtype=np.float32)
+    keys, values, queries = [], [], []
+    for seq, context_len in enumerate(context_lens):
+        keys.append(rng.standard_normal((context_len, n_kv_heads, head_dim), dtype=np.float32))
+        values.append(rng.standard_normal((context_len, n_kv_heads, head_dim), dtype=np.float32))
+        queries.append(rng.standard_normal((context_len, n_heads, head_dim), dtype=np.float32))
+        positions = np.arange(context_len)
+        slots = (block_tables[seq, positions // block_size] * block_size + positions % block_size).astype(np.int32)
+        write_kv_rows(keys[-1], values[-1], key_cache, value_cache, slots, 0, 1)
+    return PagedCase(keys, values, queries, block_tables, key_cache, value_cache)
+
+
+def run_paged(
+    case: PagedCase, seqs: list[int], context_lens: list[int], query_lens: list[int], nthreads: int = 1
+) -> np.ndarray:
+    """Attention of the last query_lens[i] positions of seqs[i], its context cut at context_lens[i];
+    the threads are simulated one after another."""
+    query = np.concatenate([case.queries[seq][n - q : n] for seq, n, q in zip(seqs, context_lens, query_lens, strict=True)])
+    query_start_loc = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+    n_heads, head_dim = case.queries[0].shape[1:]
+    n_kv_heads, _, block_size = case.key_cache.shape[1:]
+    out = np.full_like(query, np.nan)
+    scratch = attention_scratch(nthreads, n_heads, n_kv_heads, head_dim, block_size)
+    for tid in range(nthreads):
+        paged_attention_rows(
+            out, query, case.key_cache, case.value_cache, case.block_tables[seqs],
+            np.asarray(context_lens, dtype=np.int32), query_start_loc, scratch, tid, nthreads,
+        )  # fmt: skip
+    return out
+
+
+def dense_causal_attention(keys: np.ndarray, values: np.ndarray, queries: np.ndarray, query_len: int) -> np.ndarray:
+    """Plain float64 softmax(q k^T / sqrt(d)) v over positions 0..p, for the last query_len positions p."""
+    context_len, n_kv_heads, head_dim = keys.shape
+    n_heads = queries.shape[1]
+    group_size = n_heads // n_kv_heads
+    out = np.empty((query_len, n_heads, head_dim))
+    for i in range(query_len):
+        position = context_len - query_len + i
+        for head in range(n_heads):
+            k = keys[: position + 1, head // group_size].astype(np.float64)
+            v = values[: position + 1, head // group_size].astype(np.float64)
+            scores = k @ queries[position, head].astype(np.float64) / np.sqrt(head_dim)
+            weights = np.exp(scores - scores.max())
+            out[i, head] = weights @ v / weights.sum()
+    return out
+
+
+# (context_lens, query_lens, block_size, n_heads, n_kv_heads, head_dim)
+CASES = [
+    ([1], [1], 16, 9, 3, 64),  # a one-token prompt
+    ([37, 16, 100], [1, 1, 1], 16, 9, 3, 64),  # decode batch, the default model's heads
+    ([48], [48], 16, 9, 3, 64),  # whole prompt, context a multiple of the block
+    ([70, 33], [25, 33], 8, 4, 1, 32),  # a prefill chunk after earlier context, GQA 4:1
+    ([5, 129, 64], [5, 1, 17], 4, 2, 2, 16),  # no grouping (MHA), tiny blocks
+    ([300], [7], 32, 6, 2, 8),  # long context, block larger than head_dim
+    ([3, 17, 31, 50], [1, 16, 2, 50], 16, 8, 2, 64),  # mixed decode and prefill
+]
+
+
+@pytest.mark.parametrize(("context_lens", "query_lens", "block_size", "n_heads", "n_kv_heads", "head_dim"), CASES)
+def test_paged_attention_equals_dense_causal_attention(
+    context_lens: list[int], query_lens: list[int], block_size: int, n_heads: int, n_kv_heads: int, head_dim: int
+) -> None:
+    rng = np.random.default_rng(sum(context_lens) * 7 + block_size)
+    case = make_case(rng, context_lens, block_size, n_heads, n_kv_heads, head_dim)
+    seqs = list(range(len(context_lens)))
+    out = run_paged(case, seqs, context_lens, query_lens, nthreads=2)
+    expected = np.concatenate([dense(case, seq, query_len) for seq, query_len in zip(seqs, query_lens, strict=True)])
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def dense(case: PagedCase, seq: int, query_len: int) -> np.ndarray:
+    return dense_causal_attention(case.keys[seq], case.values[seq], case.queries[seq], query_len)
+
+
+def test_long_context_stays_accurate() -> None:
+    case = make_case(np.random.default_rng(1), [2500], 16, 9, 3, 64)
+    out = run_paged(case, [0], [2500], [3])
+    np.testing.assert_allclose(out, dense(case, 0, 3), rtol=1e-5, atol=1e-5)
+
+
+def test_softmax_is_stable_for_large_scores() -> None:
+    case = make_case(np.random.default_rng(2), [40], 16, 2, 1, 16)
+    case.queries[0] *= 300.0  # scores in the thousands: a naive exp overflows to inf
+    out = run_paged(case, [0], [40], [40])
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, dense(case, 0, 40), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("nthreads", [2, 3, 5, 8])
+def test_output_is_bit_identical_for_any_thread_count(nthreads: int) -> None:
+    context_lens, query_lens = [90, 1, 33, 64], [30, 1, 1, 64]
+    case = make_case(np.random.default_rng(3), context_lens, 16, 9, 3, 64)
+    seqs = list(range(4))
+    np.testing.assert_array_equal(
+        run_paged(case, seqs, context_lens, query_lens, nthreads), run_paged(case, seqs, context_lens, query_lens)
+    )
+
+
+def test_sequence_output_is_bit_identical_whatever_shares_its_batch() -> None:
+    case = make_case(np.random.default_rng(4), [57, 200, 13], 16, 9, 3, 64)
+    alone = run_paged(case, [1], [200], [40], nthreads=2)
+    among_others = run_paged(case, [2, 1, 0], [13, 200, 57], [13, 40, 9], nthreads=3)
+    np.testing.assert_array_equal(among_others[13 : 13 + 40], alone)
+
+
+def test_position_output_is_bit_identical_however_the_prompt_is_chunked() -> None:
+    case = make_case(np.random.default_rng(5), [45], 8, 9, 3, 64)
+    whole = run_paged(case, [0], [45], [45])
+    chunks = [run_paged(case, [0], [end], [size]) for end, size in ((20, 20), (37, 17), (45, 8))]
+    decodes = [run_paged(case, [0], [end], [1]) for end in range(1, 46)]
+    np.testing.assert_array_equal(np.concatenate(chunks), whole)
+    np.testing.assert_array_equal(np.concatenate(decodes), whole)
+
+
+def test_write_kv_rows_stores_each_row_at_its_slot_for_any_thread_count() -> None:
+    rng = np.random.default_rng(6)
+    num_blocks, n_kv_heads, head_dim, block_size = 5, 3, 8, 4
+    key = rng.standard_normal((7, n_kv_heads, head_dim), dtype=np.float32)
+    value = rng.standard_normal((7, n_kv_heads, head_dim), dtype=np.float32)
+    slot_mapping = np.array([17, 3, 0, 19, 8, 9, 4], dtype=np.int32)
+    for nthreads in (1, 3):
+        key_cache = np.zeros((num_blocks, n_kv_heads, head_dim, block_size), dtype=np.float32)
+        value_cache = np.zeros((num_blocks, n_kv_heads, block_size, head_dim), dtype=np.float32)
+        for tid in range(nthreads):
+            write_kv_rows(key, value, key_cache, value_cache, slot_mapping, tid, nthreads)
+        for token, slot in enumerate(slot_mapping):
+            block_id, offset = divmod(int(slot), block_size)
+            np.testing.assert_array_equal(key_cache[block_id, :, :, offset], key[token])
+            np.testing.assert_array_equal(value_cache[block_id, :, offset, :], value[token])
+        assert np.count_nonzero(value_cache) == value.size  # nothing written outside the slots
