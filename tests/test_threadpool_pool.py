@@ -97,6 +97,14 @@ def add_tid_plus_one(tid: int, nthreads: int, barrier: np.ndarray, totals: np.nd
     barrier_wait(barrier, tid)
 
 
+@njit(nogil=True, cache=True, boundscheck=True)
+def add_scaled_tid_or_fail(tid: int, nthreads: int, barrier: np.ndarray, totals: np.ndarray, scale: int,
+                           failing_tid: np.ndarray) -> None:
+    """totals[tid] += scale * (tid + 1); the thread named in failing_tid[0] indexes out of bounds."""
+    totals[tid + (totals.size if tid == failing_tid[0] else 0)] += scale * (tid + 1)
+    barrier_wait(barrier, tid)
+
+
 @njit(nogil=True, cache=True)
 def do_nothing(tid: int, nthreads: int, barrier: np.ndarray) -> None:
     pass
@@ -151,6 +159,34 @@ def test_every_thread_runs_the_kernel_once_with_its_own_tid(num_threads: int) ->
             pool.run(add_tid_plus_one, totals)
     assert seen.tolist() == [[tid, num_threads] for tid in range(num_threads)]
     assert totals.tolist() == [100 * (tid + 1) for tid in range(num_threads)]
+
+
+def test_workers_pick_up_new_arguments_between_runs_of_the_same_kernel() -> None:
+    """Workers serve repeated runs of one task from nopython; new arrays or scalars must reach them."""
+    first, second = np.zeros(2, dtype=np.int64), np.zeros(2, dtype=np.int64)
+    no_failure = np.array([-1])
+    with SpinPool(2) as pool:
+        for run in range(200):
+            target = first if run % 3 else second
+            pool.run(add_scaled_tid_or_fail, target, 1 + run % 2, no_failure)
+    expected_first = sum(1 + run % 2 for run in range(200) if run % 3)
+    expected_second = sum(1 + run % 2 for run in range(200) if not run % 3)
+    assert first.tolist() == [expected_first, 2 * expected_first]
+    assert second.tolist() == [expected_second, 2 * expected_second]
+
+
+def test_a_failure_in_a_later_run_of_the_same_task_is_reported_and_survived() -> None:
+    totals = np.zeros(2, dtype=np.int64)
+    failing_tid = np.array([-1])
+    with SpinPool(2) as pool:
+        for run in range(50):
+            failing_tid[0] = 1 if run == 30 else -1  # same array object: the task does not change
+            if run == 30:
+                with pytest.raises(IndexError):
+                    pool.run(add_scaled_tid_or_fail, totals, 1, failing_tid)
+            else:
+                pool.run(add_scaled_tid_or_fail, totals, 1, failing_tid)
+    assert totals.tolist() == [50, 49 * 2]  # thread 1 skipped its add in the failed run
 
 
 def test_caller_is_thread_zero() -> None:

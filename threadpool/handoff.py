@@ -4,6 +4,8 @@ The control words (int64 array, one 64-byte line per row):
 
     line 0        word 0: the run *epoch*, bumped by thread 0 to kick off a run; its low 32 bits
                   are the futex word parked workers sleep on.  word 1: SHUTDOWN flag.
+                  word 2: the TASK id, which changes when a run's kernel or arguments differ
+                  from the previous run's (workers then fetch the new task from Python).
     line 1        word 8: how many workers are parked (or about to park) on the futex
     line 2 + w    word (2 + w) * 8: the last epoch worker w finished (written only by worker w)
 
@@ -41,6 +43,7 @@ from threadpool.atomics import (
 
 EPOCH = 0
 SHUTDOWN = 1
+TASK = 2
 NUM_PARKED = 8
 
 
@@ -165,7 +168,7 @@ def store_release_from_python(words: np.ndarray, index: int, value: int) -> None
     store_release(words, index, value)  # release: see the callers
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)  # keeps the GIL: it never blocks, and re-taking the GIL can
 def load_acquire_from_python(words: np.ndarray, index: int) -> int:
     return load_acquire(words, index)  # acquire: see the callers
 

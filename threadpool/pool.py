@@ -7,21 +7,24 @@ The calling thread is thread 0 and does its share: with n_threads=2 there is exa
 That matters on a 2-core machine, where a caller waiting on two spinning workers is three busy
 threads on two cores and costs a scheduler time slice (milliseconds) per run.
 
-A run: thread 0 publishes the task and bumps the epoch (`kick_off`), runs its own share, marks
-itself departed from the barrier, then waits until every worker reports the epoch finished
-(`wait_for_workers`). Workers wait for the next epoch by spinning for `spin_us`, then parking on a
-futex (`wait_for_work`), so an idle pool uses no CPU. Inside the kernel threads meet at
+A run: thread 0 publishes the task and bumps the epoch (`start_run`), runs its own share, leaves
+the barrier, then waits until every worker reports the epoch finished (`finish_share_and_wait`).
+Workers wait for the next epoch by spinning for `spin_us`, then parking on a futex
+(`handoff.wait_for_work`), so an idle pool uses no CPU. Inside the kernel threads meet at
 `barrier_wait(barrier, tid)`.
 
-Errors: every thread catches what its kernel raises and marks itself departed, which makes threads
-still waiting for it at a barrier raise `BarrierAborted`. `run` waits for all threads, then
-re-raises the root cause (the first exception that is not a `BarrierAborted`), or, if threads only
-disagreed on how many barriers to pass, a `BarrierAborted` naming the counts. The pool stays
-usable. A kernel that never returns (an endless loop) still hangs `run`: nothing can stop a
-thread inside nopython code.
+The GIL: a worker that needs the GIL while another thread holds it sleeps on a condition variable
+and is woken microseconds (or, against a busy event loop, up to a switch interval) later. So
+workers stay out of Python: for a numba kernel, a worker calls it from the nopython trampoline
+`serve_task`, which goes on serving the following runs of the *same task* (same kernel, same
+argument objects) without returning to Python. Only a new task or a park needs the GIL. Plain
+Python callables also work as kernels (one thread at a time, through the GIL): handy in tests.
 
-Workers need the GIL for a few microseconds to enter and leave each kernel (numba's dispatcher
-unboxes the arguments); kernels must be `nogil=True` or the threads run one at a time.
+Errors: every thread catches what its kernel raises and leaves the barrier, which makes threads
+still waiting for it raise `BarrierAborted`. `run` waits for all threads, then re-raises the root
+cause (the first exception that is not a `BarrierAborted`), or, if threads only disagreed on how
+many barriers to pass, a `BarrierAborted` naming the counts. The pool stays usable. A kernel that
+never returns still hangs `run`: nothing can stop a thread inside nopython code.
 """
 
 from __future__ import annotations
@@ -30,24 +33,22 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+import numba
 import numpy as np
 from numba import njit
+from numba.core.registry import CPUDispatcher
 
 from threadpool.affinity import pin_thread, usable_cores
-from threadpool.barrier import (
-    BarrierAborted,
-    arrival_counts,
-    barrier_wait,
-    make_barrier,
-    mark_departed,
-    reset_barrier,
-)
+from threadpool.atomics import load_acquire, store_release
+from threadpool.barrier import BarrierAborted, arrival_counts, make_barrier, mark_departed, reset_barrier
 from threadpool.handoff import (
     EPOCH,
     SHUTDOWN,
+    TASK,
     announce_parking,
     epoch_futex_address,
     futex_wake_all,
@@ -70,6 +71,22 @@ _SLOW_WAIT_POLL_SECONDS = 50e-6
 Kernel = Callable[..., Any]  # kernel(tid, nthreads, barrier, *args)
 
 
+@dataclass(frozen=True, slots=True)
+class _Task:
+    """A kernel and its arguments; `task_id` changes whenever either does."""
+
+    kernel: Kernel
+    args: tuple[Any, ...]
+    task_id: int
+    is_numba: bool  # served from the nopython trampoline
+
+    def is_same(self, kernel: Kernel, args: tuple[Any, ...]) -> bool:
+        return kernel is self.kernel and len(args) == len(self.args) and all(
+            new is old or (type(new) is type(old) and np.isscalar(new) and new == old)
+            for new, old in zip(args, self.args)
+        )
+
+
 class _PoolState:
     """Everything the workers share with the pool. Holds no reference to the SpinPool, so that
     dropping the last reference to the pool runs its finalizer, which stops the workers."""
@@ -83,7 +100,7 @@ class _PoolState:
         self.control: np.ndarray = make_control(num_threads - 1)  # int64 ((2 + n - 1) * 8,)
         self.max_spins = max_spins
         self.epoch = 0  # runs started so far; written by thread 0 under run_lock
-        self.task: tuple[Kernel, tuple[Any, ...]] | None = None
+        self.task: _Task | None = None  # the latest run's; kept to recognise the same task
         self.errors: list[BaseException | None] = [None] * num_threads
         self.run_lock = threading.Lock()
         self.running_thread: int | None = None
@@ -128,11 +145,6 @@ class SpinPool:
                 self.close()
                 raise
 
-    @property
-    def barrier(self) -> np.ndarray:
-        """The barrier passed to every kernel: int64 ((1 + n_threads) * 8,)."""
-        return self._state.barrier
-
     def run(self, kernel: Kernel, *args: Any) -> None:
         """Run `kernel(tid, n_threads, barrier, *args)` on every thread (this one is tid 0) and
         return when all have finished; re-raises what a thread raised. Calls from several Python
@@ -145,26 +157,9 @@ class SpinPool:
                 raise RuntimeError("SpinPool is closed")
             state.running_thread = threading.get_ident()
             try:
-                self._run_locked(kernel, args)
+                _run_locked(state, kernel, args)
             finally:
                 state.running_thread = None
-
-    def _run_locked(self, kernel: Kernel, args: tuple[Any, ...]) -> None:
-        state = self._state
-        if state.num_threads == 1:
-            reset_barrier(state.barrier)
-            kernel(0, 1, state.barrier, *args)
-            return
-        state.epoch += 1
-        state.task, state.errors = (kernel, args), [None] * state.num_threads
-        if start_run(state.barrier, state.control, state.epoch) > 0:
-            futex_wake_all(epoch_futex_address(state.control))
-        _call_kernel(state, 0, kernel, args)
-        _finish_run(state)
-        state.task = None  # do not keep the arguments alive between runs
-        error = _root_cause(state.errors, state.barrier)
-        if error is not None:
-            raise error
 
     def close(self) -> None:
         """Stop and join every worker. Idempotent; `run` fails afterwards."""
@@ -183,16 +178,48 @@ class SpinPool:
         return f"<SpinPool n_threads={self.n_threads} spin_us={self.spin_us}{closed}>"
 
 
-# ---- the pieces of a run -------------------------------------------------------------------------
-# Each nopython helper below is one GIL release: a worker that wants the GIL back while another
-# thread holds it sleeps on a condition variable (microseconds), so a run makes as few
-# Python <-> nopython crossings as it can.
+# ---- thread 0: one run -----------------------------------------------------------------------------
+
+
+def _run_locked(state: _PoolState, kernel: Kernel, args: tuple[Any, ...]) -> None:
+    if state.num_threads == 1:
+        reset_barrier(state.barrier)
+        kernel(0, 1, state.barrier, *args)
+        return
+    state.task = _task_for(state, kernel, args)
+    state.errors = [None] * state.num_threads
+    state.epoch += 1
+    if start_run(state.barrier, state.control, state.task.task_id, state.epoch) > 0:
+        futex_wake_all(epoch_futex_address(state.control))
+    try:
+        kernel(0, state.num_threads, state.barrier, *args)
+    except BaseException as exc:  # noqa: BLE001 - re-raised below, once the workers are done
+        _record_error(state, 0, exc)
+    _finish_run(state)
+    error = _root_cause(state.errors, state.barrier)
+    if error is not None:
+        raise error
+
+
+def _task_for(state: _PoolState, kernel: Kernel, args: tuple[Any, ...]) -> _Task:
+    """The previous task if nothing changed (workers keep serving it without the GIL), else a
+    new one, with the worker trampoline compiled here rather than on a worker mid-run."""
+    previous = state.task
+    if previous is not None and previous.is_same(kernel, args):
+        return previous
+    is_numba = isinstance(kernel, CPUDispatcher)
+    if is_numba:
+        trampoline_args = (kernel, 1, state.barrier, state.control, args, 0, 0, 0)
+        serve_task.compile(tuple(numba.typeof(value) for value in trampoline_args))
+    return _Task(kernel, args, 1 if previous is None else previous.task_id + 1, is_numba)
 
 
 @njit(nogil=True, cache=True, _nrt=False)
-def start_run(barrier: np.ndarray, control: np.ndarray, epoch: int) -> int:
-    """Thread 0: reset the barrier and kick off run `epoch`; returns the number of parked workers."""
-    reset_barrier(barrier)  # workers are idle: they finished the previous run
+def start_run(barrier: np.ndarray, control: np.ndarray, task_id: int, epoch: int) -> int:
+    """Thread 0: reset the barrier, publish the task id and kick off run `epoch`; returns the
+    number of parked workers to wake."""
+    reset_barrier(barrier)  # the workers finished the previous run: no one is in the barrier
+    store_release(control, TASK, task_id)  # release; kick_off's release store covers it too
     return kick_off(control, epoch)
 
 
@@ -203,25 +230,6 @@ def finish_share_and_wait(barrier: np.ndarray, control: np.ndarray, epoch: int, 
     return wait_for_workers(control, barrier[0] - 1, epoch, max_spins)
 
 
-@njit(nogil=True, cache=True, _nrt=False)
-def finish_share_and_spin(barrier: np.ndarray, control: np.ndarray, tid: int, epoch: int,
-                          max_spins: int) -> int:
-    """Worker `tid`, after its share: leave the barrier, report run `epoch` finished, then spin
-    for the next epoch; returns it, or `epoch` if `max_spins` passed without one."""
-    mark_departed(barrier, tid)
-    report_finished(control, tid - 1, epoch)
-    return spin_while_equal(control, EPOCH, epoch, max_spins)
-
-
-def _call_kernel(state: _PoolState, tid: int, kernel: Kernel, args: tuple[Any, ...]) -> None:
-    """Run thread `tid`'s share, keeping what it raises for the caller of `run`."""
-    try:
-        kernel(tid, state.num_threads, state.barrier, *args)
-    except BaseException as exc:  # noqa: BLE001 - handed to the caller of run()
-        exc.add_note(f"raised in SpinPool thread {tid} of {state.num_threads}")
-        state.errors[tid] = exc
-
-
 def _finish_run(state: _PoolState) -> None:
     """Thread 0: leave the barrier and wait until every worker finished the current epoch; spin
     for up to spin_us, then poll gently (a long, unbalanced kernel should not burn a core)."""
@@ -230,6 +238,11 @@ def _finish_run(state: _PoolState) -> None:
         return
     while not wait_for_workers(state.control, state.num_threads - 1, state.epoch, max_spins):
         time.sleep(_SLOW_WAIT_POLL_SECONDS)
+
+
+def _record_error(state: _PoolState, tid: int, exc: BaseException) -> None:
+    exc.add_note(f"raised in SpinPool thread {tid} of {state.num_threads}")
+    state.errors[tid] = exc
 
 
 def _root_cause(errors: list[BaseException | None], barrier: np.ndarray) -> BaseException | None:
@@ -248,21 +261,58 @@ def _root_cause(errors: list[BaseException | None], barrier: np.ndarray) -> Base
     return None
 
 
-# ---- worker lifetime ----------------------------------------------------------------------------
+# ---- workers -----------------------------------------------------------------------------------------
+
+
+@njit(nogil=True)  # not cache=True: numba cannot cache a function taking a dispatcher argument
+def serve_task(kernel: Any, tid: int, barrier: np.ndarray, control: np.ndarray, args: tuple[Any, ...],
+               task_id: int, epoch: int, max_spins: int) -> tuple[int, int]:
+    """Worker `tid`: run `kernel` for `epoch`, then for every following epoch of the same task,
+    all in nopython. Returns (last epoch run, next epoch): next == last when no run came within
+    `max_spins` (time to park), else a run of another task, or shutdown, that Python must see."""
+    num_threads = barrier[0]
+    while True:
+        kernel(tid, num_threads, barrier, *args)
+        next_epoch = finish_share_and_spin(barrier, control, tid, epoch, max_spins)
+        # acquire: kick_off's release store of the epoch made TASK and SHUTDOWN visible.
+        if next_epoch == epoch or load_acquire(control, TASK) != task_id or load_acquire(control, SHUTDOWN):
+            return epoch, next_epoch
+        epoch = next_epoch
+
+
+@njit(nogil=True, cache=True, _nrt=False)
+def finish_share_and_spin(barrier: np.ndarray, control: np.ndarray, tid: int, epoch: int,
+                          max_spins: int) -> int:
+    """Worker `tid`, after its share: leave the barrier, report run `epoch` finished, then spin
+    for the next epoch; returns it, or `epoch` if `max_spins` passed without one."""
+    mark_departed(barrier, tid)
+    report_finished(control, tid - 1, epoch)
+    return spin_while_equal(control, EPOCH, epoch, max_spins)
+
+
+def _serve(state: _PoolState, tid: int, epoch: int) -> tuple[int, int]:
+    """Run the current task for `epoch` (and, for numba kernels, as long as it stays current);
+    returns (last epoch run, next epoch), like `serve_task`."""
+    task = state.task
+    assert task is not None
+    try:
+        if task.is_numba:
+            return serve_task(task.kernel, tid, state.barrier, state.control, task.args, task.task_id,
+                              epoch, state.max_spins)
+        task.kernel(tid, state.num_threads, state.barrier, *task.args)
+    except BaseException as exc:  # noqa: BLE001 - handed to the caller of run()
+        epoch = load_acquire_from_python(state.control, EPOCH)  # thread 0 is waiting for this one
+        _record_error(state, tid, exc)
+    return epoch, finish_share_and_spin(state.barrier, state.control, tid, epoch, state.max_spins)
 
 
 def _worker_main(state: _PoolState, tid: int) -> None:
-    """A worker's whole life: wait for an epoch, run its share, report; until shutdown."""
+    """A worker's whole life: wait for an epoch, serve it, park when idle; until shutdown."""
     epoch = wait_for_work(state.control, 0, state.max_spins)
     while not load_acquire_from_python(state.control, SHUTDOWN):
-        assert state.task is not None
-        kernel, args = state.task
-        _call_kernel(state, tid, kernel, args)
-        del kernel, args  # the pool drops the task after the run; so do we
-        next_epoch = finish_share_and_spin(state.barrier, state.control, tid, epoch, state.max_spins)
-        if next_epoch == epoch:  # spun for spin_us in vain: park
-            next_epoch = wait_for_work(state.control, epoch, state.max_spins)
-        epoch = next_epoch
+        last_run, epoch = _serve(state, tid, epoch)
+        if epoch == last_run:  # spun for spin_us in vain: park
+            epoch = wait_for_work(state.control, last_run, state.max_spins)
 
 
 def _start_workers(state: _PoolState) -> list[threading.Thread]:
@@ -286,16 +336,16 @@ def _stop_workers(state: _PoolState, threads: list[threading.Thread]) -> None:
     for thread in threads:
         if thread is not threading.current_thread():
             thread.join()
+    state.task = None  # release the last run's arguments
 
 
 def _compile_helpers() -> None:
     """Load (or compile) every helper a worker calls before any worker exists, so that workers
     never compile and the first run is not slowed by it."""
     barrier, control = make_barrier(2), make_control(1)
-    start_run(barrier, control, 1)
+    start_run(barrier, control, 1, 1)
     finish_share_and_spin(barrier, control, 1, 1, 1)
     finish_share_and_wait(barrier, control, 1, 1)
-    barrier_wait(make_barrier(1), 0)
     arrival_counts(barrier)
     reset_barrier(barrier)
     wait_for_work(control, 0, 1)
