@@ -1,0 +1,96 @@
+"""OpenAI-shaped errors: every non-2xx answer is `{"error": {"message", "type", "param", "code"}}`."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgpack
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+log = logging.getLogger(__name__)
+
+MSGPACK = "application/msgpack"
+
+# OpenAI's `type` values; clients branch on the HTTP status, humans read the message.
+_TYPE_OF_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable_error",
+}
+
+
+class APIError(Exception):
+    """Raised anywhere in a route; answered as an OpenAI error body with `status`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, self.param, self.code)
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    kind = _TYPE_OF_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def wants_msgpack(request: Request) -> bool:
+    accept = request.headers.get("accept", "")
+    return MSGPACK in accept or "application/x-msgpack" in accept
+
+
+def encoded_response(request: Request, content: dict[str, Any], status: int = 200,
+                     headers: dict[str, str] | None = None) -> Response:
+    """JSON, or one msgpack map when the client sent `Accept: application/msgpack`."""
+    if wants_msgpack(request):
+        return Response(msgpack.packb(content), status, headers, media_type=MSGPACK)
+    return JSONResponse(content, status, headers)
+
+
+def invalid_body(exc: ValidationError) -> APIError:
+    """The first pydantic error as a 400 naming its field (`messages.0.content`)."""
+    first = exc.errors(include_url=False)[0]
+    param = ".".join(str(part) for part in first["loc"]) or None
+    message = first["msg"] if param is None else f"{param}: {first['msg']}"
+    return APIError(400, message, param=param, code="invalid_value")
+
+
+async def handle_api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return encoded_response(request, exc.body(), exc.status, exc.headers)
+
+
+async def handle_http_exception(request: Request, exc: Exception) -> Response:
+    """Starlette's own 404/405 and friends, in the same shape as ours."""
+    assert isinstance(exc, HTTPException)
+    message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+    body = error_body(exc.status_code, message.get(exc.status_code, str(exc.detail)))
+    return encoded_response(request, body, exc.status_code, dict(exc.headers or {}))
+
+
+async def handle_unexpected(request: Request, exc: Exception) -> Response:
+    """A bug, not bad input: the client gets no traceback (starlette re-raises it for the server's log)."""
+    log.error("unhandled %s on %s %s", type(exc).__name__, request.method, request.url.path)
+    return encoded_response(request, error_body(500, "internal server error"), 500)
+
+
+EXCEPTION_HANDLERS = {
+    APIError: handle_api_error,
+    HTTPException: handle_http_exception,
+    Exception: handle_unexpected,
+}

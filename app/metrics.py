@@ -1,0 +1,123 @@
+"""Prometheus metrics at /metrics, one registry per app (several apps can live in one process).
+
+Counters and histograms are fed by the engine's observer hooks on the engine thread (prometheus
+values take a short lock, nothing else); gauges are read from the engine when scraped.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from decoding.engine import Engine
+from decoding.outputs import RequestOutput
+from decoding.sequence import Request
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class ServerMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = registry = CollectorRegistry()
+        self._engine: Engine | None = None
+        gauges = {
+            "treadle_requests_running": ("Requests with a sequence in the running batch.", self._num_running),
+            "treadle_requests_waiting": ("Admitted requests not yet running.", self._num_waiting),
+            "treadle_kv_blocks_total": ("KV cache blocks.", lambda: self._engine.kv.num_total_blocks
+                                        if self._engine else 0),
+            "treadle_kv_blocks_used": ("KV cache blocks held by live sequences.",
+                                       lambda: self._engine.kv.num_used_blocks if self._engine else 0),
+        }
+        for name, (doc, read) in gauges.items():
+            Gauge(name, doc, registry=registry).set_function(read)
+        self.prompt_tokens = Counter("treadle_prompt_tokens", "Prompt tokens of finished requests.",
+                                     registry=registry)
+        self.generation_tokens = Counter("treadle_generation_tokens", "Generated tokens of finished requests.",
+                                         registry=registry)
+        self.prefix_cache_hit_tokens = Counter("treadle_prefix_cache_hit_tokens",
+                                               "Prompt tokens served from the prefix cache.", registry=registry)
+        self.preemptions = Counter("treadle_preemptions", "Sequences preempted for KV blocks.", registry=registry)
+        self.request_success = Counter("treadle_request_success", "Finished requests by finish reason.",
+                                       ["finish_reason"], registry=registry)
+        self.requests_rejected = Counter("treadle_requests_rejected", "Requests refused with 429 (queue full).",
+                                         registry=registry)
+        self.time_to_first_token = Histogram("treadle_time_to_first_token_seconds", "Arrival to first token.",
+                                             buckets=_LATENCY_BUCKETS, registry=registry)
+        self.inter_token_latency = Histogram("treadle_inter_token_latency_seconds",
+                                             "Gap between consecutive tokens of a choice, as delivered.",
+                                             buckets=_TOKEN_GAP_BUCKETS, registry=registry)
+        self.e2e_request_latency = Histogram("treadle_e2e_request_latency_seconds", "Arrival to last token.",
+                                             buckets=_LATENCY_BUCKETS, registry=registry)
+        self.step_seconds = Histogram("treadle_step_seconds", "One engine step (schedule, model, sample).",
+                                      buckets=_TOKEN_GAP_BUCKETS, registry=registry)
+
+    def attach(self, engine: Engine) -> None:
+        self._engine = engine
+        engine.observers.append(EngineMetricsObserver(self))
+
+    def _num_running(self) -> int:
+        if self._engine is None:
+            return 0
+        return len({id(seq.request) for seq in list(self._engine.scheduler.running)})
+
+    def _num_waiting(self) -> int:
+        # Counted from the engine's admission total, so requests still in its inbox are included.
+        return max(0, self._engine.num_unfinished - self._num_running()) if self._engine else 0
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class EngineMetricsObserver:
+    """The engine's observer hooks → counters and histograms. Runs on the engine thread: no blocking."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+
+    def on_step(self, seconds: float, kernel_seconds: float, num_tokens: int, num_seqs: int) -> None:
+        self.metrics.step_seconds.observe(seconds)
+
+    def on_first_token(self, seconds: float) -> None:
+        self.metrics.time_to_first_token.observe(seconds)
+
+    def on_token(self, seconds_since_previous: float) -> None:
+        """Not called by the engine yet; inter-token latency is measured per stream (`TokenGapTimer`)."""
+
+    def on_request_finished(self, request: Request, finish_reason: str) -> None:
+        m = self.metrics
+        m.prompt_tokens.inc(len(request.prompt_ids))
+        m.generation_tokens.inc(request.num_completion_tokens)
+        m.prefix_cache_hit_tokens.inc(request.num_cached_tokens)
+        m.request_success.labels(finish_reason=finish_reason).inc()
+        m.e2e_request_latency.observe(time.monotonic() - request.arrival_time)
+
+    def on_preemption(self) -> None:
+        self.metrics.preemptions.inc()
+
+
+class TokenGapTimer:
+    """Inter-token latency of one request as its reader receives tokens, per choice.
+
+    Deltas that merged while the reader lagged carry several tokens; their gap is shared evenly.
+    """
+
+    def __init__(self, histogram: Histogram) -> None:
+        self._histogram = histogram
+        self._last_token_time: dict[int, float] = {}
+
+    def observe(self, output: RequestOutput) -> None:
+        num_tokens = len(output.token_ids)
+        if not num_tokens:
+            return
+        now = time.monotonic()
+        previous = self._last_token_time.get(output.index)
+        self._last_token_time[output.index] = now
+        if previous is None:
+            return  # the wait for a choice's first token is time to first token, not a gap
+        gap = (now - previous) / num_tokens
+        for _ in range(num_tokens):
+            self._histogram.observe(gap)

@@ -1,0 +1,71 @@
+"""/openapi.json: an OpenAPI 3.1 description of the routes, with request bodies from the pydantic schemas."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+from pydantic.json_schema import models_json_schema
+
+from .schemas import REQUEST_MODELS
+
+_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {"type": "object", "required": ["message", "type", "param", "code"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]},
+    }}},
+}
+_OBJECT = {"type": "object"}
+_GENERATION_SUMMARIES = {
+    "/v1/chat/completions": "Chat completion (OpenAI); `stream: true` answers with server-sent events",
+    "/v1/completions": "Text completion (OpenAI legacy); `stream: true` answers with server-sent events",
+    "/tokenize": "Token ids of a prompt or of messages rendered with the chat template (vLLM)",
+    "/detokenize": "Text of token ids (vLLM)",
+}
+_GETS = {
+    "/v1/models": ("The served model (OpenAI)", "application/json"),
+    "/health": ("200 once the model is loaded and warm, 503 before", "application/json"),
+    "/metrics": ("Prometheus metrics", "text/plain"),
+    "/openapi.json": ("This document", "application/json"),
+}
+
+
+def _errors(*statuses: int) -> dict[str, Any]:
+    return {str(s): {"description": "error", "content": {"application/json": {"schema": _ERROR}}} for s in statuses}
+
+
+@lru_cache(maxsize=4)
+def openapi_schema(model_name: str) -> dict[str, Any]:
+    keyed = [(model, "validation") for model in REQUEST_MODELS.values()]
+    refs, definitions = models_json_schema(keyed, ref_template="#/components/schemas/{model}")
+    paths: dict[str, Any] = {}
+    for path, model in REQUEST_MODELS.items():
+        body_schema = refs[(model, "validation")]
+        is_generation = path.startswith("/v1/")
+        content = {"application/json": {"schema": _OBJECT}}
+        if is_generation:
+            content["text/event-stream"] = {"schema": {"type": "string"}}
+        paths[path] = {"post": {
+            "summary": _GENERATION_SUMMARIES[path],
+            "requestBody": {"required": True, "content": {"application/json": {"schema": body_schema},
+                                                          "application/msgpack": {"schema": body_schema}}},
+            "responses": {"200": {"description": "OK", "content": content},
+                          **_errors(400, 401, 404, 413, *((429, 503) if is_generation else ()))},
+        }}
+    for path, (summary, media_type) in _GETS.items():
+        paths[path] = {"get": {"summary": summary, "responses": {
+            "200": {"description": "OK", "content": {media_type: {"schema": _OBJECT if "json" in media_type
+                                                                  else {"type": "string"}}}},
+            **({"503": {"description": "not ready", "content": {"application/json": {"schema": _OBJECT}}}}
+               if path == "/health" else {}),
+        }}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "treadle", "version": "0.1.0",
+                 "description": f"OpenAI-compatible streaming generation with {model_name}."},
+        "paths": paths,
+        "components": {"schemas": definitions.get("$defs", {}),
+                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+    }

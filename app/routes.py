@@ -1,0 +1,186 @@
+"""HTTP routes: OpenAI's /v1/chat/completions, /v1/completions and /v1/models; vLLM's /tokenize and
+/detokenize; /health, /metrics and /openapi.json.
+
+A generation request goes: admission (429 when full) → body → prompt ids → sampling parameters →
+`engine.submit` → respond (streaming.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from decoding import TemplateError
+from decoding.engine import Engine, QueueFull, RequestTooLarge
+from decoding.params import InvalidParams, SamplingParams
+
+from .body import read_body
+from .errors import APIError, encoded_response
+from .metrics import TokenGapTimer
+from .openapi import openapi_schema
+from .protocol import ChatFormatter, CompletionFormatter, ResponseHeader
+from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .server import ServingState, serving
+from .streaming import Generation, respond
+
+# Without max_tokens, chat may use the rest of the context (as vLLM), capped so that a forgotten
+# limit cannot hold a sequence for minutes; completions keep OpenAI's documented default of 16.
+DEFAULT_CHAT_MAX_TOKENS = 4096
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+
+async def chat_completions(request: Request) -> Response:
+    state = serving(request)
+    with state.admission() as engine:
+        body = await read_body(request, ChatCompletionRequest, state.settings.max_body_bytes)
+        state.check_model(body.model)
+        prompt_ids = await anyio.to_thread.run_sync(_chat_prompt_ids, state, body)
+        params = _sampling_params(engine, body, len(prompt_ids), DEFAULT_CHAT_MAX_TOKENS, "messages")
+        header = ResponseHeader.new("chatcmpl", state.model_name)
+        formatter = ChatFormatter(header, state.tokens, params.n, body.include_usage)
+        generation = _submit(state, engine, prompt_ids, params, header.id, formatter)
+    return await respond(request, generation, body.stream, state.settings.sse_ping_seconds)
+
+
+async def completions(request: Request) -> Response:
+    state = serving(request)
+    with state.admission() as engine:
+        body = await read_body(request, CompletionRequest, state.settings.max_body_bytes)
+        state.check_model(body.model)
+        if isinstance(body.prompt, str):
+            prompt_ids = await anyio.to_thread.run_sync(_encode, state, body.prompt, True, "prompt")
+        else:
+            prompt_ids = body.prompt
+        params = _sampling_params(engine, body, len(prompt_ids), DEFAULT_COMPLETION_MAX_TOKENS, "prompt")
+        echo_text = None
+        if body.echo:
+            echo_text = body.prompt if isinstance(body.prompt, str) else state.model.tokenizer.decode(prompt_ids)
+        header = ResponseHeader.new("cmpl", state.model_name)
+        formatter = CompletionFormatter(header, state.tokens, params.n, body.include_usage, prompt_ids, echo_text)
+        generation = _submit(state, engine, prompt_ids, params, header.id, formatter)
+    return await respond(request, generation, body.stream, state.settings.sse_ping_seconds)
+
+
+def _chat_prompt_ids(state: ServingState, body: ChatCompletionRequest) -> list[int]:
+    try:
+        text = state.model.tokenizer.apply_chat_template(body.template_input(), add_generation_prompt=True)
+    except TemplateError as exc:
+        raise APIError(400, f"the chat template cannot render these messages: {exc}", "messages") from None
+    return _encode(state, text, False, "messages")  # the template already wrote the special tokens
+
+
+def _encode(state: ServingState, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    ids = state.model.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    if not ids:
+        raise APIError(400, f"{param} is empty", param, code="empty_prompt")
+    return ids
+
+
+def _sampling_params(engine: Engine, body: ChatCompletionRequest | CompletionRequest, num_prompt_tokens: int,
+                     default_max_tokens: int, prompt_param: str) -> SamplingParams:
+    max_tokens = _max_tokens(engine, num_prompt_tokens, body.requested_max_tokens, default_max_tokens, prompt_param)
+    try:
+        return body.sampling_params(max_tokens)
+    except InvalidParams as exc:
+        param = "logprobs" if exc.param == "prompt_logprobs" else exc.param
+        raise APIError(400, str(exc), param, code="invalid_value") from None
+
+
+def _max_tokens(engine: Engine, num_prompt_tokens: int, requested: int | None, default: int, prompt_param: str) -> int:
+    """Check the prompt and max_tokens against the context here, where the field can be named."""
+    context = engine.max_model_len
+    remaining = context - num_prompt_tokens
+    if remaining < 1:
+        raise APIError(400, f"the prompt has {num_prompt_tokens} tokens; the context holds {context}",
+                       prompt_param, code="context_length_exceeded")
+    if requested is None:
+        # Also within what the whole KV cache can hold, so the default never makes a request unservable.
+        kv_tokens = engine.kv.num_total_blocks * engine.config.block_size
+        return max(1, min(remaining, kv_tokens - num_prompt_tokens, default))
+    if requested > remaining:
+        raise APIError(400, f"max_tokens ({requested}) + the prompt ({num_prompt_tokens} tokens) exceed the context "
+                            f"of {context} tokens", "max_tokens", code="context_length_exceeded")
+    return requested
+
+
+def _submit(state: ServingState, engine: Engine, prompt_ids: list[int], params: SamplingParams, request_id: str,
+            formatter: ChatFormatter | CompletionFormatter) -> Generation:
+    try:
+        stream = engine.submit(prompt_ids, params, request_id, loop=asyncio.get_running_loop())
+    except QueueFull:
+        raise state.queue_full() from None
+    except RequestTooLarge as exc:
+        raise APIError(400, str(exc), code="context_length_exceeded") from None
+    except InvalidParams as exc:
+        raise APIError(400, str(exc), exc.param, code="invalid_value") from None
+    except RuntimeError as exc:  # the engine is shutting down
+        raise APIError(503, str(exc), code="shutting_down") from None
+    return Generation(engine, stream, formatter, TokenGapTimer(state.metrics.inter_token_latency))
+
+
+async def tokenize(request: Request) -> Response:
+    state = serving(request)
+    body = await read_body(request, TokenizeRequest, state.settings.max_body_bytes)
+    state.check_model(body.model)
+    tokenizer = state.model.tokenizer
+    if body.messages is not None:
+        try:
+            text = tokenizer.apply_chat_template([m.as_template_input() for m in body.messages],
+                                                 add_generation_prompt=body.add_generation_prompt)
+        except TemplateError as exc:
+            raise APIError(400, f"the chat template cannot render these messages: {exc}", "messages") from None
+        add_special_tokens = bool(body.add_special_tokens)
+    else:
+        text, add_special_tokens = body.prompt or "", body.add_special_tokens is not False
+    tokens = await anyio.to_thread.run_sync(lambda: tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    return encoded_response(request, {"tokens": tokens, "count": len(tokens),
+                                      "max_model_len": state.engine.max_model_len})
+
+
+async def detokenize(request: Request) -> Response:
+    state = serving(request)
+    body = await read_body(request, DetokenizeRequest, state.settings.max_body_bytes)
+    state.check_model(body.model)
+    vocab_size = state.model.config.vocab_size
+    if any(t >= vocab_size for t in body.tokens):
+        raise APIError(400, f"token ids must lie in [0, {vocab_size})", "tokens", code="invalid_value")
+    return encoded_response(request, {"prompt": state.model.tokenizer.decode(body.tokens)})
+
+
+async def models(request: Request) -> Response:
+    state = serving(request)
+    card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "treadle",
+            "max_model_len": state.engine.max_model_len}
+    return encoded_response(request, {"object": "list", "data": [card]})
+
+
+async def health(request: Request) -> Response:
+    state = serving(request)
+    if state.is_ready:
+        return JSONResponse({"status": "ok"})
+    return JSONResponse({"status": "failed" if state.startup_error else "loading"}, 503)
+
+
+async def metrics(request: Request) -> Response:
+    state = serving(request)
+    return Response(state.metrics.render(), media_type=state.metrics.content_type)
+
+
+async def openapi(request: Request) -> Response:
+    return JSONResponse(openapi_schema(serving(request).model_name))
+
+
+ROUTES = [
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/models", models, methods=["GET"]),
+    Route("/tokenize", tokenize, methods=["POST"]),
+    Route("/detokenize", detokenize, methods=["POST"]),
+    Route("/health", health, methods=["GET"]),
+    Route("/metrics", metrics, methods=["GET"]),
+    Route("/openapi.json", openapi, methods=["GET"]),
+]

@@ -1,0 +1,165 @@
+"""Request bodies: OpenAI's field names plus vLLM's extras, validated strictly ("1" is not a number).
+
+`CompletionRequest` is what came over HTTP; `SamplingParams` is what the engine runs. Ranges are
+checked once, by `SamplingParams` (an `InvalidParams` becomes a 400 naming the field); the bounds
+repeated here only document the API in /openapi.json. Unknown fields (`user`, `metadata`, ...) are
+accepted and ignored, as vLLM does.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from decoding.params import MAX_N, MAX_TOP_LOGPROBS, SamplingParams
+
+from .errors import APIError
+
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_input(self) -> dict[str, Any]:
+        """What the chat template sees: content parts joined by newlines, as vLLM joins them."""
+        content = self.content
+        if isinstance(content, list):
+            content = "\n".join(part.text for part in content)
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingBody(_Body):
+    """Fields shared by /v1/chat/completions and /v1/completions."""
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as JSON keys are) -> bias
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+    def _sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+        optional = {name: getattr(self, name) for name in (
+            "temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty",
+        ) if getattr(self, name) is not None}
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingParams(max_tokens=max_tokens, n=self.n, seed=self.seed, stop=stop,
+                              stop_token_ids=tuple(self.stop_token_ids or ()), logit_bias=self._logit_bias(),
+                              ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
+                              logprobs=logprobs, prompt_logprobs=prompt_logprobs, **optional)
+
+    def _logit_bias(self) -> dict[int, float]:
+        bias: dict[int, float] = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                bias[int(key)] = value
+            except ValueError:
+                raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        return bias
+
+
+class ChatCompletionRequest(_SamplingBody):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name; wins over max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs: true")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens, logprobs, None)
+
+    def template_input(self) -> list[dict[str, Any]]:
+        return [m.as_template_input() for m in self.messages]
+
+
+class CompletionRequest(_SamplingBody):
+    prompt: NonEmptyStr | TokenIds  # one prompt: text, or token ids
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # the top k alternatives per token
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        # `echo` with `logprobs` reports the prompt's tokens too, as OpenAI's legacy completions did.
+        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a plain prompt, or messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template has them)
+
+    @model_validator(mode="after")
+    def _exactly_one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+REQUEST_MODELS: dict[str, type[BaseModel]] = {
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/completions": CompletionRequest,
+    "/tokenize": TokenizeRequest,
+    "/detokenize": DetokenizeRequest,
+}

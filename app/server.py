@@ -1,0 +1,146 @@
+"""The starlette application: serving state, admission control, auth, CORS, startup and shutdown."""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from decoding.engine import Engine
+from decoding.params import SamplingParams
+
+from .errors import EXCEPTION_HANDLERS, APIError, encoded_response, error_body
+from .metrics import ServerMetrics
+from .protocol import TokenText
+from .settings import ServerSettings
+
+log = logging.getLogger("treadle")
+
+RETRY_AFTER_SECONDS = "1"  # a queue slot frees when any request ends: usually within a second or two
+
+
+class ServingState:
+    """What every route needs: the engine (once warm), the model's tokenizer, settings and metrics."""
+
+    def __init__(self, settings: ServerSettings, engine: Engine,
+                 on_startup_failure: Callable[[], None] | None = None) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.model = engine.model
+        self.model_name = engine.model.name
+        self.tokens = TokenText(engine.model.tokenizer)
+        self.metrics = ServerMetrics()
+        self.created = int(time.time())
+        self.is_ready = False
+        self.startup_error: str | None = None
+        self.num_preparing = 0  # requests admitted and being parsed/tokenized, not yet in the engine
+        self._on_startup_failure = on_startup_failure
+
+    def warm_up(self) -> None:
+        """Start the engine and run one tiny generation, so numba compiles before /health says ready."""
+        try:
+            started = time.perf_counter()
+            log.info("warming up %s (the first start compiles kernels: about a minute) ...", self.model_name)
+            self.engine.start()
+            bos = self.model.tokenizer.bos_token_id
+            self.engine.generate([bos if bos is not None else 0], SamplingParams(max_tokens=2, temperature=0))
+            self.metrics.attach(self.engine)  # after the warm-up, which is nobody's request
+            self.is_ready = True
+            log.info("ready in %.1f s: %s, %d KV blocks of %d tokens, max_queue %d", time.perf_counter() - started,
+                     self.model_name, self.engine.kv.num_total_blocks, self.engine.config.block_size,
+                     self.settings.max_queue)
+        except Exception as exc:
+            self.startup_error = f"{type(exc).__name__}: {exc}"
+            log.error("warm-up failed: %s", self.startup_error)
+            if self._on_startup_failure is not None:
+                self._on_startup_failure()
+
+    @contextlib.contextmanager
+    def admission(self) -> Iterator[Engine]:
+        """Admit a request or refuse it with 429 — before its body is parsed or its prompt tokenized.
+
+        The bound counts requests in the engine and requests being prepared for it, so nothing queues
+        without limit (a bounded queue that rejects, rather than one that grows until latency collapses).
+        """
+        if not self.is_ready:
+            raise APIError(503, "the model is still loading" if self.startup_error is None else "startup failed",
+                           code="not_ready", headers={"Retry-After": RETRY_AFTER_SECONDS})
+        if self.engine.num_unfinished + self.num_preparing >= self.settings.max_queue:
+            raise self.queue_full()
+        self.num_preparing += 1
+        try:
+            yield self.engine
+        finally:
+            self.num_preparing -= 1
+
+    def queue_full(self) -> APIError:
+        self.metrics.requests_rejected.inc()
+        return APIError(429, f"the server is at capacity ({self.settings.max_queue} requests); retry shortly",
+                        code="queue_full", headers={"Retry-After": RETRY_AFTER_SECONDS})
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+
+def serving(request: Request) -> ServingState:
+    state: ServingState = request.app.state.serving
+    return state
+
+
+class APIKeyMiddleware:
+    """`Authorization: Bearer KEY` on the API routes; /health, /metrics and /openapi.json stay open
+    for probes and scrapers (as in vLLM). CORS preflights pass: CORSMiddleware sits outside."""
+
+    PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(self.PROTECTED_PREFIXES):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self._expected):
+                message = "a valid API key is required: Authorization: Bearer KEY"
+                response = encoded_response(Request(scope), error_body(401, message, code="invalid_api_key"), 401,
+                                            {"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(settings: ServerSettings, engine: Engine, on_startup_failure: Callable[[], None] | None = None) -> Starlette:
+    """The ASGI app over an engine that the caller owns (and shuts down after the server stops).
+
+    The engine is warmed up in the background once the server listens; until then /health is 503.
+    """
+    from .routes import ROUTES
+
+    state = ServingState(settings, engine, on_startup_failure)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        threading.Thread(target=state.warm_up, name="treadle-warm-up", daemon=True).start()
+        yield
+
+    middleware = []
+    if settings.cors_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
+                                     allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"],
+                                     expose_headers=["Retry-After"]))
+    if settings.api_key:
+        middleware.append(Middleware(APIKeyMiddleware, api_key=settings.api_key))
+    app = Starlette(routes=ROUTES, middleware=middleware, exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
+    app.state.serving = state
+    return app

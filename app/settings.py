@@ -1,0 +1,106 @@
+"""`treadle serve` options: each flag also reads a `TREADLE_*` environment variable (flag wins)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+
+from decoding import DEFAULT_MODEL
+from decoding.engine import EngineConfig
+
+ENV_PREFIX = "TREADLE_"
+_ENGINE_DEFAULTS = EngineConfig()
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    model: str = DEFAULT_MODEL
+    host: str = "127.0.0.1"
+    port: int = 8000
+    threads: int | None = None  # None: every usable core
+    max_num_seqs: int = _ENGINE_DEFAULTS.max_num_seqs
+    max_num_batched_tokens: int = _ENGINE_DEFAULTS.max_num_batched_tokens
+    kv_cache_mb: float = _ENGINE_DEFAULTS.kv_cache_mb
+    block_size: int = _ENGINE_DEFAULTS.block_size
+    max_queue: int = _ENGINE_DEFAULTS.max_queue  # running + waiting + being tokenized; more get 429
+    api_key: str | None = None
+    cors_origins: tuple[str, ...] = field(default_factory=tuple)
+    max_body_bytes: int = 4 * 1024 * 1024
+    sse_ping_seconds: float = 15.0  # below the 60 s idle timeout of common proxies
+    log_level: str = "info"
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                            kv_cache_mb=self.kv_cache_mb, block_size=self.block_size, max_queue=self.max_queue,
+                            n_threads=self.threads)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"not a TCP port: {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def _origins(text: str) -> tuple[str, ...]:
+    return tuple(o.strip() for o in text.split(",") if o.strip())
+
+
+def env_var(flag: str) -> str:
+    """`--max-num-seqs` reads `TREADLE_MAX_NUM_SEQS`."""
+    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+
+
+def build_parser(prog: str = "treadle serve") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Serve the OpenAI-compatible API over HTTP.",
+                                     epilog="Every option can also be set with the environment variable named "
+                                            "in brackets; a flag on the command line wins.")
+    defaults = ServerSettings()
+
+    def option(flag: str, type_: object, default: object, help_: str) -> None:
+        name = env_var(flag)
+        # argparse converts a string default with `type`, so a bad env value fails like a bad flag.
+        parser.add_argument(flag, type=type_, default=os.environ.get(name, default), help=f"{help_} [{name}]")
+
+    option("--model", str, defaults.model, "registered model name, .gguf file or Hugging Face directory")
+    option("--host", str, defaults.host, "address to listen on (default %(default)s)")
+    option("--port", _port, defaults.port, "TCP port (default %(default)s)")
+    option("--threads", _positive_int, None, "engine pool threads (default: every usable core)")
+    option("--max-num-seqs", _positive_int, defaults.max_num_seqs, "sequences decoded together (default %(default)s)")
+    option("--max-num-batched-tokens", _positive_int, defaults.max_num_batched_tokens,
+           "tokens per engine step (default %(default)s)")
+    option("--kv-cache-mb", _positive_float, defaults.kv_cache_mb, "KV cache size in MiB (default %(default)s)")
+    option("--block-size", _positive_int, defaults.block_size, "tokens per KV block (default %(default)s)")
+    option("--max-queue", _positive_int, defaults.max_queue,
+           "requests admitted at once (running + waiting); more are answered 429 (default %(default)s)")
+    option("--api-key", str, None, "require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize")
+    option("--cors-origins", _origins, "", "comma-separated origins allowed by CORS, or * (default: none)")
+    option("--max-body-bytes", _positive_int, defaults.max_body_bytes,
+           "largest request body; larger ones get 413 (default %(default)s)")
+    option("--sse-ping-seconds", _positive_float, defaults.sse_ping_seconds,
+           "interval of SSE comment pings that keep idle streams open through proxies (default %(default)s)")
+    option("--log-level", str.lower, defaults.log_level, "critical, error, warning, info or debug (default %(default)s)")
+    return parser
+
+
+def parse_settings(argv: list[str]) -> ServerSettings:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
+        parser.error(f"unknown --log-level {args.log_level!r}")
+    return ServerSettings(**{k: v for k, v in vars(args).items()})

@@ -1,0 +1,140 @@
+"""Delivering one request's outputs — an SSE stream, a msgpack stream or one body — and aborting it
+in the engine on every way out: finished, failed, client gone (streamed or not), server stopping.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import anyio
+import msgpack
+from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from decoding.engine import Engine
+from decoding.outputs import RequestOutput, RequestStream
+
+from .errors import MSGPACK, APIError, encoded_response, wants_msgpack
+from .metrics import TokenGapTimer
+from .protocol import Chunk, merge_outputs
+
+
+class Formatter(Protocol):
+    def first_chunks(self) -> list[Chunk]: ...
+    def chunks(self, output: RequestOutput) -> list[Chunk]: ...
+    def last_chunks(self) -> list[Chunk]: ...
+    def response(self, outputs: list[RequestOutput]) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Framing:
+    """How chunks go on the wire, and how the end of the stream is marked."""
+
+    encode: Callable[[Chunk], bytes]
+    end: bytes
+
+
+SSE_FRAMING = Framing(lambda c: b"data: " + json.dumps(c, ensure_ascii=False, separators=(",", ":")).encode()
+                      + b"\n\n", b"data: [DONE]\n\n")
+MSGPACK_FRAMING = Framing(msgpack.packb, msgpack.packb({"done": True}))
+
+
+@dataclass(slots=True)
+class Generation:
+    """A submitted request and what its delivery needs."""
+
+    engine: Engine
+    stream: RequestStream
+    formatter: Formatter
+    token_gaps: TokenGapTimer
+
+    def abort_unless_finished(self) -> None:
+        if not self.stream.is_finished:
+            self.engine.abort(self.stream.request_id)
+
+
+async def respond(request: Request, generation: Generation, is_streamed: bool, ping_seconds: float) -> Response:
+    if not is_streamed:
+        return await _whole_response(request, generation)
+    if wants_msgpack(request):
+        return DisconnectWatchingStreamingResponse(_relay(generation, MSGPACK_FRAMING), media_type=MSGPACK)
+    return EventSourceResponse(_relay(generation, SSE_FRAMING), sep="\n", ping=ping_seconds,
+                               ping_message_factory=lambda: ServerSentEvent(comment="ping", sep="\n"))
+
+
+async def _relay(generation: Generation, framing: Framing) -> AsyncIterator[bytes]:
+    """The stream's body. Its `finally` runs on completion, on cancellation (the client left: the
+    response cancels us) and on close, so the engine never generates for nobody."""
+    formatter = generation.formatter
+    try:
+        for chunk in formatter.first_chunks():
+            yield framing.encode(chunk)
+        async for output in generation.stream:
+            generation.token_gaps.observe(output)
+            for chunk in formatter.chunks(output):
+                yield framing.encode(chunk)
+        for chunk in formatter.last_chunks():
+            yield framing.encode(chunk)
+        yield framing.end
+    finally:
+        generation.abort_unless_finished()
+
+
+async def _whole_response(request: Request, generation: Generation) -> Response:
+    """Collect every delta, racing the client: starlette does not cancel a plain request whose client
+    left, so without the watcher a vanished client's request would run to its last token."""
+    outputs: list[RequestOutput] = []
+
+    async def collect() -> None:
+        async for output in generation.stream:
+            generation.token_gaps.observe(output)
+            outputs.append(output)
+
+    try:
+        is_complete = await run_until_disconnect(request.receive, collect)
+    finally:
+        generation.abort_unless_finished()
+    if not is_complete:
+        return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
+    merged = merge_outputs(outputs)
+    failed = next((o for o in merged if o.finish_reason in ("error", "abort")), None)
+    if failed is not None and failed.finish_reason == "error":
+        raise APIError(500, failed.error or "generation failed")
+    if failed is not None:
+        raise APIError(503, "the server is shutting down", code="shutting_down")
+    return encoded_response(request, generation.formatter.response(merged))
+
+
+async def run_until_disconnect(receive: Receive, work: Callable[[], Awaitable[None]]) -> bool:
+    """Run `work` unless the client disconnects first (then cancel it); True if it completed."""
+    is_complete = False
+    async with anyio.create_task_group() as task_group:
+
+        async def run_work() -> None:
+            nonlocal is_complete
+            await work()
+            is_complete = True
+            task_group.cancel_scope.cancel()
+
+        async def watch_disconnect() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            task_group.cancel_scope.cancel()
+
+        task_group.start_soon(run_work)
+        task_group.start_soon(watch_disconnect)
+    return is_complete
+
+
+class DisconnectWatchingStreamingResponse(StreamingResponse):
+    """Starlette's StreamingResponse stops watching `http.disconnect` on ASGI ≥ 2.4 servers and then
+    notices a vanished client only when a send fails — never while a request waits in the queue.
+    This one always races the body against the disconnect."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await run_until_disconnect(receive, lambda: self.stream_response(send))
