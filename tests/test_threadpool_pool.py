@@ -377,3 +377,15 @@ def test_idle_pool_uses_almost_no_cpu() -> None:
         after = resource.getrusage(resource.RUSAGE_SELF)
     cpu_seconds = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert cpu_seconds < 0.4  # < 20% of one core; a spinning worker would use ~2.0
+
+
+@njit(cache=True)
+def holds_the_gil(tid: int, nthreads: int, barrier: np.ndarray) -> None:
+    barrier_wait(barrier, tid)
+
+
+def test_kernel_without_nogil_is_refused_instead_of_deadlocking() -> None:
+    with SpinPool(2) as pool:
+        with pytest.raises(ValueError, match="nogil=True"):
+            pool.run(holds_the_gil)
+        pool.run(do_nothing)

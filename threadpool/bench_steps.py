@@ -89,15 +89,20 @@ def step_on_pool(pool: SpinPool, kind: int, weights: np.ndarray, buffers: np.nda
 
 @njit(nogil=True, cache=True)
 def op_kernel(tid: int, nthreads: int, barrier: np.ndarray, kind: int, weights: np.ndarray,
-              inp: np.ndarray, out: np.ndarray) -> None:
-    first, last = row_range(inp.size, tid, nthreads)
-    apply_op(kind, weights, inp, out, first, last)
+              buffers: np.ndarray, op_index: np.ndarray) -> None:
+    """Op number op_index[0]. The index travels in an array so that every run passes the same
+    argument objects: the pool's workers then serve the runs without entering Python."""
+    op = op_index[0]
+    first, last = row_range(buffers.shape[1], tid, nthreads)
+    apply_op(kind, weights, buffers[op % 2], buffers[1 - op % 2], first, last)
 
 
 def step_on_pool_run_per_op(pool: SpinPool, kind: int, weights: np.ndarray, buffers: np.ndarray,
                             num_ops: int) -> None:
+    op_index = np.zeros(1, dtype=np.int64)
     for op in range(num_ops):
-        pool.run(op_kernel, kind, weights, buffers[op % 2], buffers[1 - op % 2])
+        op_index[0] = op
+        pool.run(op_kernel, kind, weights, buffers, op_index)
 
 
 # ---- numba parallel=True: one prange region (fork/join) per op -----------------------------------

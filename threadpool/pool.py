@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-import numba
 import numpy as np
 from numba import njit
 from numba.core.registry import CPUDispatcher
@@ -203,15 +202,16 @@ def _run_locked(state: _PoolState, kernel: Kernel, args: tuple[Any, ...]) -> Non
 
 def _task_for(state: _PoolState, kernel: Kernel, args: tuple[Any, ...]) -> _Task:
     """The previous task if nothing changed (workers keep serving it without the GIL), else a
-    new one, with the worker trampoline compiled here rather than on a worker mid-run."""
+    new one."""
     previous = state.task
     if previous is not None and previous.is_same(kernel, args):
         return previous
     is_numba = isinstance(kernel, CPUDispatcher)
-    if is_numba:
-        trampoline_args = (kernel, 1, state.barrier, state.control, args, 0, 0, 0)
-        serve_task.compile(tuple(numba.typeof(value) for value in trampoline_args))
-    return _Task(kernel, args, 1 if previous is None else previous.task_id + 1, is_numba)
+    if is_numba and not kernel.targetoptions.get("nogil"):
+        # Thread 0 would hold the GIL inside the kernel while a worker needs it to start: deadlock.
+        raise ValueError(f"SpinPool kernels must be compiled with nogil=True: {kernel.py_func.__name__}")
+    task_id = 1 if previous is None else previous.task_id + 1
+    return _Task(kernel, args, task_id, is_numba)
 
 
 @njit(nogil=True, cache=True, _nrt=False)
@@ -290,13 +290,16 @@ def finish_share_and_spin(barrier: np.ndarray, control: np.ndarray, tid: int, ep
     return spin_while_equal(control, EPOCH, epoch, max_spins)
 
 
-def _serve(state: _PoolState, tid: int, epoch: int) -> tuple[int, int]:
-    """Run the current task for `epoch` (and, for numba kernels, as long as it stays current);
-    returns (last epoch run, next epoch), like `serve_task`."""
+def _serve(state: _PoolState, tid: int, epoch: int, previous_task_id: int) -> tuple[int, int]:
+    """Run the current task for `epoch`; returns (last epoch run, next epoch), like `serve_task`.
+
+    A task seen for the first time is called from Python (entering the trampoline costs a slower
+    dispatch, wasted if the arguments change every run); from its second run on, a numba kernel
+    is served by `serve_task` for as long as it stays the current task."""
     task = state.task
     assert task is not None
     try:
-        if task.is_numba:
+        if task.is_numba and task.task_id == previous_task_id:
             return serve_task(task.kernel, tid, state.barrier, state.control, task.args, task.task_id,
                               epoch, state.max_spins)
         task.kernel(tid, state.num_threads, state.barrier, *task.args)
@@ -309,8 +312,11 @@ def _serve(state: _PoolState, tid: int, epoch: int) -> tuple[int, int]:
 def _worker_main(state: _PoolState, tid: int) -> None:
     """A worker's whole life: wait for an epoch, serve it, park when idle; until shutdown."""
     epoch = wait_for_work(state.control, 0, state.max_spins)
+    previous_task_id = 0
     while not load_acquire_from_python(state.control, SHUTDOWN):
-        last_run, epoch = _serve(state, tid, epoch)
+        task_id = state.task.task_id if state.task is not None else 0
+        last_run, epoch = _serve(state, tid, epoch, previous_task_id)
+        previous_task_id = task_id
         if epoch == last_run:  # spun for spin_us in vain: park
             epoch = wait_for_work(state.control, last_run, state.max_spins)
 
