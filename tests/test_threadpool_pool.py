@@ -298,10 +298,9 @@ def test_close_joins_every_worker_and_later_runs_fail() -> None:
 
 def test_context_manager_joins_workers_even_after_an_error() -> None:
     threads_before = set(threading.enumerate())
-    with pytest.raises(KeyError):
-        with SpinPool(2) as pool:
-            pool.run(do_nothing)
-            raise KeyError("boom")
+    with pytest.raises(KeyError), SpinPool(2) as pool:
+        pool.run(do_nothing)
+        raise KeyError("boom")
     assert set(threading.enumerate()) == threads_before
 
 

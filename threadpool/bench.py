@@ -25,8 +25,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from functools import partial
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -268,7 +268,7 @@ def measure_prange_layers(num_threads: int, budget_s: float) -> dict[str, dict[s
         env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(Path(sys.prefix) / "lib"),
                                                               env.get("LD_LIBRARY_PATH")]))
         command = [sys.executable, "-m", "threadpool.bench", "--prange-here", "--budget", str(budget_s)]
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
         if done.returncode != 0:
             last_line = (done.stderr.strip().splitlines() or ["exited with " + str(done.returncode)])[-1]
             results[layer] = {"error": last_line}
@@ -350,49 +350,81 @@ def compute_ratios(report: dict[str, Any]) -> dict[str, float | None]:
 
 
 def format_report(report: dict[str, Any]) -> str:
-    lines = [f"# treadle bench pool — {report['machine']['cpu']}, {report['machine']['usable_cores']} cores, "
-             f"numba {report['machine']['numba']}, load avg {report['machine']['load_average_before']}", ""]
-    lines += ["| barrier episode | median ns | p90 ns |", "| --- | ---: | ---: |"]
-    for num_threads, stats in report["barrier_ns"].items():
-        lines.append(f"| {num_threads} thread(s) | {stats['median']:.0f} | {stats['p90']:.0f} |")
+    machine = report["machine"]
+    title = (f"# treadle bench pool: {machine['cpu']}, {machine['usable_cores']} cores, numba {machine['numba']}, "
+             f"load average {machine['load_average_before']} before, {machine['load_average_after']} after")
+    sections = [title, _barrier_table(report), _pool_run_table(report), _steps_table(report),
+                _paired_ratio_table(report), _idle_table(report), _asyncio_table(report), _targets_table(report)]
+    return "\n\n".join(sections)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    align = ["---"] + ["---:"] * (len(header) - 1)
+    return "\n".join("| " + " | ".join(cells) + " |" for cells in [header, align, *rows])
+
+
+def _barrier_table(report: dict[str, Any]) -> str:
+    rows = [[f"{num_threads} thread(s)", f"{stats['median']:.0f}", f"{stats['p90']:.0f}"]
+            for num_threads, stats in report["barrier_ns"].items()]
+    return _table(["barrier episode", "median ns", "p90 ns"], rows)
+
+
+def _pool_run_table(report: dict[str, Any]) -> str:
     runs = report["pool_run_us"]
-    lines += ["", "| pool.run(empty kernel) | median µs | p90 µs |", "| --- | ---: | ---: |",
-              f"| workers spinning | {runs['spinning']['median']:.1f} | {runs['spinning']['p90']:.1f} |",
-              f"| workers parked (wake-up) | {runs['from_parked']['median']:.1f} | {runs['from_parked']['p90']:.1f} |"]
-    lines += ["", f"| step of {NUM_OPS} ops, µs per step (median) | tiny (64 floats) | per op | "
-              "matvec 576² | per op |", "| --- | ---: | ---: | ---: | ---: |"]
-    rows = {name: {kind: report["steps_us"][kind][name] for kind in OP_KINDS} for name in report["steps_us"]["tiny"]}
+    rows = [[label, f"{runs[key]['median']:.1f}", f"{runs[key]['p90']:.1f}"]
+            for label, key in (("workers spinning", "spinning"), ("workers parked (wake-up)", "from_parked"))]
+    return _table(["pool.run(empty kernel)", "median µs", "p90 µs"], rows)
+
+
+def _steps_table(report: dict[str, Any]) -> str:
+    approaches = {name: {kind: report["steps_us"][kind][name] for kind in OP_KINDS}
+                  for name in report["steps_us"]["tiny"]}
     for layer, measured in report["prange_us"].items():
-        rows[f"numba prange, {layer}"] = measured
+        approaches[f"numba prange, {layer}"] = measured
         if "error" not in measured:
-            rows[f"SpinPool, paired with {layer}"] = {kind: measured[kind + " SpinPool (paired)"] for kind in OP_KINDS}
-    for name, measured in rows.items():
+            approaches[f"SpinPool, paired with {layer}"] = {
+                kind: measured[kind + " SpinPool (paired)"] for kind in OP_KINDS}
+    rows = []
+    for name, measured in approaches.items():
         if "error" in measured:
-            lines.append(f"| {name} | unavailable: {measured['error'][:60]} | | | |")
+            rows.append([name, f"unavailable: {measured['error'][:60]}", "", "", ""])
             continue
         tiny, matvec = measured["tiny"]["median"], measured["matvec"]["median"]
-        lines.append(f"| {name} | {tiny:.1f} | {tiny / NUM_OPS:.2f} | {matvec:.0f} | {matvec / NUM_OPS:.2f} |")
-    lines += ["", "| prange layer | prange / SpinPool, tiny | prange / SpinPool, matvec |", "| --- | ---: | ---: |"]
-    for layer, measured in report["prange_us"].items():
-        if "error" not in measured:
-            tiny, matvec = paired_ratio(measured, "tiny"), paired_ratio(measured, "matvec")
-            lines.append(f"| {layer} (paired, same process) | {tiny:.2f} | {matvec:.2f} |")
-    idle = report["idle_cpu_percent"]
-    lines += ["", "| idle pool, process CPU | % of one core |", "| --- | ---: |"]
-    lines += [f"| {label} | {percent:.2f} |" for label, percent in idle.items()]
-    lines += ["", "| asyncio sleep(1 ms) lateness while steps run | p50 ms | p99 ms | max ms | step p50 ms | step p99 ms |",
-              "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        rows.append([name, f"{tiny:.1f}", f"{tiny / NUM_OPS:.2f}", f"{matvec:.0f}", f"{matvec / NUM_OPS:.2f}"])
+    header = [f"step of {NUM_OPS} ops (median µs)", "tiny (64 floats)", "per op", "matvec 576²", "per op"]
+    return _table(header, rows)
+
+
+def _paired_ratio_table(report: dict[str, Any]) -> str:
+    rows = [[f"{layer} (same process, alternating)", f"{paired_ratio(measured, 'tiny'):.2f}",
+             f"{paired_ratio(measured, 'matvec'):.2f}"]
+            for layer, measured in report["prange_us"].items() if "error" not in measured]
+    return _table(["prange step / SpinPool step", "tiny", "matvec"], rows)
+
+
+def _idle_table(report: dict[str, Any]) -> str:
+    rows = [[label, f"{percent:.2f}"] for label, percent in report["idle_cpu_percent"].items()]
+    return _table(["idle pool, process CPU", "% of one core"], rows)
+
+
+def _asyncio_table(report: dict[str, Any]) -> str:
+    rows = []
     for label, measured in report["asyncio"].items():
         late, step = measured["loop_lateness_ms"], measured.get("step_ms")
-        step_cells = f"{step['median']:.2f} | {step['p99']:.2f}" if step else "– | –"
-        lines.append(f"| {label} | {late['median']:.3f} | {late['p99']:.3f} | {late['max']:.2f} | {step_cells} |")
-    lines += ["", "| target | measured | wanted | met |", "| --- | ---: | ---: | :---: |"]
+        step_cells = [f"{step['median']:.2f}", f"{step['p99']:.2f}"] if step else ["–", "–"]
+        rows.append([label, f"{late['median']:.3f}", f"{late['p99']:.3f}", f"{late['max']:.2f}", *step_cells])
+    header = ["asyncio sleep(1 ms) lateness", "p50 ms", "p99 ms", "max ms", "step p50 ms", "step p99 ms"]
+    return _table(header, rows)
+
+
+def _targets_table(report: dict[str, Any]) -> str:
+    rows = []
     for name, (relation, wanted) in TARGETS.items():
         value = report["ratios"][name]
-        met = "?" if value is None else ("yes" if (value <= wanted if relation == "<=" else value >= wanted) else "NO")
-        shown = "n/a" if value is None else f"{value:.2f}"
-        lines.append(f"| {name} | {shown} | {relation} {wanted:g} | {met} |")
-    return "\n".join(lines)
+        is_met = value is not None and (value <= wanted if relation == "<=" else value >= wanted)
+        rows.append([name, "n/a" if value is None else f"{value:.2f}", f"{relation} {wanted:g}",
+                     "?" if value is None else ("yes" if is_met else "NO")])
+    return _table(["target", "measured", "wanted", "met"], rows)
 
 
 def machine_description() -> dict[str, Any]:

@@ -24,6 +24,7 @@ between the worker's check and its sleep. No wake-up is ever lost.
 from __future__ import annotations
 
 import ctypes
+import functools
 import platform
 import sys
 import time
@@ -80,8 +81,10 @@ def calibrate_spin(num_spins: int) -> int:
     return spin_while_equal(words, 0, 0, num_spins)
 
 
+@functools.cache
 def nanoseconds_per_spin() -> float:
-    """Duration of one spin iteration (an atomic load and a `pause`), best of a few tries."""
+    """Duration of one spin iteration (an atomic load and a `pause`), best of a few tries;
+    measured once per process (pause takes ~10-150 cycles depending on the CPU)."""
     num_spins = 20_000
     calibrate_spin(1)  # compile or load from cache outside the timing
     best_seconds = float("inf")

@@ -35,7 +35,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 from numba import njit
@@ -90,8 +90,19 @@ class _PoolState:
     """Everything the workers share with the pool. Holds no reference to the SpinPool, so that
     dropping the last reference to the pool runs its finalizer, which stops the workers."""
 
-    __slots__ = ("num_threads", "barrier", "control", "max_spins", "epoch", "task", "errors",
-                 "run_lock", "running_thread", "worker_idents", "is_closed")
+    __slots__ = (
+        "barrier",
+        "control",
+        "epoch",
+        "errors",
+        "is_closed",
+        "max_spins",
+        "num_threads",
+        "run_lock",
+        "running_thread",
+        "task",
+        "worker_idents",
+    )
 
     def __init__(self, num_threads: int, max_spins: int) -> None:
         self.num_threads = num_threads
@@ -164,7 +175,7 @@ class SpinPool:
         """Stop and join every worker. Idempotent; `run` fails afterwards."""
         self._finalizer()
 
-    def __enter__(self) -> SpinPool:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(
