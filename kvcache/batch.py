@@ -22,7 +22,9 @@ class KVBatchArrays:
     slot_mapping: np.ndarray  # (num_tokens,) int32: block_id * block_size + offset receiving each row's K/V
 
 
-def build_batch_arrays(kv: KVCacheManager, seq_ids: Sequence[int], query_lens: Sequence[int]) -> KVBatchArrays:
+def build_batch_arrays(
+    kv: KVCacheManager, seq_ids: Sequence[int], query_lens: Sequence[int]
+) -> KVBatchArrays:
     """Arrays for a step whose sequence `seq_ids[s]` computes its last `query_lens[s]` positions.
 
     Call after this step's `append_slots`: `query_lens[s]` is how many tokens that call was given, and
@@ -48,4 +50,6 @@ def build_batch_arrays(kv: KVCacheManager, seq_ids: Sequence[int], query_lens: S
     positions += (first_position - query_start_loc[:-1])[seq_of_row]
     block_size = kv.block_size
     slot_mapping = block_tables[seq_of_row, positions // block_size] * block_size + positions % block_size
-    return KVBatchArrays(block_tables, context_lens, query_start_loc, positions, slot_mapping.astype(np.int32))
+    return KVBatchArrays(
+        block_tables, context_lens, query_start_loc, positions, slot_mapping.astype(np.int32)
+    )

@@ -62,7 +62,11 @@ class KVCacheManager:
     """Block tables for every live sequence, with automatic prefix caching over full blocks."""
 
     def __init__(
-        self, num_blocks: int, block_size: int = 16, max_model_len: int = 8192, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        max_model_len: int = 8192,
+        enable_prefix_caching: bool = True,
     ) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -236,7 +240,9 @@ class KVCacheManager:
 
     def _num_blocks_to_append(self, seq: _SequenceBlocks, num_new_tokens: int) -> int:
         num_new_blocks = max(0, self._num_blocks_for(seq.num_tokens + num_new_tokens) - seq.num_blocks)
-        return num_new_blocks + len(self._shared_blocks_in(seq, seq.num_tokens, seq.num_tokens + num_new_tokens))
+        return num_new_blocks + len(
+            self._shared_blocks_in(seq, seq.num_tokens, seq.num_tokens + num_new_tokens)
+        )
 
     def _shared_blocks_in(self, seq: _SequenceBlocks, start: int, end: int) -> list[int]:
         """Logical blocks already held and shared with another sequence among positions [start, end)."""

@@ -47,7 +47,9 @@ def make_case(
         values.append(rng.standard_normal((context_len, n_kv_heads, head_dim), dtype=np.float32))
         queries.append(rng.standard_normal((context_len, n_heads, head_dim), dtype=np.float32))
         positions = np.arange(context_len)
-        slots = (block_tables[seq, positions // block_size] * block_size + positions % block_size).astype(np.int32)
+        slots = (block_tables[seq, positions // block_size] * block_size + positions % block_size).astype(
+            np.int32
+        )
         write_kv_rows(keys[-1], values[-1], key_cache, value_cache, slots, 0, 1)
     return PagedCase(keys, values, queries, block_tables, key_cache, value_cache)
 
@@ -57,7 +59,9 @@ def run_paged(
 ) -> np.ndarray:
     """Attention of the last query_lens[i] positions of seqs[i], its context cut at context_lens[i];
     the threads are simulated one after another."""
-    query = np.concatenate([case.queries[seq][n - q : n] for seq, n, q in zip(seqs, context_lens, query_lens, strict=True)])
+    query = np.concatenate(
+        [case.queries[seq][n - q : n] for seq, n, q in zip(seqs, context_lens, query_lens, strict=True)]
+    )
     query_start_loc = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
     n_heads, head_dim = case.queries[0].shape[1:]
     n_kv_heads, _, block_size = case.key_cache.shape[1:]
@@ -65,13 +69,23 @@ def run_paged(
     scratch = attention_scratch(nthreads, n_heads, n_kv_heads, head_dim, block_size)
     for tid in range(nthreads):
         paged_attention_rows(
-            out, query, case.key_cache, case.value_cache, case.block_tables[seqs],
-            np.asarray(context_lens, dtype=np.int32), query_start_loc, scratch, tid, nthreads,
-        )  # fmt: skip
+            out,
+            query,
+            case.key_cache,
+            case.value_cache,
+            case.block_tables[seqs],
+            np.asarray(context_lens, dtype=np.int32),
+            query_start_loc,
+            scratch,
+            tid,
+            nthreads,
+        )
     return out
 
 
-def dense_causal_attention(keys: np.ndarray, values: np.ndarray, queries: np.ndarray, query_len: int) -> np.ndarray:
+def dense_causal_attention(
+    keys: np.ndarray, values: np.ndarray, queries: np.ndarray, query_len: int
+) -> np.ndarray:
     """Plain float64 softmax(q k^T / sqrt(d)) v over positions 0..p, for the last query_len positions p."""
     context_len, n_kv_heads, head_dim = keys.shape
     n_heads = queries.shape[1]
@@ -100,15 +114,24 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("context_lens", "query_lens", "block_size", "n_heads", "n_kv_heads", "head_dim"), CASES)
+@pytest.mark.parametrize(
+    ("context_lens", "query_lens", "block_size", "n_heads", "n_kv_heads", "head_dim"), CASES
+)
 def test_paged_attention_equals_dense_causal_attention(
-    context_lens: list[int], query_lens: list[int], block_size: int, n_heads: int, n_kv_heads: int, head_dim: int
+    context_lens: list[int],
+    query_lens: list[int],
+    block_size: int,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
 ) -> None:
     rng = np.random.default_rng(sum(context_lens) * 7 + block_size)
     case = make_case(rng, context_lens, block_size, n_heads, n_kv_heads, head_dim)
     seqs = list(range(len(context_lens)))
     out = run_paged(case, seqs, context_lens, query_lens, nthreads=2)
-    expected = np.concatenate([dense(case, seq, query_len) for seq, query_len in zip(seqs, query_lens, strict=True)])
+    expected = np.concatenate(
+        [dense(case, seq, query_len) for seq, query_len in zip(seqs, query_lens, strict=True)]
+    )
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -136,8 +159,36 @@ def test_output_is_bit_identical_for_any_thread_count(nthreads: int) -> None:
     case = make_case(np.random.default_rng(3), context_lens, 16, 9, 3, 64)
     seqs = list(range(4))
     np.testing.assert_array_equal(
-        run_paged(case, seqs, context_lens, query_lens, nthreads), run_paged(case, seqs, context_lens, query_lens)
+        run_paged(case, seqs, context_lens, query_lens, nthreads),
+        run_paged(case, seqs, context_lens, query_lens),
     )
+
+
+@pytest.mark.parametrize("nthreads", [2, 3])
+def test_each_output_is_written_by_exactly_one_thread(nthreads: int) -> None:
+    context_lens, query_lens = [40, 3, 17], [12, 1, 17]
+    case = make_case(np.random.default_rng(8), context_lens, 8, 6, 2, 16)
+    written = []
+    for tid in range(nthreads):  # each thread alone, on an output full of NaN
+        query = np.concatenate(
+            [case.queries[s][n - q : n] for s, n, q in zip(range(3), context_lens, query_lens, strict=True)]
+        )
+        out = np.full_like(query, np.nan)
+        paged_attention_rows(
+            out,
+            query,
+            case.key_cache,
+            case.value_cache,
+            case.block_tables,
+            np.asarray(context_lens, dtype=np.int32),
+            np.array([0, 12, 13, 30], dtype=np.int32),
+            attention_scratch(nthreads, 6, 2, 16, 8),
+            tid,
+            nthreads,
+        )
+        written.append(~np.isnan(out).all(axis=2))  # (num_tokens, n_heads): which outputs this thread wrote
+    assert (np.sum(written, axis=0) == 1).all()
+    assert all(w.any() for w in written)  # the work is shared, not all done by one thread
 
 
 def test_sequence_output_is_bit_identical_whatever_shares_its_batch() -> None:

@@ -96,7 +96,9 @@ def num_indexed_prefix_blocks(kv: KVCacheManager, token_ids: list[int]) -> int:
     """How many leading full blocks of token_ids the prefix index still holds."""
     block_hash = ROOT_HASH
     for num_blocks in range(len(token_ids) // BLOCK_SIZE):
-        block_hash = hash_block(block_hash, token_ids[num_blocks * BLOCK_SIZE : (num_blocks + 1) * BLOCK_SIZE])
+        block_hash = hash_block(
+            block_hash, token_ids[num_blocks * BLOCK_SIZE : (num_blocks + 1) * BLOCK_SIZE]
+        )
         if kv.pool.lookup(block_hash) is None:
             return num_blocks
     return len(token_ids) // BLOCK_SIZE
@@ -295,11 +297,28 @@ def test_manager_storage_and_kernels_together_equal_dense_attention() -> None:
         storage.copy_blocks(kv.append_slots(seq_id, token_ids[start:end]))
         arrays = build_batch_arrays(kv, [seq_id], [end - start])
         for tid in range(2):
-            write_kv_rows(keys[start:end], values[start:end], storage.key_cache[0], storage.value_cache[0],
-                          arrays.slot_mapping, tid, 2)  # fmt: skip
+            write_kv_rows(
+                keys[start:end],
+                values[start:end],
+                storage.key_cache[0],
+                storage.value_cache[0],
+                arrays.slot_mapping,
+                tid,
+                2,
+            )
         for tid in range(2):
-            paged_attention_rows(out[start:end], queries[start:end], storage.key_cache[0], storage.value_cache[0],
-                                 arrays.block_tables, arrays.context_lens, arrays.query_start_loc, scratch, tid, 2)  # fmt: skip
+            paged_attention_rows(
+                out[start:end],
+                queries[start:end],
+                storage.key_cache[0],
+                storage.value_cache[0],
+                arrays.block_tables,
+                arrays.context_lens,
+                arrays.query_start_loc,
+                scratch,
+                tid,
+                2,
+            )
 
     kv.allocate(1, token_ids[:10])
     run_step(1, 0, 10)
