@@ -66,7 +66,8 @@ def invalid_body(exc: ValidationError) -> APIError:
     """The first pydantic error as a 400 naming its field (`messages.0.content`)."""
     first = exc.errors(include_url=False)[0]
     param = ".".join(str(part) for part in first["loc"]) or None
-    message = first["msg"] if param is None else f"{param}: {first['msg']}"
+    detail = first["msg"].removeprefix("Value error, ")
+    message = detail if param is None else f"{param}: {detail}"
     return APIError(400, message, param=param, code="invalid_value")
 
 

@@ -5,11 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-import numpy as np
-
 from decoding import DEFAULT_MODEL, ModelLoadError, TemplateError, load_model
-from decoding.detokenizer import IncrementalDetokenizer
-from decoding.reference import forward_logits
+from decoding.engine import Engine, EngineConfig, RequestTooLarge
+from decoding.params import InvalidParams, SamplingParams
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -22,24 +20,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--threads", type=int, default=None, help="pool threads (default: every usable core)")
     args = parser.parse_args(argv)
     if args.max_tokens <= 0:
         parser.error("--max-tokens must be positive")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         parser.error("--temperature must be >= 0 and --top-p in (0, 1]")
     return args
-
-
-def _sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:
-    if temperature == 0:
-        return int(np.argmax(logits))
-    z = logits.astype(np.float64) / temperature
-    probs = np.exp(z - z.max())
-    probs /= probs.sum()
-    order = np.argsort(-probs, kind="stable")
-    keep = np.cumsum(probs[order]) - probs[order] < top_p
-    kept = order[keep]
-    return int(rng.choice(kept, p=probs[kept] / probs[kept].sum()))
 
 
 def main(argv: list[str]) -> int:
@@ -56,18 +43,20 @@ def main(argv: list[str]) -> int:
         print(f"treadle: error: {exc}", file=sys.stderr)
         return 2
     ids = tok.encode(text, add_special_tokens=True)
-    if len(ids) + args.max_tokens > model.config.max_context:
-        print(f"treadle: error: prompt ({len(ids)} tokens) + max tokens exceed the context "
-              f"({model.config.max_context})", file=sys.stderr)
+    engine = Engine(model, EngineConfig(max_num_seqs=1, n_threads=args.threads, kv_cache_mb=64)).start()
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                seed=args.seed)
+        for output in engine.submit(ids, params):
+            sys.stdout.write(output.text)
+            sys.stdout.flush()
+            if output.finish_reason == "error":
+                print(f"\ntreadle: error: {output.error}", file=sys.stderr)
+                return 1
+    except (RequestTooLarge, InvalidParams) as exc:
+        print(f"treadle: error: {exc}", file=sys.stderr)
         return 2
-    rng = np.random.default_rng(args.seed)
-    detok = IncrementalDetokenizer(tok, ids)
-    for _ in range(args.max_tokens):
-        token = _sample(forward_logits(model, ids)[-1], args.temperature, args.top_p, rng)
-        if token in model.config.eos_token_ids:
-            break
-        ids.append(token)
-        sys.stdout.write(detok.add(token))
-        sys.stdout.flush()
-    sys.stdout.write(detok.flush() + "\n")
+    finally:
+        engine.shutdown()
+    sys.stdout.write("\n")
     return 0

@@ -10,14 +10,39 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    field_validator,
+    model_validator,
+)
 
 from decoding.params import MAX_N, MAX_TOP_LOGPROBS, SamplingParams
 
 from .errors import APIError
 
+
+def _one_of(message: str) -> WrapValidator:
+    """One plain message for a union field, instead of one pydantic error per member of the union."""
+
+    def validate(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError(message) from None
+
+    return WrapValidator(validate)
+
+
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+Prompt = Annotated[NonEmptyStr | TokenIds, _one_of("must be a non-empty string or a non-empty list of token ids")]
+Stop = Annotated[str | list[str], _one_of("must be a string or a list of strings")]
 
 
 class _Body(BaseModel):
@@ -29,9 +54,12 @@ class TextPart(_Body):
     text: str
 
 
+Content = Annotated[str | list[TextPart], _one_of("must be a string or a list of {type: text, text} parts")]
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Content | None = None
     name: str | None = None
 
     def as_template_input(self) -> dict[str, Any]:
@@ -59,7 +87,7 @@ class _SamplingBody(_Body):
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     n: int = Field(1, ge=1, le=MAX_N)
-    stop: str | list[str] | None = None
+    stop: Stop | None = None
     seed: int | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
@@ -103,11 +131,12 @@ class ChatCompletionRequest(_SamplingBody):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
-    @model_validator(mode="after")
-    def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs: true")
-        return self
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("requires logprobs: true")
+        return value
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -122,7 +151,7 @@ class ChatCompletionRequest(_SamplingBody):
 
 
 class CompletionRequest(_SamplingBody):
-    prompt: NonEmptyStr | TokenIds  # one prompt: text, or token ids
+    prompt: Prompt  # one prompt: text, or token ids
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # the top k alternatives per token
 

@@ -27,6 +27,13 @@ log = logging.getLogger("treadle")
 
 RETRY_AFTER_SECONDS = "1"  # a queue slot frees when any request ends: usually within a second or two
 
+# Greedy, then sampled with every option, so the first clients' requests meet no first-use costs.
+WARM_UP_PARAMS = (
+    SamplingParams(max_tokens=2, temperature=0),
+    SamplingParams(max_tokens=2, temperature=1.0, top_p=0.9, top_k=8, min_p=0.01, repetition_penalty=1.1,
+                   presence_penalty=0.1, seed=0, n=2, logprobs=1),
+)
+
 
 class ServingState:
     """What every route needs: the engine (once warm), the model's tokenizer, settings and metrics."""
@@ -52,13 +59,15 @@ class ServingState:
             log.info("warming up %s (the first start compiles kernels: about a minute) ...", self.model_name)
             self.engine.start()
             bos = self.model.tokenizer.bos_token_id
-            self.engine.generate([bos if bos is not None else 0], SamplingParams(max_tokens=2, temperature=0))
+            prompt = [bos if bos is not None else 0]
+            for params in WARM_UP_PARAMS:
+                self.engine.generate(prompt, params)
             self.metrics.attach(self.engine)  # after the warm-up, which is nobody's request
             self.is_ready = True
             log.info("ready in %.1f s: %s, %d KV blocks of %d tokens, max_queue %d", time.perf_counter() - started,
                      self.model_name, self.engine.kv.num_total_blocks, self.engine.config.block_size,
                      self.settings.max_queue)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever stops the warm-up, report it and stop serving
             self.startup_error = f"{type(exc).__name__}: {exc}"
             log.error("warm-up failed: %s", self.startup_error)
             if self._on_startup_failure is not None:
