@@ -1,0 +1,50 @@
+"""The KV benchmark's simulations: deterministic figures that move the right way."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvcache import bench
+
+
+def test_paging_holds_several_times_more_tokens_per_mib_than_max_context_buffers() -> None:
+    contiguous, paged, shared = bench.memory_efficiency(np.random.default_rng(0), num_seqs=16)
+    assert contiguous["tokens"] == paged["tokens"] == shared["tokens"]
+    assert paged["tokens_per_mib"] > 5 * contiguous["tokens_per_mib"]
+    # Paged waste is under one block per sequence; sharing the system prompt holds even more.
+    assert paged["kv_mib"] < (paged["tokens"] + 16 * 16) * bench.SPEC.bytes_per_token / bench.MIB
+    assert shared["tokens_per_mib"] > paged["tokens_per_mib"]
+
+
+def test_chat_replay_hits_more_with_a_larger_cache() -> None:
+    rates = [
+        bench.chat_replay(np.random.default_rng(1), mb, num_conversations=12)["hit_rate"]
+        for mb in (128, None)
+    ]
+    assert 0 < rates[0] < rates[1] < 1
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_decode_attention_timings_cover_every_shape(
+    num_threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(bench, "DECODE_SHAPES", ((2, 40), (1, 17)))
+    rows = bench.decode_attention_times(np.random.default_rng(2), num_threads, repeats=1)
+    assert [(r["batch"], r["context"], r["threads"]) for r in rows] == [
+        (2, 40, num_threads),
+        (1, 17, num_threads),
+    ]
+    assert all(r["us_per_layer"] > 0 for r in rows)
+
+
+def test_main_writes_the_figures_as_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bench, "DECODE_SHAPES", ((1, 16),))
+    monkeypatch.setattr(bench, "CHAT_CACHE_MIB", (None,))
+    path = tmp_path / "kv.json"
+    assert bench.main(["--json", str(path)]) == 0
+    results = json.loads(path.read_text())
+    assert set(results) == {"model", "memory", "prefix_cache", "decode_attention"}
