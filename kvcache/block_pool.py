@@ -48,10 +48,11 @@ def hash_block(parent_hash: BlockHash, token_ids: Sequence[int]) -> BlockHash:
 class BlockPool:
     """Hands out block ids, counts their references and indexes full blocks by hash."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1:
             raise KVCacheError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
+        self.block_size = block_size
         self._ref_counts: list[int] = [0] * num_blocks
         self._block_hashes: list[BlockHash | None] = [None] * num_blocks
         # Popped from the end, so block 0 goes out first: a lightly loaded engine touches little memory.
@@ -88,6 +89,33 @@ class BlockPool:
     def lookup(self, block_hash: BlockHash) -> int | None:
         """The block holding this full block's KV, used or cached, if any."""
         return self._block_id_by_hash.get(block_hash)
+
+    def match_prefix(self, token_ids: Sequence[int], max_num_blocks: int) -> tuple[list[int], BlockHash]:
+        """The indexed blocks of the longest run (up to max_num_blocks) of token_ids' leading full
+        blocks, and the hash of the last one (ROOT_HASH if none). Takes no reference."""
+        block_ids: list[int] = []
+        block_hash = ROOT_HASH
+        tokens = array("i", token_ids)  # sliced per block without building Python lists
+        for start in range(0, max_num_blocks * self.block_size, self.block_size):
+            next_hash = hash_block(block_hash, tokens[start : start + self.block_size])
+            block_id = self._block_id_by_hash.get(next_hash)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+            block_hash = next_hash
+        return block_ids, block_hash
+
+    def publish_chain(
+        self, block_ids: Sequence[int], parent_hash: BlockHash, token_ids: Sequence[int]
+    ) -> BlockHash:
+        """Publish consecutive full blocks holding token_ids after the block hashed parent_hash;
+        returns the last block's hash, the parent of whatever follows."""
+        tokens = array("i", token_ids)
+        for index, block_id in enumerate(block_ids):
+            start = index * self.block_size
+            parent_hash = hash_block(parent_hash, tokens[start : start + self.block_size])
+            self.publish(block_id, parent_hash)
+        return parent_hash
 
     def allocate(self) -> int:
         """A fresh block with one reference; its contents are whatever was there before."""

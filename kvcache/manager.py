@@ -21,13 +21,12 @@ finds the sequence's own blocks again unless they were evicted.
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from kvcache.block_pool import ROOT_HASH, BlockHash, BlockPool, hash_block
+from kvcache.block_pool import BlockHash, BlockPool
 from kvcache.errors import CacheTooSmall, KVCacheError, OutOfBlocks, SequenceTooLong
 
 # (source block id, destination block id): a copy the runner performs, on every layer's K and V,
@@ -72,7 +71,7 @@ class KVCacheManager:
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, block_size)
         self.stats = PrefixCacheStats()
         self._seqs: dict[int, _SequenceBlocks] = {}
 
@@ -214,24 +213,10 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def _match_prefix(self, prompt_ids: Sequence[int]) -> tuple[list[int], BlockHash]:
-        """The cached blocks of the longest run of full prompt blocks, and the last one's hash.
-
-        Only blocks that end before the last prompt token count: that token is always recomputed.
-        """
-        hit_block_ids: list[int] = []
-        block_hash = ROOT_HASH
-        if not self.enable_prefix_caching:
-            return hit_block_ids, block_hash
-        tokens = array("i", prompt_ids)  # sliced per block without building Python lists
-        for logical_block in range((len(prompt_ids) - 1) // self.block_size):
-            start = logical_block * self.block_size
-            next_hash = hash_block(block_hash, tokens[start : start + self.block_size])
-            block_id = self.pool.lookup(next_hash)
-            if block_id is None:
-                break
-            hit_block_ids.append(block_id)
-            block_hash = next_hash
-        return hit_block_ids, block_hash
+        """Cached blocks of the prompt's longest indexed prefix and the last one's hash. Only blocks
+        that end before the last prompt token count: that token always runs, to give logits."""
+        max_num_blocks = (len(prompt_ids) - 1) // self.block_size if self.enable_prefix_caching else 0
+        return self.pool.match_prefix(prompt_ids, max_num_blocks)
 
     def _num_blocks_to_allocate(self, num_prompt_tokens: int, hit_block_ids: list[int]) -> int:
         # A hit on a cached (unreferenced) block takes it out of the available pool too.
@@ -266,14 +251,14 @@ class KVCacheManager:
 
     def _publish_full_blocks(self, seq: _SequenceBlocks) -> None:
         """Index every block filled by the tokens appended so far (their step has run)."""
-        num_full_blocks = seq.num_tokens // self.block_size
-        if num_full_blocks == seq.num_published_blocks:
+        num_new_full = seq.num_tokens // self.block_size - seq.num_published_blocks
+        if num_new_full == 0:
             return
-        tokens = array("i", seq.unpublished_token_ids)
-        for logical_block in range(seq.num_published_blocks, num_full_blocks):
-            start = (logical_block - seq.num_published_blocks) * self.block_size
-            block_hash = hash_block(seq.last_published_hash, tokens[start : start + self.block_size])
-            self.pool.publish(int(seq.block_table[logical_block]), block_hash)
-            seq.last_published_hash = block_hash
-        del seq.unpublished_token_ids[: (num_full_blocks - seq.num_published_blocks) * self.block_size]
-        seq.num_published_blocks = num_full_blocks
+        block_ids = seq.block_table[
+            seq.num_published_blocks : seq.num_published_blocks + num_new_full
+        ].tolist()
+        seq.last_published_hash = self.pool.publish_chain(
+            block_ids, seq.last_published_hash, seq.unpublished_token_ids[: num_new_full * self.block_size]
+        )
+        del seq.unpublished_token_ids[: num_new_full * self.block_size]
+        seq.num_published_blocks += num_new_full
