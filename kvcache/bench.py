@@ -6,7 +6,7 @@
    against one contiguous max-context buffer per sequence; and with a shared system prompt.
 2. Prefix cache: hit rate (prompt tokens found computed / prompt tokens) when multi-turn chats
    are replayed the way clients send them: the whole conversation again, one turn longer each time.
-3. Attention: time of one layer's `paged_attention_rows` for decode batches.
+3. Attention: time of one layer's `paged_attention_rows` for decode batches and prefill chunks.
 
 Lengths are drawn from seeded log-normal distributions, so every run prints the same figures
 for 1 and 2; only the timings of 3 vary with the machine.
@@ -30,7 +30,9 @@ SPEC = KVCacheSpec()  # SmolLM2-135M: 30 layers, 3 KV heads of 64, 16-token bloc
 N_HEADS = 9
 MAX_MODEL_LEN = 8192
 VOCAB_SIZE = 49152
-DECODE_SHAPES = ((1, 512), (1, 8192), (8, 512), (8, 2048), (32, 512), (32, 2048))  # (batch, context)
+# (batch, context, query rows per sequence)
+DECODE_SHAPES = ((1, 512, 1), (1, 8192, 1), (8, 512, 1), (8, 2048, 1), (32, 512, 1), (32, 2048, 1))
+PREFILL_SHAPES = ((1, 512, 512), (1, 2048, 512))
 CHAT_CACHE_MIB = (256, 1024, None)  # None: a cache that never evicts
 
 
@@ -105,37 +107,48 @@ def chat_replay(rng: np.random.Generator, kv_cache_mb: float | None, num_convers
     }
 
 
-def decode_attention_times(rng: np.random.Generator, num_threads: int, repeats: int = 7) -> list[dict]:
-    """Best-of-`repeats` time of one layer's decode attention (the machines are shared: the minimum is
-    the least disturbed run). With several threads the kernel runs on a Python
-    thread pool (nogil), whose hand-off adds ~0.1 ms per call that the engine's spin pool does not."""
+def attention_times(
+    rng: np.random.Generator, num_threads: int, prefill: bool = False, repeats: int = 7
+) -> list[dict]:
+    """Best-of-`repeats` time of one layer's attention (the machines are shared: the minimum is the
+    least disturbed run), for decode batches or one prefill chunk at the end of its context.
+
+    With several threads the kernel runs on a Python thread pool (nogil), whose hand-off adds
+    ~0.1 ms per call that the engine's spin pool does not.
+    """
     rows = []
     with ThreadPoolExecutor(num_threads) as executor:
-        for batch_size, context_len in DECODE_SHAPES:
-            seconds = _time_decode(rng, executor, num_threads, batch_size, context_len, repeats)
-            kv_bytes = batch_size * context_len * SPEC.bytes_per_token // SPEC.n_layers
-            rows.append(
-                {
-                    "batch": batch_size,
-                    "context": context_len,
-                    "threads": num_threads,
-                    "us_per_layer": round(seconds * 1e6, 1),
-                    "ms_per_step_30_layers": round(seconds * SPEC.n_layers * 1e3, 2),
-                    "kv_read_gb_s": round(kv_bytes / seconds / 1e9, 1),
-                    "ns_per_key_per_head": round(seconds / (batch_size * context_len * N_HEADS) * 1e9, 2),
-                }
-            )
+        for batch_size, context_len, query_len in PREFILL_SHAPES if prefill else DECODE_SHAPES:
+            seconds = _time_attention(rng, executor, num_threads, batch_size, context_len, query_len, repeats)
+            num_key_heads = batch_size * N_HEADS * sum(range(context_len - query_len + 1, context_len + 1))
+            row = {
+                "batch": batch_size,
+                "context": context_len,
+                "query_rows": query_len,
+                "threads": num_threads,
+                "us_per_layer": round(seconds * 1e6, 1),
+                "ms_per_step_30_layers": round(seconds * SPEC.n_layers * 1e3, 2),
+                "ns_per_key_per_head": round(seconds / num_key_heads * 1e9, 2),
+            }
+            if prefill:
+                row["ms_per_token_30_layers"] = round(seconds * SPEC.n_layers / query_len * 1e3, 3)
+            else:  # each decode reads its sequence's whole KV of the layer once
+                kv_bytes = batch_size * context_len * SPEC.bytes_per_token // SPEC.n_layers
+                row["kv_read_gb_s"] = round(kv_bytes / seconds / 1e9, 1)
+            rows.append(row)
     return rows
 
 
-def _time_decode(
+def _time_attention(
     rng: np.random.Generator,
     executor: ThreadPoolExecutor,
     num_threads: int,
     batch_size: int,
     context_len: int,
+    query_len: int,
     repeats: int,
 ) -> float:
+    """Random K/V in randomly permuted blocks (the worst case for the memory prefetcher)."""
     head_dim, block_size, n_kv_heads = SPEC.head_dim, SPEC.block_size, SPEC.n_kv_heads
     blocks_per_seq = -(-context_len // block_size)
     num_blocks = batch_size * blocks_per_seq
@@ -143,8 +156,8 @@ def _time_decode(
     value_cache = rng.standard_normal((num_blocks, n_kv_heads, block_size, head_dim), dtype=np.float32)
     block_tables = rng.permutation(num_blocks).astype(np.int32).reshape(batch_size, blocks_per_seq)
     context_lens = np.full(batch_size, context_len, dtype=np.int32)
-    query_start_loc = np.arange(batch_size + 1, dtype=np.int32)
-    query = rng.standard_normal((batch_size, N_HEADS, head_dim), dtype=np.float32)
+    query_start_loc = np.arange(0, batch_size * query_len + 1, query_len, dtype=np.int32)
+    query = rng.standard_normal((batch_size * query_len, N_HEADS, head_dim), dtype=np.float32)
     out = np.empty_like(query)
     scratch = attention_scratch(num_threads, N_HEADS, n_kv_heads, head_dim, block_size)
     args = (out, query, key_cache, value_cache, block_tables, context_lens, query_start_loc, scratch)
@@ -196,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         },
         "memory": memory_efficiency(rng),
         "prefix_cache": [chat_replay(np.random.default_rng(args.seed), mb) for mb in CHAT_CACHE_MIB],
-        "decode_attention": decode_attention_times(rng, args.threads),
+        "decode_attention": attention_times(rng, args.threads),
+        "prefill_attention": attention_times(rng, args.threads, prefill=True, repeats=3),
     }
     print_table("KV memory, 64 chat sequences mid-generation (fp32, 46 KB per token)", results["memory"])
     print_table(
@@ -205,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(
         "Decode attention, one layer (9 query heads over 3 KV heads of 64)", results["decode_attention"]
     )
+    print_table("Prefill attention, one 512-row chunk ending the context", results["prefill_attention"])
     if args.json:
         with open(args.json, "w") as file:
             json.dump(results, file, indent=2)
