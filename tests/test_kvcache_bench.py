@@ -29,22 +29,21 @@ def test_chat_replay_hits_more_with_a_larger_cache() -> None:
 
 
 @pytest.mark.parametrize("num_threads", [1, 2])
-def test_decode_attention_timings_cover_every_shape(
-    num_threads: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(bench, "DECODE_SHAPES", ((2, 40), (1, 17)))
-    rows = bench.decode_attention_times(np.random.default_rng(2), num_threads, repeats=1)
-    assert [(r["batch"], r["context"], r["threads"]) for r in rows] == [
-        (2, 40, num_threads),
-        (1, 17, num_threads),
-    ]
+def test_attention_timings_cover_every_shape(num_threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bench, "DECODE_SHAPES", ((2, 40, 1), (1, 17, 1)))
+    monkeypatch.setattr(bench, "PREFILL_SHAPES", ((1, 30, 9),))
+    rows = bench.attention_times(np.random.default_rng(2), num_threads, repeats=1)
+    rows += bench.attention_times(np.random.default_rng(2), num_threads, prefill=True, repeats=1)
+    shapes = [(r["batch"], r["context"], r["query_rows"], r["threads"]) for r in rows]
+    assert shapes == [(2, 40, 1, num_threads), (1, 17, 1, num_threads), (1, 30, 9, num_threads)]
     assert all(r["us_per_layer"] > 0 for r in rows)
 
 
 def test_main_writes_the_figures_as_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(bench, "DECODE_SHAPES", ((1, 16),))
+    monkeypatch.setattr(bench, "DECODE_SHAPES", ((1, 16, 1),))
+    monkeypatch.setattr(bench, "PREFILL_SHAPES", ((1, 16, 4),))
     monkeypatch.setattr(bench, "CHAT_CACHE_MIB", (None,))
     path = tmp_path / "kv.json"
     assert bench.main(["--json", str(path)]) == 0
     results = json.loads(path.read_text())
-    assert set(results) == {"model", "memory", "prefix_cache", "decode_attention"}
+    assert set(results) == {"model", "memory", "prefix_cache", "decode_attention", "prefill_attention"}
