@@ -338,10 +338,11 @@ class Engine:
 
     # ---- convenience for synchronous callers (CLI, benchmarks, tests) -------------------------------
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[RequestOutput]:
+    def generate(self, prompt_ids: list[int], params: SamplingParams,
+                 request_id: str | None = None) -> list[RequestOutput]:
         """Submit and wait: the merged output of each choice."""
         merged: dict[int, RequestOutput] = {}
-        for output in self.submit(prompt_ids, params):
+        for output in self.submit(prompt_ids, params, request_id):
             if output.index in merged:
                 merged[output.index].merge(output)
             else:

@@ -1,0 +1,121 @@
+"""The model step on the pool against the numpy reference, for mixed batches."""
+
+import numpy as np
+import pytest
+
+from decoding import load_model
+from decoding.quant import QType
+from decoding.reference import forward_logits
+from decoding.runner import ModelRunner, StepBatch
+from kvcache.batch import build_batch_arrays
+from kvcache.manager import KVCacheManager
+from kvcache.storage import KVCacheSpec, KVCacheStorage
+from tests.tinymodel import TinyShape, write_gguf
+from threadpool import SpinPool
+
+BLOCK_SIZE = 8
+
+
+class StepDriver:
+    """Drives the runner by hand: sequences, their tokens, and which of them compute what each step."""
+
+    def __init__(self, model, n_threads: int, num_blocks: int = 128):
+        cfg = model.config
+        spec = KVCacheSpec(n_layers=cfg.n_layers, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                           block_size=BLOCK_SIZE)
+        self.kv = KVCacheManager(num_blocks, BLOCK_SIZE, cfg.max_context, enable_prefix_caching=False)
+        self.pool = SpinPool(n_threads)
+        self.runner = ModelRunner(model, KVCacheStorage.allocate(spec, num_blocks), self.pool, 128, 128)
+        self.tokens: dict[int, list[int]] = {}
+        self.computed: dict[int, int] = {}
+
+    def add(self, seq_id: int, token_ids: list[int]) -> None:
+        self.tokens[seq_id] = list(token_ids)
+        self.computed[seq_id] = self.kv.allocate(seq_id, token_ids)
+
+    def step(self, work: dict[int, int]) -> dict[int, np.ndarray]:
+        """Compute `work[seq_id]` more tokens of each sequence; logits of every computed row."""
+        seq_ids = list(work)
+        chunks = []
+        for seq_id, n in work.items():
+            begin = self.computed[seq_id]
+            chunk = self.tokens[seq_id][begin : begin + n]
+            assert len(chunk) == n
+            self.kv.append_slots(seq_id, chunk)
+            chunks.append(chunk)
+            self.computed[seq_id] += n
+        arrays = build_batch_arrays(self.kv, seq_ids, [len(c) for c in chunks])
+        token_ids = np.asarray([t for c in chunks for t in c], dtype=np.int32)
+        logits = self.runner.forward(StepBatch(token_ids, arrays, np.arange(token_ids.size, dtype=np.int32)))
+        out, row = {}, 0
+        for seq_id, chunk in zip(seq_ids, chunks):
+            out[seq_id] = logits[row : row + len(chunk)].copy()
+            row += len(chunk)
+        return out
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def check_mixed_batches(model, n_threads: int, atol: float) -> None:
+    rng = np.random.default_rng(11)
+    vocab = model.config.vocab_size
+    prompts = {1: 30, 2: 50, 3: 7, 4: 17}
+    full = {s: rng.integers(3, vocab, n + 4).tolist() for s, n in prompts.items()}
+    driver = StepDriver(model, n_threads)
+    try:
+        for s in (1, 2):
+            driver.add(s, full[s])
+        got = {s: [] for s in prompts}
+
+        def run(work):
+            for s, rows in driver.step(work).items():
+                got[s].append(rows)
+
+        run({1: 30, 2: 20})  # a whole prompt beside the first chunk of another
+        driver.add(3, full[3])
+        run({1: 1, 2: 25, 3: 7})  # a decode, a middle chunk, a fresh prompt
+        driver.add(4, full[4])
+        run({2: 5, 1: 1, 3: 1, 4: 9})  # the last chunk, two decodes, a first chunk
+        run({1: 1, 2: 1, 3: 1, 4: 8})
+        run({4: 1, 3: 1, 2: 1, 1: 1})
+        for s in prompts:
+            rows = np.concatenate(got[s])
+            reference = forward_logits(model, full[s][: rows.shape[0]])
+            np.testing.assert_allclose(rows, reference, atol=atol, rtol=0, err_msg=f"sequence {s}")
+    finally:
+        driver.close()
+
+
+@pytest.mark.parametrize("qtype", [QType.F32, QType.F16, QType.BF16, QType.Q4_0, QType.Q4_1, QType.Q8_0])
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_mixed_batch_logits_equal_the_reference(tmp_path_factory, qtype, n_threads):
+    shape = TinyShape(n_layers=2, dim=64, hidden_dim=96, n_heads=4, n_kv_heads=2)
+    path = write_gguf(tmp_path_factory.mktemp("m") / f"{qtype.name}.gguf", shape, qtype=qtype, seed=int(qtype),
+                      embedding_qtype=QType.Q8_0 if qtype == QType.Q4_1 else None)
+    check_mixed_batches(load_model(path), n_threads, atol=1e-4)
+
+
+def test_default_model_mixed_batch_logits_equal_the_reference(default_model):
+    check_mixed_batches(default_model, 2, atol=1e-3)
+
+
+def test_logits_are_identical_whatever_the_thread_count_and_batch(default_model):
+    rng = np.random.default_rng(5)
+    ids = rng.integers(3, 49152, 20).tolist()
+    other = rng.integers(3, 49152, 33).tolist()
+    results = []
+    for n_threads, with_neighbour in ((1, False), (2, False), (2, True), (1, True)):
+        driver = StepDriver(default_model, n_threads)
+        try:
+            driver.add(1, ids)
+            if with_neighbour:
+                driver.add(2, other)
+                rows = driver.step({2: 33, 1: 20})[1]
+            else:
+                rows = driver.step({1: 20})[1]
+            results.append(rows)
+        finally:
+            driver.close()
+    for rows in results[1:]:
+        np.testing.assert_array_equal(rows, results[0])

@@ -1,0 +1,115 @@
+import numpy as np
+import pytest
+
+from decoding.params import InvalidParams, SamplingParams
+from decoding.sampling import SampleRequest, Sampler, apply_penalties, log_softmax
+
+VOCAB = 6
+LOGITS = np.log(np.array([0.5, 0.3, 0.15, 0.05, 1e-9, 1e-9], dtype=np.float32))
+
+
+def request(seed=0, **params) -> SampleRequest:
+    return SampleRequest(SamplingParams(**params), np.random.default_rng(seed), [1, 2], [])
+
+
+def draw(n: int, seed: int = 0, **params) -> np.ndarray:
+    """n tokens from one request's generator, one sampler call per token as in the engine."""
+    sampler, req = Sampler(VOCAB), request(seed, **params)
+    return np.array([sampler.sample(LOGITS[None], [req])[0][0] for _ in range(n)])
+
+
+def test_greedy_takes_the_argmax_and_breaks_ties_by_lowest_id():
+    logits = np.array([[0.0, 3.0, 3.0, 1.0]], dtype=np.float32)
+    tokens, _ = Sampler(4).sample(logits, [request(temperature=0)])
+    assert tokens.tolist() == [1]
+
+
+def test_sampling_follows_the_softmax():
+    tokens = draw(20000, temperature=1.0)
+    freq = np.bincount(tokens, minlength=VOCAB) / tokens.size
+    expected = np.exp(LOGITS) / np.exp(LOGITS).sum()
+    assert np.all(np.abs(freq - expected) < 4 * np.sqrt(expected * (1 - expected) / tokens.size) + 1e-6)
+
+
+def test_temperature_sharpens_and_flattens():
+    cold = np.bincount(draw(4000, temperature=0.3), minlength=VOCAB)
+    hot = np.bincount(draw(4000, temperature=3.0), minlength=VOCAB)
+    assert cold[0] > hot[0] and cold[3] < hot[3]
+
+
+def test_same_seed_same_tokens_other_seed_other_tokens():
+    assert np.array_equal(draw(50, seed=42), draw(50, seed=42))
+    assert not np.array_equal(draw(50, seed=42), draw(50, seed=43))
+
+
+def test_a_rows_tokens_do_not_depend_on_the_other_rows():
+    sampler = Sampler(VOCAB)
+    alone_req = request(seed=9)
+    alone = [sampler.sample(LOGITS[None], [alone_req])[0][0] for _ in range(30)]
+    crowd_req = request(seed=9)
+    others = [request(seed=s, top_k=2) for s in range(5)] + [request(temperature=0)]
+    crowd = []
+    for _ in range(30):
+        batch = np.repeat(LOGITS[None], 7, axis=0)
+        tokens, _ = sampler.sample(batch, others[:3] + [crowd_req] + others[3:])
+        crowd.append(tokens[3])
+    assert alone == crowd
+
+
+@pytest.mark.parametrize(
+    ("params", "allowed"),
+    [
+        ({"top_k": 1}, {0}),
+        ({"top_k": 2}, {0, 1}),
+        ({"top_p": 0.7}, {0, 1}),  # 0.5 < 0.7: the token that crosses top_p is kept
+        ({"top_p": 0.4}, {0}),
+        ({"min_p": 0.5}, {0, 1}),  # 0.3 ≥ 0.5 · 0.5
+        ({"min_p": 0.7}, {0}),
+        ({"top_k": 3, "top_p": 0.9, "min_p": 0.2}, {0, 1, 2}),
+    ],
+)
+def test_truncation_keeps_only_the_allowed_tokens(params, allowed):
+    tokens = set(draw(3000, **params).tolist())
+    assert tokens == allowed
+
+
+def test_logit_bias_forces_and_forbids_tokens():
+    assert set(draw(200, logit_bias={4: 100.0}).tolist()) == {4}
+    assert 0 not in set(draw(500, logit_bias={0: -100.0}).tolist())
+
+
+def test_penalties_follow_vllm_and_openai_definitions():
+    row = np.array([2.0, -2.0, 1.0, 0.5, 0.0, 3.0])
+    req = SampleRequest(SamplingParams(repetition_penalty=2.0), np.random.default_rng(), [0], [1])
+    apply_penalties(row, req)
+    assert row.tolist() == [1.0, -4.0, 1.0, 0.5, 0.0, 3.0]
+    row = np.zeros(VOCAB)
+    req = SampleRequest(SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), np.random.default_rng(), [0],
+                        [2, 2, 2, 5])
+    apply_penalties(row, req)
+    assert row.tolist() == [0.0, 0.0, -1.25, 0.0, 0.0, -0.75]
+
+
+def test_logprobs_are_the_models_log_probabilities_best_first():
+    sampler = Sampler(VOCAB)
+    tokens, logprobs = sampler.sample(LOGITS[None], [request(temperature=0, logprobs=3)])
+    expected = log_softmax(LOGITS[None])[0]
+    lp = logprobs[0]
+    assert lp.token_id == tokens[0] == 0
+    assert lp.logprob == pytest.approx(expected[0], abs=1e-6)
+    assert [t for t, _ in lp.top] == [0, 1, 2]
+    assert [v for _, v in lp.top] == pytest.approx(expected[[0, 1, 2]].tolist(), abs=1e-6)
+    _, none = sampler.sample(LOGITS[None], [request(temperature=0)])
+    assert none == [None]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -2}, {"min_p": 2}, {"max_tokens": 0},
+     {"n": 0}, {"logprobs": 21}, {"presence_penalty": 3}, {"temperature": float("nan")},
+     {"stop": ("",)}, {"logit_bias": {1: 1000.0}}, {"repetition_penalty": 0}],
+)
+def test_out_of_range_parameters_name_themselves(params):
+    with pytest.raises(InvalidParams) as info:
+        SamplingParams(**params)
+    assert info.value.param in {*params, "temperature"}

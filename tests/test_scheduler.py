@@ -1,0 +1,117 @@
+"""The scheduler alone: budgets, chunking, first come first served, preemption. No model, no threads."""
+
+import numpy as np
+
+from decoding.outputs import RequestStream
+from decoding.params import SamplingParams
+from decoding.scheduler import Scheduler
+from decoding.sequence import Request, Sequence, SequenceStatus
+from kvcache.manager import KVCacheManager
+
+
+def make_seq(prompt_len: int, name: str = "r") -> Sequence:
+    request = Request(name, list(range(100, 100 + prompt_len)), SamplingParams(max_tokens=64), RequestStream(name))
+    seq = Sequence(request, 0, detokenizer=None, rng=np.random.default_rng(0))
+    request.sequences.append(seq)
+    return seq
+
+
+def finish_step(scheduler: Scheduler, out, next_token: int = 7) -> None:
+    """What the engine does after the model step: advance, and append a token where a row sampled."""
+    for chunk in out.chunks:
+        chunk.seq.num_computed_tokens += chunk.num_tokens
+        if chunk.samples:
+            chunk.seq.output_ids.append(next_token)
+
+
+def test_decodes_come_first_then_prefill_chunks_within_the_budget():
+    scheduler = Scheduler(KVCacheManager(64, 4, 512, enable_prefix_caching=False), max_num_seqs=8,
+                          max_num_batched_tokens=10)
+    a, b = make_seq(6, "a"), make_seq(30, "b")
+    scheduler.add(a)
+    scheduler.add(b)
+    out = scheduler.schedule()
+    assert [(c.seq, c.num_tokens, c.samples) for c in out.chunks] == [(a, 6, True), (b, 4, False)]
+    finish_step(scheduler, out)
+    for _ in range(3):
+        out = scheduler.schedule()
+        assert out.chunks[0].seq is a and out.chunks[0].num_tokens == 1  # a's decode is never starved
+        assert out.num_tokens <= 10
+        finish_step(scheduler, out)
+    assert b.num_computed_tokens == 30 and b.output_ids == [7]  # b's prompt arrived in chunks: 4, 9, 9, 8
+
+
+def test_admission_is_first_come_first_served_and_bounded_by_max_num_seqs():
+    scheduler = Scheduler(KVCacheManager(64, 4, 512, enable_prefix_caching=False), max_num_seqs=2,
+                          max_num_batched_tokens=64)
+    seqs = [make_seq(3, f"r{i}") for i in range(4)]
+    for s in seqs:
+        scheduler.add(s)
+    out = scheduler.schedule()
+    assert [c.seq for c in out.chunks] == seqs[:2]
+    assert list(scheduler.waiting) == seqs[2:]
+    finish_step(scheduler, out)
+    scheduler.remove(seqs[0])
+    out = scheduler.schedule()
+    assert [c.seq for c in out.chunks] == [seqs[1], seqs[2]]
+
+
+def test_a_large_head_of_queue_is_not_overtaken():
+    scheduler = Scheduler(KVCacheManager(8, 4, 512, enable_prefix_caching=False), max_num_seqs=8,
+                          max_num_batched_tokens=64)
+    running = make_seq(20, "running")  # 5 of 8 blocks
+    scheduler.add(running)
+    finish_step(scheduler, scheduler.schedule())
+    big, small = make_seq(16, "big"), make_seq(2, "small")
+    scheduler.add(big)
+    scheduler.add(small)
+    out = scheduler.schedule()
+    assert [c.seq for c in out.chunks] == [running]  # small would fit, but big came first
+    scheduler.remove(running)
+    out = scheduler.schedule()
+    assert [c.seq for c in out.chunks] == [big, small]
+
+
+def test_out_of_blocks_preempts_the_newest_and_it_is_recomputed_later():
+    kv = KVCacheManager(6, 4, 512, enable_prefix_caching=False)
+    scheduler = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
+    old, new = make_seq(12, "old"), make_seq(8, "new")  # 3 + 2 blocks of 6
+    scheduler.add(old)
+    scheduler.add(new)
+    finish_step(scheduler, scheduler.schedule())
+    # old's first decode token starts a 4th block; new's a 3rd: 7 > 6 blocks
+    out = scheduler.schedule()
+    assert out.preempted == [new] and new.status == SequenceStatus.WAITING
+    assert [c.seq for c in out.chunks] == [old]
+    assert new.num_computed_tokens == 0 and new.output_ids == [7]  # its token is kept, its KV recomputed
+    assert scheduler.num_preemptions == 1
+    scheduler.remove(old)
+    out = scheduler.schedule()
+    assert [(c.seq, c.num_tokens, c.samples) for c in out.chunks] == [(new, 9, True)]  # prompt + its token
+
+
+def test_a_lone_sequence_that_cannot_grow_preempts_itself_and_nothing_is_lost():
+    kv = KVCacheManager(3, 4, 512, enable_prefix_caching=False)
+    scheduler = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
+    a, b = make_seq(4, "a"), make_seq(8, "b")
+    scheduler.add(a)
+    scheduler.add(b)
+    finish_step(scheduler, scheduler.schedule())
+    out = scheduler.schedule()  # a needs a 4th block: b (newest) goes
+    assert out.preempted == [b]
+    assert kv.num_used_blocks == 2
+    scheduler.remove(a)
+    assert kv.num_used_blocks == 0
+
+
+def test_removing_sequences_returns_every_block():
+    kv = KVCacheManager(32, 4, 512)
+    scheduler = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=16)
+    seqs = [make_seq(n, f"r{n}") for n in (3, 9, 21)]
+    for s in seqs:
+        scheduler.add(s)
+    for _ in range(4):
+        finish_step(scheduler, scheduler.schedule())
+    for s in seqs:
+        scheduler.remove(s)
+    assert kv.num_used_blocks == 0 and not scheduler.has_work
