@@ -1,0 +1,165 @@
+"""The app's pieces without a server process: settings, chunk shapes, token bytes, the disconnect race,
+and an app whose engine is not warm yet."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from app.metrics import ServerMetrics
+from app.protocol import ChatFormatter, CompletionFormatter, ResponseHeader, TokenText
+from app.settings import parse_settings
+from app.streaming import run_until_disconnect
+from decoding.outputs import RequestOutput, Usage
+from decoding.sampling import TokenLogprobs
+
+
+def test_every_option_reads_its_environment_variable_and_a_flag_wins(monkeypatch):
+    monkeypatch.setenv("TREADLE_PORT", "9001")
+    monkeypatch.setenv("TREADLE_MAX_QUEUE", "7")
+    monkeypatch.setenv("TREADLE_CORS_ORIGINS", "http://a.test, http://b.test")
+    monkeypatch.setenv("TREADLE_API_KEY", "k")
+    settings = parse_settings(["--max-queue", "9"])
+    assert settings.port == 9001 and settings.max_queue == 9 and settings.api_key == "k"
+    assert settings.cors_origins == ("http://a.test", "http://b.test")
+    assert settings.engine_config().max_queue == 9
+
+
+@pytest.mark.parametrize("argv", [["--port", "70000"], ["--max-queue", "0"], ["--kv-cache-mb", "-1"],
+                                  ["--log-level", "loud"]])
+def test_bad_options_exit_with_usage(argv):
+    with pytest.raises(SystemExit) as exc:
+        parse_settings(argv)
+    assert exc.value.code == 2
+
+
+class FakeTokens:
+    def text_of(self, token_id: int) -> str:
+        return f"<{token_id}>"
+
+    def bytes_of(self, token_id: int) -> bytes:
+        return self.text_of(token_id).encode()
+
+
+def output(index: int, text: str = "", finish: str | None = None, usage: Usage | None = None,
+           logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:
+    return RequestOutput("r", index, text=text, token_ids=[1] if text else [], finish_reason=finish, usage=usage,
+                         logprobs=logprobs or [])
+
+
+def test_chat_chunks_follow_openais_sequence_per_choice():
+    formatter = ChatFormatter(ResponseHeader("chatcmpl-x", "m", 1), FakeTokens(), n=2, include_usage=False)
+    first = formatter.first_chunks()
+    assert [c["choices"][0]["index"] for c in first] == [0, 1]
+    assert all(c["choices"][0]["delta"] == {"role": "assistant", "content": ""} for c in first)
+    content = formatter.chunks(output(1, "Hi"))
+    assert content == [{"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                        "choices": [{"index": 1, "delta": {"content": "Hi"}, "logprobs": None, "finish_reason": None}]}]
+    last = formatter.chunks(output(1, "!", "stop", Usage(3, 2)))
+    assert [c["choices"][0]["delta"] for c in last] == [{"content": "!"}, {}]
+    assert last[-1]["choices"][0]["finish_reason"] == "stop"
+    assert formatter.chunks(output(0)) == []  # a delta with no text (held back for a stop string) sends nothing
+    assert formatter.last_chunks() == []  # no usage chunk unless asked
+
+
+def test_usage_chunk_only_when_asked_and_usage_null_before_it():
+    formatter = ChatFormatter(ResponseHeader("c", "m", 1), FakeTokens(), n=1, include_usage=True)
+    assert formatter.chunks(output(0, "a"))[0]["usage"] is None
+    formatter.chunks(output(0, "", "length", Usage(5, 1, cached_tokens=4)))
+    [usage_chunk] = formatter.last_chunks()
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"] == {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6,
+                                    "prompt_tokens_details": {"cached_tokens": 4}}
+
+
+def test_a_failed_generation_streams_an_error_event():
+    formatter = ChatFormatter(ResponseHeader("c", "m", 1), FakeTokens(), n=1, include_usage=False)
+    failed = RequestOutput("r", 0, finish_reason="error", error="boom")
+    assert formatter.chunks(failed) == [{"error": {"message": "boom", "type": "server_error", "param": None,
+                                                   "code": None}}]
+
+
+def test_completion_echo_prefixes_the_prompt_once_per_choice_with_its_logprobs():
+    formatter = CompletionFormatter(ResponseHeader("cmpl-x", "m", 1), FakeTokens(), n=1, include_usage=False,
+                                    prompt_ids=[7, 8], echo_text="<7><8>")
+    first = output(0, "<9>", logprobs=[TokenLogprobs(9, -0.5, [(9, -0.5)])])
+    first.prompt_logprobs = [None, TokenLogprobs(8, -2.0, [(3, -1.0)])]
+    [chunk] = formatter.chunks(first)
+    choice = chunk["choices"][0]
+    assert choice["text"] == "<7><8><9>"
+    assert choice["logprobs"] == {"tokens": ["<7>", "<8>", "<9>"], "token_logprobs": [None, -2.0, -0.5],
+                                  "top_logprobs": [None, {"<3>": -1.0}, {"<9>": -0.5}], "text_offset": [0, 3, 6]}
+    [later] = formatter.chunks(output(0, "<4>", logprobs=[TokenLogprobs(4, -1.0, [])]))
+    assert later["choices"][0]["text"] == "<4>" and later["choices"][0]["logprobs"]["text_offset"] == [9]
+
+
+def test_token_bytes_keep_half_a_character(default_model):
+    tokens = TokenText(default_model.tokenizer)
+    ids = default_model.tokenizer.encode("🦙")
+    assert len(ids) > 1  # the emoji spans several byte-level tokens
+    assert b"".join(tokens.bytes_of(i) for i in ids) == "🦙".encode()
+    assert tokens.text_of(default_model.tokenizer.encode(" Paris")[0]) == " Paris"
+
+
+def test_each_app_has_its_own_metrics_registry():
+    first, second = ServerMetrics(), ServerMetrics()  # a shared registry would refuse the second
+    first.requests_rejected.inc()
+    assert b"treadle_requests_rejected_total 1.0" in first.render()
+    assert b"treadle_requests_rejected_total 0.0" in second.render()
+
+
+def test_run_until_disconnect_cancels_the_work_when_the_client_leaves():
+    async def scenario() -> tuple[bool, bool, bool]:
+        client_left = asyncio.Event()
+        work_cancelled = asyncio.Event()
+
+        async def receive_after_leaving() -> dict:
+            await client_left.wait()
+            return {"type": "http.disconnect"}
+
+        async def receive_never() -> dict:
+            await asyncio.Event().wait()
+            return {}
+
+        async def endless_work() -> None:
+            client_left.set()
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                work_cancelled.set()
+                raise
+
+        async def quick_work() -> None:
+            await asyncio.sleep(0)
+
+        left = await run_until_disconnect(receive_after_leaving, endless_work)
+        completed = await run_until_disconnect(receive_never, quick_work)
+        return left, work_cancelled.is_set(), completed
+
+    assert asyncio.run(scenario()) == (False, True, True)
+
+
+def test_before_warm_up_health_and_generation_answer_503(default_model):
+    from app.server import build_app
+    from app.settings import ServerSettings
+    from decoding.engine import Engine, EngineConfig
+
+    engine = Engine(default_model, EngineConfig(num_kv_blocks=8, n_threads=1, pin_threads=False))
+    try:
+        app = build_app(ServerSettings(), engine)  # ASGITransport runs no lifespan: the warm-up never starts
+
+        async def scenario() -> tuple[httpx.Response, httpx.Response, httpx.Response]:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+                return (await client.get("/health"),
+                        await client.post("/v1/completions", json={"prompt": "hi"}),
+                        await client.post("/tokenize", json={"prompt": "hi"}))
+
+        health, completion, tokenized = asyncio.run(scenario())
+        assert health.status_code == 503 and health.json() == {"status": "loading"}
+        assert completion.status_code == 503 and completion.headers["retry-after"] == "1"
+        assert completion.json()["error"]["code"] == "not_ready"
+        assert tokenized.status_code == 200  # the tokenizer needs no warm engine
+    finally:
+        engine.shutdown()
