@@ -111,10 +111,12 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             token_ids = seq.all_token_ids()
-            if not self.kv.can_allocate(token_ids):
+            # prompt logprobs need every prompt row's logits: nothing of the prompt may come from the cache
+            use_cache = seq.params.prompt_logprobs is None or bool(seq.output_ids)
+            if not self.kv.can_allocate(token_ids, use_cache):
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
-            num_cached = self.kv.allocate(seq.seq_id, token_ids)
+            num_cached = self.kv.allocate(seq.seq_id, token_ids, use_cache)
             seq.num_computed_tokens = num_cached
             if seq.request.num_cached_tokens == 0 and not seq.output_ids:
                 seq.request.num_cached_tokens = num_cached

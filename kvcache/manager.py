@@ -104,23 +104,24 @@ class KVCacheManager:
         """Positions of this sequence with a KV slot (its context length after the latest step)."""
         return self._seqs[seq_id].num_tokens
 
-    def can_allocate(self, prompt_ids: Sequence[int]) -> bool:
+    def can_allocate(self, prompt_ids: Sequence[int], use_prefix_cache: bool = True) -> bool:
         """Whether `allocate` would succeed now; raises if it never could (see `check_fits`)."""
         self.check_fits(len(prompt_ids))
-        hit_block_ids, _ = self._match_prefix(prompt_ids)
+        hit_block_ids, _ = self._match_prefix(prompt_ids, use_prefix_cache)
         return self._num_blocks_to_allocate(len(prompt_ids), hit_block_ids) <= self.pool.num_available_blocks
 
-    def allocate(self, seq_id: int, prompt_ids: Sequence[int]) -> int:
+    def allocate(self, seq_id: int, prompt_ids: Sequence[int], use_prefix_cache: bool = True) -> int:
         """Take the cached prefix and reserve blocks for the rest of the prompt.
 
         Returns how many prompt tokens are already computed: a multiple of block_size, and never the
         whole prompt, because the last prompt token must run to produce logits. The remaining tokens
-        go to `append_slots`, in one call or in chunks.
+        go to `append_slots`, in one call or in chunks. `use_prefix_cache=False` computes every token
+        (a request that wants the logits of its whole prompt); its blocks are still published.
         """
         if seq_id in self._seqs:
             raise KVCacheError(f"sequence {seq_id} already holds blocks")
         self.check_fits(len(prompt_ids))
-        hit_block_ids, last_hit_hash = self._match_prefix(prompt_ids)
+        hit_block_ids, last_hit_hash = self._match_prefix(prompt_ids, use_prefix_cache)
         if self._num_blocks_to_allocate(len(prompt_ids), hit_block_ids) > self.pool.num_available_blocks:
             raise OutOfBlocks(f"sequence {seq_id} does not fit now: check can_allocate first")
         for block_id in hit_block_ids:  # before allocating, so that no hit is evicted to make room
@@ -212,10 +213,11 @@ class KVCacheManager:
     def _num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _match_prefix(self, prompt_ids: Sequence[int]) -> tuple[list[int], BlockHash]:
+    def _match_prefix(self, prompt_ids: Sequence[int], use_prefix_cache: bool) -> tuple[list[int], BlockHash]:
         """Cached blocks of the prompt's longest indexed prefix and the last one's hash. Only blocks
         that end before the last prompt token count: that token always runs, to give logits."""
-        max_num_blocks = (len(prompt_ids) - 1) // self.block_size if self.enable_prefix_caching else 0
+        enabled = self.enable_prefix_caching and use_prefix_cache
+        max_num_blocks = (len(prompt_ids) - 1) // self.block_size if enabled else 0
         return self.pool.match_prefix(prompt_ids, max_num_blocks)
 
     def _num_blocks_to_allocate(self, num_prompt_tokens: int, hit_block_ids: list[int]) -> int:

@@ -159,9 +159,10 @@ def test_a_failing_step_ends_only_its_requests_and_the_engine_keeps_serving(defa
 
 
 def test_logprobs_and_prompt_logprobs_match_the_reference(default_model):
-    eng = Engine(default_model, EngineConfig(kv_cache_mb=32, enable_prefix_caching=False)).start()
+    eng = Engine(default_model, EngineConfig(kv_cache_mb=32, block_size=2)).start()
     try:
         ids = default_model.tokenizer.encode(CAPITAL)
+        eng.generate(ids, greedy(1))  # puts the prompt's blocks in the prefix cache
         out = eng.generate(ids, greedy(3, logprobs=2, prompt_logprobs=1))[0]
         reference = log_softmax(forward_logits(default_model, ids + out.token_ids[:-1]))
         for step, lp in enumerate(out.logprobs):
