@@ -1,0 +1,185 @@
+"""`treadle bench engine`: the engine in process on the default model — decode speed alone and batched,
+prefill speed, where a step's time goes, and the rooflines measured in the same run.
+
+    treadle bench engine [--concurrency 1,4,16,32,64] [--max-tokens 128] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from .engine import Engine, EngineConfig
+from .model import Model
+from .params import SamplingParams
+from .registry import DEFAULT_MODEL, load_model
+
+PROMPT = ("The history of weaving goes back thousands of years. Looms were among the first machines, and "
+          "the treadle let a weaver lift the warp threads with a foot while both hands threw the shuttle.")
+
+
+@dataclass(slots=True)
+class LevelResult:
+    concurrency: int
+    output_tokens: int
+    seconds: float
+    tokens_per_second: float
+    step_ms_median: float
+    python_share: float  # of step time, outside the pool kernel
+
+
+class StepTimer:
+    """Engine observer: per-step wall and kernel time."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[float, float]] = []
+
+    def on_step(self, seconds: float, kernel_seconds: float, num_tokens: int, num_seqs: int) -> None:
+        self.steps.append((seconds, kernel_seconds))
+
+    def on_first_token(self, seconds: float) -> None: ...
+    def on_token(self, seconds_since_previous: float) -> None: ...
+    def on_request_finished(self, request: object, finish_reason: str) -> None: ...
+    def on_preemption(self) -> None: ...
+
+
+def run_level(engine: Engine, prompt_ids: list[int], concurrency: int, max_tokens: int) -> LevelResult:
+    timer = StepTimer()
+    engine.observers.append(timer)
+    params = [SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=i, ignore_eos=True) for i in range(concurrency)]
+    counts = [0] * concurrency
+    started = time.perf_counter()
+    streams = [engine.submit(prompt_ids, p) for p in params]
+
+    def drain(i: int) -> None:
+        counts[i] = sum(len(o.token_ids) for o in streams[i])
+
+    threads = [threading.Thread(target=drain, args=(i,)) for i in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - started
+    engine.observers.remove(timer)
+    decode_steps = timer.steps[1:] or timer.steps  # the first step is the prompts' prefill
+    step_seconds = [s for s, _ in decode_steps]
+    python = sum(s - k for s, k in decode_steps) / max(sum(step_seconds), 1e-12)
+    total = sum(counts)
+    return LevelResult(concurrency, total, seconds, total / seconds, 1000 * statistics.median(step_seconds), python)
+
+
+def measure_prefill(engine: Engine, model: Model, num_tokens: int) -> float:
+    """Prompt tokens per second on a fresh prompt of `num_tokens` (no prefix-cache hits)."""
+    rng = np.random.default_rng(0)
+    ids = rng.integers(100, model.config.vocab_size, num_tokens).tolist()
+    started = time.perf_counter()
+    engine.generate(ids, SamplingParams(max_tokens=1, temperature=0))
+    return num_tokens / (time.perf_counter() - started)
+
+
+def measure_read_bandwidth() -> float:
+    """GB/s reading 1 GiB of float32 with numpy (one thread): the memory roofline for weights."""
+    data = np.ones(256 * 1024 * 1024, dtype=np.float32)
+    best = 0.0
+    for _ in range(3):
+        started = time.perf_counter()
+        data.sum()
+        best = max(best, data.nbytes / (time.perf_counter() - started) / 1e9)
+    return best
+
+
+def measure_gemm_gflops() -> float:
+    a = np.random.default_rng(0).standard_normal((1024, 1024), dtype=np.float32)
+    a @ a
+    started = time.perf_counter()
+    for _ in range(4):
+        a @ a
+    return 4 * 2 * 1024**3 / (time.perf_counter() - started) / 1e9
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="treadle bench engine", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--concurrency", default="1,4,16,32,64")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--prefill-tokens", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args(argv)
+    levels = [int(c) for c in args.concurrency.split(",")]
+
+    model = load_model(args.model)
+    prompt_ids = model.tokenizer.encode(PROMPT)
+    config = EngineConfig(max_num_seqs=max(levels), max_num_batched_tokens=max(512, max(levels)),
+                          kv_cache_mb=1024, n_threads=args.threads)
+    engine = Engine(model, config).start()
+    try:
+        engine.generate(prompt_ids, SamplingParams(max_tokens=4))  # warm-up: numba compiles or loads its cache
+        results = []
+        for level in levels:
+            result = run_level(engine, prompt_ids, level, args.max_tokens)
+            results.append(result)
+            print(f"  {level:>3} streams: {result.tokens_per_second:8.1f} tokens/s", flush=True)
+        engine.kv.enable_prefix_caching = False
+        prefill = measure_prefill(engine, model, args.prefill_tokens)
+    finally:
+        engine.shutdown()
+    peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before the 1 GiB roofline probe
+    bandwidth = measure_read_bandwidth()
+    gflops = measure_gemm_gflops()
+    weight_bytes = model.weights.nbytes
+    flops_per_token = 2 * sum(m.n_rows * m.n_cols for layer in model.weights.layers
+                              for m in (layer.wq, layer.wk, layer.wv, layer.wo, layer.w_gate, layer.w_up, layer.w_down))
+    flops_per_token += 2 * model.weights.lm_head.n_rows * model.weights.lm_head.n_cols
+    bandwidth_roofline = bandwidth * 1e9 / weight_bytes
+    report = {
+        "model": model.name,
+        "threads": engine.pool.n_threads,
+        "prompt_tokens": len(prompt_ids),
+        "max_tokens": args.max_tokens,
+        "levels": [asdict(r) for r in results],
+        "single_stream_tokens_per_second": results[0].tokens_per_second if levels[0] == 1 else None,
+        "prefill_tokens_per_second": prefill,
+        "prefill_prompt_tokens": args.prefill_tokens,
+        "read_bandwidth_gb_s": bandwidth,
+        "gemm_gflops": gflops,
+        "weight_bytes_per_step": weight_bytes,
+        "flops_per_token": flops_per_token,
+        "bandwidth_roofline_tokens_per_second": bandwidth_roofline,
+        "compute_roofline_tokens_per_second": gflops * 1e9 / flops_per_token,
+        "peak_rss_mb": peak_rss_mb,
+        "kv_cache_mb": config.kv_cache_mb,
+        "model_file_mb": model.path.stat().st_size / 2**20,
+    }
+    print_table(report)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+def print_table(r: dict) -> None:
+    single = r["single_stream_tokens_per_second"]
+    print(f"\n{r['model']} — {r['threads']} pool threads, {r['prompt_tokens']}-token prompts, "
+          f"{r['max_tokens']} new tokens each")
+    print(f"{'streams':>8} {'tokens/s':>10} {'× single':>9} {'step ms p50':>12} {'python share':>13}")
+    for level in r["levels"]:
+        ratio = f"{level['tokens_per_second'] / single:8.2f}×" if single else ""
+        print(f"{level['concurrency']:>8} {level['tokens_per_second']:>10.1f} {ratio:>9} "
+              f"{level['step_ms_median']:>12.2f} {100 * level['python_share']:>12.1f}%")
+    print(f"\nprefill: {r['prefill_tokens_per_second']:.0f} tokens/s on a {r['prefill_prompt_tokens']}-token prompt")
+    print(f"read bandwidth {r['read_bandwidth_gb_s']:.1f} GB/s → roofline {r['bandwidth_roofline_tokens_per_second']:.0f}"
+          f" tokens/s for one stream ({r['weight_bytes_per_step'] / 1e6:.1f} MB of weights per step)")
+    if single:
+        print(f"single stream reaches {100 * single / r['bandwidth_roofline_tokens_per_second']:.0f}% of it")
+    print(f"GEMM {r['gemm_gflops']:.0f} GFLOP/s → compute roofline {r['compute_roofline_tokens_per_second']:.0f}"
+          f" tokens/s batched ({r['flops_per_token'] / 1e9:.2f} GFLOP per token)")
+    print(f"peak RSS {r['peak_rss_mb']:.0f} MB (model file {r['model_file_mb']:.0f} MB, KV cache {r['kv_cache_mb']:.0f} MB)")
