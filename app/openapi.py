@@ -5,7 +5,8 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
-from pydantic.json_schema import models_json_schema
+from pydantic import BaseModel
+from pydantic.json_schema import JsonSchemaMode, models_json_schema
 
 from .schemas import REQUEST_MODELS
 
@@ -38,7 +39,7 @@ def _errors(*statuses: int) -> dict[str, Any]:
 
 @lru_cache(maxsize=4)
 def openapi_schema(model_name: str) -> dict[str, Any]:
-    keyed = [(model, "validation") for model in REQUEST_MODELS.values()]
+    keyed: list[tuple[type[BaseModel], JsonSchemaMode]] = [(m, "validation") for m in REQUEST_MODELS.values()]
     refs, definitions = models_json_schema(keyed, ref_template="#/components/schemas/{model}")
     paths: dict[str, Any] = {}
     for path, model in REQUEST_MODELS.items():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from decoding import DEFAULT_MODEL
@@ -72,12 +73,13 @@ def build_parser(prog: str = "treadle serve") -> argparse.ArgumentParser:
                                             "in brackets; a flag on the command line wins.")
     defaults = ServerSettings()
 
-    def option(flag: str, type_: object, default: object, help_: str) -> None:
+    def option(flag: str, type_: Callable[[str], object], default: object, help_: str) -> None:
         name = env_var(flag)
         # argparse converts a string default with `type`, so a bad env value fails like a bad flag.
         parser.add_argument(flag, type=type_, default=os.environ.get(name, default), help=f"{help_} [{name}]")
 
-    option("--model", str, defaults.model, "registered model name, .gguf file or Hugging Face directory")
+    option("--model", str, defaults.model, "registered model name, .gguf file or Hugging Face directory "
+                                           "(default %(default)s)")
     option("--host", str, defaults.host, "address to listen on (default %(default)s)")
     option("--port", _port, defaults.port, "TCP port (default %(default)s)")
     option("--threads", _positive_int, None, "engine pool threads (default: every usable core)")
