@@ -62,9 +62,9 @@ async def respond(request: Request, generation: Generation, is_streamed: bool, p
     if not is_streamed:
         return await _whole_response(request, generation)
     if wants_msgpack(request):
-        return DisconnectWatchingStreamingResponse(_relay(generation, MSGPACK_FRAMING), media_type=MSGPACK)
-    return EventSourceResponse(_relay(generation, SSE_FRAMING), sep="\n", ping=ping_seconds,
-                               ping_message_factory=lambda: ServerSentEvent(comment="ping", sep="\n"))
+        return MsgpackStreamResponse(generation, _relay(generation, MSGPACK_FRAMING), media_type=MSGPACK)
+    return SSEResponse(generation, _relay(generation, SSE_FRAMING), sep="\n", ping=ping_seconds,
+                       ping_message_factory=lambda: ServerSentEvent(comment="ping", sep="\n"))
 
 
 async def _relay(generation: Generation, framing: Framing) -> AsyncIterator[bytes]:
@@ -131,10 +131,32 @@ async def run_until_disconnect(receive: Receive, work: Callable[[], Awaitable[No
     return is_complete
 
 
-class DisconnectWatchingStreamingResponse(StreamingResponse):
-    """Starlette's StreamingResponse stops watching `http.disconnect` on ASGI ≥ 2.4 servers and then
-    notices a vanished client only when a send fails — never while a request waits in the queue.
-    This one always races the body against the disconnect."""
+class SSEResponse(EventSourceResponse):
+    """sse-starlette's response (pings, disconnect watcher, send timeouts), plus the abort for a client
+    that left before the body's generator ever started (its `finally` would then never run)."""
+
+    def __init__(self, generation: Generation, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.generation = generation
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await run_until_disconnect(receive, lambda: self.stream_response(send))
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.generation.abort_unless_finished()
+
+
+class MsgpackStreamResponse(StreamingResponse):
+    """Starlette's StreamingResponse stops watching `http.disconnect` on ASGI ≥ 2.4 servers and then
+    notices a vanished client only when a send fails — never while a request waits in the queue.
+    This one always races the body against the disconnect, and aborts on every way out."""
+
+    def __init__(self, generation: Generation, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.generation = generation
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await run_until_disconnect(receive, lambda: self.stream_response(send))
+        finally:
+            self.generation.abort_unless_finished()
