@@ -157,3 +157,14 @@ def test_tokenize_and_detokenize_round_trip(server, default_model):
     assert tokens["tokens"] == default_model.tokenizer.encode(text, add_special_tokens=True)
     assert tokens["max_model_len"] == default_model.config.max_context
     assert httpx.post(f"{server.base_url}/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": text}
+
+
+def test_streamed_choices_each_get_a_role_chunk_and_a_finish_chunk(client):
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT_QUESTION, max_tokens=3, n=2, seed=7,
+                                                 stream=True))
+    by_index: dict[int, list] = {0: [], 1: []}
+    for chunk in chunks:
+        by_index[chunk.choices[0].index].append(chunk.choices[0])
+    for choices in by_index.values():
+        assert choices[0].delta.role == "assistant"
+        assert [c.finish_reason for c in choices].count("length") == 1 and choices[-1].finish_reason == "length"
