@@ -59,6 +59,7 @@ class EngineConfig:
     n_threads: int | None = None  # None: every usable core
     pin_threads: bool = True
     max_model_len: int | None = None  # None: the model's context
+    kernels: str = "fast"  # "fast": int8 activations, VNNI dot products; "exact": float32 activations
 
 
 class EngineObserver(Protocol):
@@ -97,7 +98,8 @@ class Engine:
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.pool = SpinPool(cfg.n_threads, pin=cfg.pin_threads)
         max_logit_rows = max(cfg.max_num_batched_tokens, cfg.max_num_seqs)
-        self.runner = ModelRunner(model, self.storage, self.pool, cfg.max_num_batched_tokens, max_logit_rows)
+        self.runner = ModelRunner(model, self.storage, self.pool, cfg.max_num_batched_tokens, max_logit_rows,
+                                  cfg.kernels)
         self.sampler = Sampler(mc.vocab_size)
         self.eos_token_ids = mc.eos_token_ids
         self.stats = EngineStats()

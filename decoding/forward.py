@@ -6,6 +6,11 @@
 
 Three lifetimes, as in llama2.c: `ModelConfig` (shape), `KernelWeights` (read-only, stored form),
 `RunState` (scratch sized once for the largest step; nothing is allocated per step).
+
+Two kernel modes, one step body. `exact`: float32 activations, each weight row dequantized and dotted
+in float32 (logits within 1e-3 of the reference). `fast`: activations quantized to int8 per 32-block,
+VNNI integer dot products over weights repacked at load (decoding.fast_kernels; llama.cpp-like
+numerics). Both are batch-invariant: a token's numbers never depend on which rows share its step.
 """
 
 from __future__ import annotations
@@ -20,13 +25,24 @@ from kvcache.attention import attention_scratch, paged_attention_rows, write_kv_
 from threadpool import barrier_wait
 
 from .config import ModelConfig
+from .fast_kernels import matmul_groups, quantize_activation_row, swiglu_groups
 from .kernels import dequantize_row, matmul_rows, rmsnorm_row, rope_row, split_range, swiglu_rows
 from .reference import rope_tables
+from .repack import is_packable, repack
 from .weights import ModelWeights, WeightMatrix
 
 # order of a layer's matrices in KernelWeights.matrices
 WQ, WK, WV, WO, W_GATE, W_UP, W_DOWN = range(7)
 MATRICES_PER_LAYER = 7
+KERNEL_MODES = ("fast", "exact")
+_NOT_PACKED = np.zeros(0, dtype=np.uint8)
+
+
+def _packed(matrix: WeightMatrix, fast: bool) -> np.ndarray:
+    """The VNNI layout of a matrix, or an empty array where the float path must serve it."""
+    if fast and is_packable(matrix.qtype, matrix.n_rows):
+        return repack(matrix.data, matrix.qtype, matrix.n_rows, matrix.n_cols)
+    return _NOT_PACKED
 
 
 def _as_bytes(matrix: WeightMatrix) -> np.ndarray:
@@ -38,31 +54,34 @@ def _as_bytes(matrix: WeightMatrix) -> np.ndarray:
 @dataclass(slots=True)
 class KernelWeights:
     matrices: List  # n_layers · 7 arrays (n_rows, row_bytes) uint8, in WQ..W_DOWN order per layer
+    packed: List  # the same matrices repacked for the fast kernels (flat uint8), or empty arrays
     qtypes: np.ndarray  # (n_layers, 7) int64 storage type of each matrix
     norms: np.ndarray  # (n_layers, 2, dim) float32: attention norm, feed-forward norm
     embedding: np.ndarray  # (vocab, row_bytes) uint8
     embedding_qtype: int
     lm_head: np.ndarray  # (vocab, row_bytes) uint8
     lm_head_qtype: int
+    lm_head_packed: np.ndarray  # flat uint8, or empty
     output_norm: np.ndarray  # (dim,) float32
     rope_cos: np.ndarray  # (max_context, head_dim / 2) float32
     rope_sin: np.ndarray  # (max_context, head_dim / 2) float32
 
     @classmethod
-    def build(cls, cfg: ModelConfig, weights: ModelWeights) -> KernelWeights:
-        matrices = List()
+    def build(cls, cfg: ModelConfig, weights: ModelWeights, fast: bool) -> KernelWeights:
+        matrices, packed = List(), List()
         qtypes = np.zeros((cfg.n_layers, MATRICES_PER_LAYER), dtype=np.int64)
         norms = np.zeros((cfg.n_layers, 2, cfg.dim), dtype=np.float32)
         for i, layer in enumerate(weights.layers):
             for j, m in enumerate((layer.wq, layer.wk, layer.wv, layer.wo, layer.w_gate, layer.w_up, layer.w_down)):
                 matrices.append(_as_bytes(m))
+                packed.append(_packed(m, fast))
                 qtypes[i, j] = int(m.qtype)
             norms[i, 0], norms[i, 1] = layer.attn_norm, layer.ffn_norm
         cos, sin = rope_tables(np.arange(cfg.max_context), cfg.head_dim, cfg.rope_theta)
         return cls(
-            matrices, qtypes, norms,
+            matrices, packed, qtypes, norms,
             _as_bytes(weights.token_embedding), int(weights.token_embedding.qtype),
-            _as_bytes(weights.lm_head), int(weights.lm_head.qtype),
+            _as_bytes(weights.lm_head), int(weights.lm_head.qtype), _packed(weights.lm_head, fast),
             np.ascontiguousarray(weights.output_norm, dtype=np.float32), cos, sin,
         )  # fmt: skip
 
@@ -82,6 +101,10 @@ class RunState:
     logits: np.ndarray  # (max_logit_rows, vocab)
     row_buffers: np.ndarray  # (n_threads, 2, max(dim, hidden_dim, q_dim)) dequantized weight rows
     attn_scratch: np.ndarray  # kvcache.attention.attention_scratch
+    xq: np.ndarray  # (max(max_tokens, max_logit_rows), widest) int8 quantized activations (fast mode)
+    xd: np.ndarray  # (same rows, widest / 32) float32 their block scales
+    xsum: np.ndarray  # (same rows, widest / 32) int32 their block sums
+    group_out: np.ndarray  # (n_threads, 2, 4, 8) float32 results of one 8-row group for up to 4 tokens
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, max_tokens: int, max_logit_rows: int, n_threads: int,
@@ -90,22 +113,44 @@ class RunState:
             return np.zeros(shape, dtype=np.float32)
 
         widest = max(cfg.dim, cfg.hidden_dim, cfg.q_dim)
+        rows = max(max_tokens, max_logit_rows)
         return cls(
             zeros(max_tokens, cfg.dim), zeros(max_tokens, cfg.dim), zeros(max_tokens, cfg.q_dim),
             zeros(max_tokens, cfg.kv_dim), zeros(max_tokens, cfg.kv_dim), zeros(max_tokens, cfg.q_dim),
             zeros(max_tokens, cfg.hidden_dim), zeros(max_logit_rows, cfg.dim),
             zeros(max_logit_rows, cfg.vocab_size), zeros(n_threads, 2, widest),
             attention_scratch(n_threads, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, block_size),
+            np.zeros((rows, widest), dtype=np.int8), zeros(rows, widest // 32),
+            np.zeros((rows, widest // 32), dtype=np.int32), zeros(n_threads, 2, 4, 8),
         )  # fmt: skip
 
 
 @njit(nogil=True, cache=True)
+def project(fast, weight, packed, qtype, n_rows, n_cols, x, xq, xd, xsum, n_tokens, out, accumulate, tid, nthreads,
+            buf, group_out):
+    """out[t, :n_rows] (+)= W · x[t]: VNNI over the repacked weights when there are some, else float32."""
+    if fast and packed.shape[0] > 0:
+        g0, g1 = split_range(n_rows // 8, tid, nthreads)
+        matmul_groups(packed, qtype, n_cols, xq, xd, xsum, n_tokens, out, g0, g1, accumulate, group_out)
+    else:
+        r0, r1 = split_range(n_rows, tid, nthreads)
+        matmul_rows(weight, qtype, n_cols, x, n_tokens, out, 0, r0, r1, accumulate, buf)
+
+
+@njit(nogil=True, cache=True)
+def quantize_rows(fast, x, n_cols, row_begin, row_end, xq, xd, xsum):
+    if fast:
+        for t in range(row_begin, row_end):
+            quantize_activation_row(x[t], n_cols, xq[t], xd[t], xsum[t])
+
+
+@njit(nogil=True, cache=True)
 def model_step(
-    tid, nthreads, barrier,
+    tid, nthreads, barrier, fast,
     token_ids, positions, slot_mapping, block_tables, context_lens, query_start_loc, logit_rows,
-    matrices, qtypes, norms, embedding, embedding_qtype, lm_head, lm_head_qtype, output_norm, rope_cos, rope_sin,
-    n_heads, n_kv_heads, head_dim, rms_eps, key_cache, value_cache,
-    x, xb, q, k, v, attn, hb, final, logits, row_buffers, attn_scratch,
+    matrices, packed, qtypes, norms, embedding, embedding_qtype, lm_head, lm_head_qtype, lm_head_packed,
+    output_norm, rope_cos, rope_sin, n_heads, n_kv_heads, head_dim, rms_eps, key_cache, value_cache,
+    x, xb, q, k, v, attn, hb, final, logits, row_buffers, attn_scratch, xq, xd, xsum, group_out,
 ):  # fmt: skip
     n_tokens = token_ids.shape[0]
     n_layers = qtypes.shape[0]
@@ -114,6 +159,7 @@ def model_step(
     q_dim = n_heads * head_dim
     kv_dim = n_kv_heads * head_dim
     buf = row_buffers[tid]
+    tmp = group_out[tid]
     t_begin, t_end = split_range(n_tokens, tid, nthreads)
 
     for t in range(t_begin, t_end):  # token embeddings
@@ -124,13 +170,16 @@ def model_step(
         w = layer * 7
         for t in range(t_begin, t_end):  # attention RMSNorm
             rmsnorm_row(x[t], norms[layer, 0], rms_eps, xb[t])
+        quantize_rows(fast, xb, dim, t_begin, t_end, xq, xd, xsum)
         barrier_wait(barrier, tid)
 
-        r0, r1 = split_range(q_dim, tid, nthreads)  # Q, K, V projections
-        matmul_rows(matrices[w + 0], qtypes[layer, 0], dim, xb, n_tokens, q, 0, r0, r1, False, buf[0])
-        r0, r1 = split_range(kv_dim, tid, nthreads)
-        matmul_rows(matrices[w + 1], qtypes[layer, 1], dim, xb, n_tokens, k, 0, r0, r1, False, buf[0])
-        matmul_rows(matrices[w + 2], qtypes[layer, 2], dim, xb, n_tokens, v, 0, r0, r1, False, buf[0])
+        # Q, K, V projections
+        project(fast, matrices[w], packed[w], qtypes[layer, 0], q_dim, dim, xb, xq, xd, xsum, n_tokens, q, False,
+                tid, nthreads, buf[0], tmp[0])
+        project(fast, matrices[w + 1], packed[w + 1], qtypes[layer, 1], kv_dim, dim, xb, xq, xd, xsum, n_tokens, k,
+                False, tid, nthreads, buf[0], tmp[0])
+        project(fast, matrices[w + 2], packed[w + 2], qtypes[layer, 2], kv_dim, dim, xb, xq, xd, xsum, n_tokens, v,
+                False, tid, nthreads, buf[0], tmp[0])
         barrier_wait(barrier, tid)
 
         for t in range(t_begin, t_end):  # RoPE on queries and keys
@@ -148,29 +197,44 @@ def model_step(
         paged_attention_rows(attn_out, queries, key_cache[layer], value_cache[layer], block_tables, context_lens,
                              query_start_loc, attn_scratch, tid, nthreads)
         barrier_wait(barrier, tid)
+        if fast:
+            quantize_rows(fast, attn, q_dim, t_begin, t_end, xq, xd, xsum)
+            barrier_wait(barrier, tid)
 
-        r0, r1 = split_range(dim, tid, nthreads)  # output projection, added to the residual
-        matmul_rows(matrices[w + 3], qtypes[layer, 3], q_dim, attn, n_tokens, x, 0, r0, r1, True, buf[0])
+        # output projection, added to the residual
+        project(fast, matrices[w + 3], packed[w + 3], qtypes[layer, 3], dim, q_dim, attn, xq, xd, xsum, n_tokens, x,
+                True, tid, nthreads, buf[0], tmp[0])
         barrier_wait(barrier, tid)
 
         for t in range(t_begin, t_end):  # feed-forward RMSNorm
             rmsnorm_row(x[t], norms[layer, 1], rms_eps, xb[t])
+        quantize_rows(fast, xb, dim, t_begin, t_end, xq, xd, xsum)
         barrier_wait(barrier, tid)
 
-        r0, r1 = split_range(hidden_dim, tid, nthreads)  # SwiGLU
-        swiglu_rows(matrices[w + 4], qtypes[layer, 4], matrices[w + 5], qtypes[layer, 5], dim, xb, n_tokens, hb,
-                    r0, r1, buf[0], buf[1])
+        if fast and packed[w + 4].shape[0] > 0 and packed[w + 5].shape[0] > 0:  # SwiGLU
+            g0, g1 = split_range(hidden_dim // 8, tid, nthreads)
+            swiglu_groups(packed[w + 4], packed[w + 5], qtypes[layer, 4], qtypes[layer, 5], dim, xq, xd, xsum,
+                          n_tokens, hb, g0, g1, tmp[0], tmp[1])
+        else:
+            r0, r1 = split_range(hidden_dim, tid, nthreads)
+            swiglu_rows(matrices[w + 4], qtypes[layer, 4], matrices[w + 5], qtypes[layer, 5], dim, xb, n_tokens, hb,
+                        r0, r1, buf[0], buf[1])
         barrier_wait(barrier, tid)
+        if fast:
+            quantize_rows(fast, hb, hidden_dim, t_begin, t_end, xq, xd, xsum)
+            barrier_wait(barrier, tid)
 
-        r0, r1 = split_range(dim, tid, nthreads)  # down projection, added to the residual
-        matmul_rows(matrices[w + 6], qtypes[layer, 6], hidden_dim, hb, n_tokens, x, 0, r0, r1, True, buf[0])
+        # down projection, added to the residual
+        project(fast, matrices[w + 6], packed[w + 6], qtypes[layer, 6], dim, hidden_dim, hb, xq, xd, xsum, n_tokens,
+                x, True, tid, nthreads, buf[0], tmp[0])
         barrier_wait(barrier, tid)
 
     n_rows = logit_rows.shape[0]
     i0, i1 = split_range(n_rows, tid, nthreads)
     for i in range(i0, i1):  # final RMSNorm, only for rows that sample
         rmsnorm_row(x[logit_rows[i]], output_norm, rms_eps, final[i])
+    quantize_rows(fast, final, dim, i0, i1, xq, xd, xsum)
     barrier_wait(barrier, tid)
-    vocab = logits.shape[1]
-    r0, r1 = split_range(vocab, tid, nthreads)  # LM head
-    matmul_rows(lm_head, lm_head_qtype, dim, final, n_rows, logits, 0, r0, r1, False, buf[0])
+    vocab = logits.shape[1]  # LM head
+    project(fast, lm_head, lm_head_packed, lm_head_qtype, vocab, dim, final, xq, xd, xsum, n_rows, logits, False,
+            tid, nthreads, buf[0], tmp[0])

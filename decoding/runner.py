@@ -10,7 +10,7 @@ from kvcache.batch import KVBatchArrays
 from kvcache.storage import KVCacheStorage
 from threadpool import SpinPool
 
-from .forward import KernelWeights, RunState, model_step
+from .forward import KERNEL_MODES, KernelWeights, RunState, model_step
 from .model import Model
 
 
@@ -30,14 +30,17 @@ class StepBatch:
 
 class ModelRunner:
     def __init__(self, model: Model, storage: KVCacheStorage, pool: SpinPool, max_num_tokens: int,
-                 max_logit_rows: int) -> None:
+                 max_logit_rows: int, kernels: str = "fast") -> None:
+        if kernels not in KERNEL_MODES:
+            raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {kernels!r}")
         cfg = model.config
+        self.kernels = kernels
         self.config = cfg
         self.storage = storage
         self.pool = pool
         self.max_num_tokens = max_num_tokens
         self.max_logit_rows = max_logit_rows
-        self.weights = KernelWeights.build(cfg, model.weights)
+        self.weights = KernelWeights.build(cfg, model.weights, fast=kernels == "fast")
         self.state = RunState.allocate(cfg, max_num_tokens, max_logit_rows, pool.n_threads, storage.spec.block_size)
 
     def forward(self, batch: StepBatch) -> np.ndarray:
@@ -50,13 +53,14 @@ class ModelRunner:
             self.storage.copy_blocks(batch.block_copies)
         cfg, w, s, kv = self.config, self.weights, self.state, batch.kv
         self.pool.run(
-            model_step,
+            model_step, self.kernels == "fast",
             batch.token_ids, kv.positions, kv.slot_mapping, kv.block_tables, kv.context_lens, kv.query_start_loc,
             batch.logit_rows,
-            w.matrices, w.qtypes, w.norms, w.embedding, w.embedding_qtype, w.lm_head, w.lm_head_qtype,
-            w.output_norm, w.rope_cos, w.rope_sin,
+            w.matrices, w.packed, w.qtypes, w.norms, w.embedding, w.embedding_qtype, w.lm_head, w.lm_head_qtype,
+            w.lm_head_packed, w.output_norm, w.rope_cos, w.rope_sin,
             cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, np.float32(cfg.rms_eps),
             self.storage.key_cache, self.storage.value_cache,
             s.x, s.xb, s.q, s.k, s.v, s.attn, s.hb, s.final, s.logits, s.row_buffers, s.attn_scratch,
+            s.xq, s.xd, s.xsum, s.group_out,
         )  # fmt: skip
         return s.logits[: batch.logit_rows.shape[0]]

@@ -65,27 +65,31 @@ def setup(default_model):
     return default_model, tok.encode(TARGET_TEXT), neighbours(tok, 31)
 
 
-def test_seeded_sampling_is_identical_alone_crowded_chunked_and_single_threaded(setup):
+@pytest.mark.parametrize("kernels", ["fast", "exact"])
+def test_seeded_sampling_is_identical_alone_crowded_chunked_and_single_threaded(setup, kernels):
     model, target_ids, others = setup
     params = target_params(seed=7)
-    base = EngineConfig(max_num_seqs=32, max_num_batched_tokens=256, kv_cache_mb=128)
+    base = EngineConfig(max_num_seqs=32, max_num_batched_tokens=256, kv_cache_mb=128, kernels=kernels)
     alone = run(model, base, target_ids, params)
     assert len(alone) == 12
 
     assert run(model, base, target_ids, params, others) == alone  # among 31 others
 
-    chunked = EngineConfig(max_num_seqs=8, max_num_batched_tokens=16, kv_cache_mb=128)
+    chunked = EngineConfig(max_num_seqs=8, max_num_batched_tokens=16, kv_cache_mb=128, kernels=kernels)
     assert len(target_ids) > 16
     assert run(model, chunked, target_ids, params, others[:6]) == alone  # its prompt spans several steps
 
-    one_thread = EngineConfig(max_num_seqs=32, max_num_batched_tokens=256, kv_cache_mb=128, n_threads=1)
+    one_thread = EngineConfig(max_num_seqs=32, max_num_batched_tokens=256, kv_cache_mb=128, n_threads=1,
+                              kernels=kernels)
     assert run(model, one_thread, target_ids, params, others[:6]) == alone
 
 
 def test_seeded_sampling_is_identical_when_preempted_and_recomputed(setup):
     model, target_ids, _ = setup
     params = target_params(seed=2024)
-    alone = run(model, EngineConfig(kv_cache_mb=64), target_ids, params)
+    # Same block size as below: attention's online softmax works block by block, so the block size is
+    # part of the engine's configuration, like the kernel mode; batch, preemption and threads are not.
+    alone = run(model, EngineConfig(kv_cache_mb=64, block_size=8), target_ids, params)
     # Two greedy neighbours with 64-token prompts (8 full blocks each) are admitted before the target
     # (4 blocks); their first decode tokens need two more blocks than the 21 there are, so the
     # target, the newest, is preempted, recomputed when room returns, and must continue identically.

@@ -18,7 +18,8 @@ CAPITAL = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def engine(default_model):
-    eng = Engine(default_model, EngineConfig(max_num_seqs=16, max_num_batched_tokens=128, kv_cache_mb=96)).start()
+    eng = Engine(default_model, EngineConfig(max_num_seqs=16, max_num_batched_tokens=128, kv_cache_mb=96,
+                                             kernels="exact")).start()
     yield eng
     eng.shutdown()
 
@@ -37,6 +38,20 @@ def test_greedy_tokens_match_transformers(engine, default_model):
                 assert got == want, f"{name}: step {step}"
             if got != want:
                 break  # past a near-tie the continuations may legitimately part
+
+
+def test_fast_kernels_agree_with_transformers_on_clear_greedy_steps(default_model):
+    eng = Engine(default_model, EngineConfig(kv_cache_mb=32, kernels="fast")).start()
+    try:
+        golden = np.load(GOLDEN / "logits_digits.npz")
+        out = eng.generate(golden["ids"].tolist(), greedy(12, ignore_eos=True))[0]
+        expected, margins = golden["greedy_ids"][:12].tolist(), golden["greedy_margin"][:12]
+        for got, want, margin in zip(out.token_ids, expected, margins):
+            if got != want:
+                assert margin < 0.5, "int8 activations may only flip near-ties"
+                break
+    finally:
+        eng.shutdown()
 
 
 def test_stop_string_is_not_emitted_and_nothing_past_it_leaks(engine, default_model):
@@ -135,7 +150,7 @@ def test_a_full_queue_refuses_new_requests(default_model):
 
 
 def test_a_failing_step_ends_only_its_requests_and_the_engine_keeps_serving(default_model):
-    eng = Engine(default_model, EngineConfig(max_num_seqs=4, kv_cache_mb=64)).start()
+    eng = Engine(default_model, EngineConfig(max_num_seqs=4, kv_cache_mb=64, kernels="exact")).start()
     try:
         ids = default_model.tokenizer.encode(CAPITAL)
         survivor = eng.submit(ids, greedy(40, ignore_eos=True), request_id="survivor")
@@ -159,7 +174,7 @@ def test_a_failing_step_ends_only_its_requests_and_the_engine_keeps_serving(defa
 
 
 def test_logprobs_and_prompt_logprobs_match_the_reference(default_model):
-    eng = Engine(default_model, EngineConfig(kv_cache_mb=32, block_size=2)).start()
+    eng = Engine(default_model, EngineConfig(kv_cache_mb=32, block_size=2, kernels="exact")).start()
     try:
         ids = default_model.tokenizer.encode(CAPITAL)
         eng.generate(ids, greedy(1))  # puts the prompt's blocks in the prefix cache

@@ -19,13 +19,13 @@ BLOCK_SIZE = 8
 class StepDriver:
     """Drives the runner by hand: sequences, their tokens, and which of them compute what each step."""
 
-    def __init__(self, model, n_threads: int, num_blocks: int = 128):
+    def __init__(self, model, n_threads: int, num_blocks: int = 128, kernels: str = "exact"):
         cfg = model.config
         spec = KVCacheSpec(n_layers=cfg.n_layers, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
                            block_size=BLOCK_SIZE)
         self.kv = KVCacheManager(num_blocks, BLOCK_SIZE, cfg.max_context, enable_prefix_caching=False)
         self.pool = SpinPool(n_threads)
-        self.runner = ModelRunner(model, KVCacheStorage.allocate(spec, num_blocks), self.pool, 128, 128)
+        self.runner = ModelRunner(model, KVCacheStorage.allocate(spec, num_blocks), self.pool, 128, 128, kernels)
         self.tokens: dict[int, list[int]] = {}
         self.computed: dict[int, int] = {}
 
@@ -57,12 +57,13 @@ class StepDriver:
         self.pool.close()
 
 
-def check_mixed_batches(model, n_threads: int, atol: float) -> None:
+def check_mixed_batches(model, n_threads: int, atol: float, kernels: str = "exact") -> dict[int, np.ndarray]:
+    """Drive five mixed steps; compare every computed row with the reference. Returns the rows."""
     rng = np.random.default_rng(11)
     vocab = model.config.vocab_size
     prompts = {1: 30, 2: 50, 3: 7, 4: 17}
     full = {s: rng.integers(3, vocab, n + 4).tolist() for s, n in prompts.items()}
-    driver = StepDriver(model, n_threads)
+    driver = StepDriver(model, n_threads, kernels=kernels)
     try:
         for s in (1, 2):
             driver.add(s, full[s])
@@ -79,34 +80,62 @@ def check_mixed_batches(model, n_threads: int, atol: float) -> None:
         run({2: 5, 1: 1, 3: 1, 4: 9})  # the last chunk, two decodes, a first chunk
         run({1: 1, 2: 1, 3: 1, 4: 8})
         run({4: 1, 3: 1, 2: 1, 1: 1})
+        results = {}
         for s in prompts:
             rows = np.concatenate(got[s])
             reference = forward_logits(model, full[s][: rows.shape[0]])
-            np.testing.assert_allclose(rows, reference, atol=atol, rtol=0, err_msg=f"sequence {s}")
+            if kernels == "exact":
+                np.testing.assert_allclose(rows, reference, atol=atol, rtol=0, err_msg=f"sequence {s}")
+            else:  # int8 activations: llama.cpp-like error. Rounding is discontinuous, so one flip in an
+                # early layer can move a whole row: bound the typical row, not the worst entry.
+                row_errors = np.abs(rows - reference).max(axis=1)
+                assert np.median(row_errors) <= atol * np.abs(reference).max(), f"sequence {s}"
+                agree = np.mean(rows.argmax(axis=1) == reference.argmax(axis=1))
+                assert agree >= 0.75, f"sequence {s}: top-1 agrees on {agree:.0%} of rows"
+            results[s] = rows
+        return results
     finally:
         driver.close()
 
 
-@pytest.mark.parametrize("qtype", [QType.F32, QType.F16, QType.BF16, QType.Q4_0, QType.Q4_1, QType.Q8_0])
-@pytest.mark.parametrize("n_threads", [1, 2])
-def test_mixed_batch_logits_equal_the_reference(tmp_path_factory, qtype, n_threads):
+def tiny_model(tmp_path_factory, qtype):
     shape = TinyShape(n_layers=2, dim=64, hidden_dim=96, n_heads=4, n_kv_heads=2)
     path = write_gguf(tmp_path_factory.mktemp("m") / f"{qtype.name}.gguf", shape, qtype=qtype, seed=int(qtype),
                       embedding_qtype=QType.Q8_0 if qtype == QType.Q4_1 else None)
-    check_mixed_batches(load_model(path), n_threads, atol=1e-4)
+    return load_model(path)
+
+
+@pytest.mark.parametrize("qtype", [QType.F32, QType.F16, QType.BF16, QType.Q4_0, QType.Q4_1, QType.Q8_0])
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_exact_kernels_mixed_batch_logits_equal_the_reference(tmp_path_factory, qtype, n_threads):
+    check_mixed_batches(tiny_model(tmp_path_factory, qtype), n_threads, atol=1e-4)
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.F16])
+def test_fast_kernels_stay_close_to_the_reference_and_thread_invariant(tmp_path_factory, qtype):
+    model = tiny_model(tmp_path_factory, qtype)
+    one = check_mixed_batches(model, 1, atol=0.05, kernels="fast")
+    two = check_mixed_batches(model, 2, atol=0.05, kernels="fast")
+    for s in one:
+        np.testing.assert_array_equal(one[s], two[s])
 
 
 def test_default_model_mixed_batch_logits_equal_the_reference(default_model):
     check_mixed_batches(default_model, 2, atol=1e-3)
 
 
-def test_logits_are_identical_whatever_the_thread_count_and_batch(default_model):
+def test_default_model_fast_kernels_stay_close_to_the_reference(default_model):
+    check_mixed_batches(default_model, 2, atol=0.04, kernels="fast")
+
+
+@pytest.mark.parametrize("kernels", ["exact", "fast"])
+def test_logits_are_identical_whatever_the_thread_count_and_batch(default_model, kernels):
     rng = np.random.default_rng(5)
     ids = rng.integers(3, 49152, 20).tolist()
     other = rng.integers(3, 49152, 33).tolist()
     results = []
     for n_threads, with_neighbour in ((1, False), (2, False), (2, True), (1, True)):
-        driver = StepDriver(default_model, n_threads)
+        driver = StepDriver(default_model, n_threads, kernels=kernels)
         try:
             driver.add(1, ids)
             if with_neighbour:

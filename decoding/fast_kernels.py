@@ -1,0 +1,115 @@
+"""The `fast` kernels: activations quantized to int8 per 32-block, VNNI dot products with repacked weights.
+
+Like llama.cpp's CPU path: each activation row is quantized once per matrix it feeds (Q8_0-style,
+scale = max|x| / 127, round half away from zero), then every 8-row weight group is dotted with up to
+four tokens at a time (decoding.vnni). A row's numbers never depend on the batch: a token's
+quantization and dot products are the same operations whether it is alone or among many.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from .quant import QType
+from .repack import ACTIVATION_ORDER
+from .vnni import (
+    BLOCK_STRIDE,
+    group_dot_q4_0_x1,
+    group_dot_q4_0_x4,
+    group_dot_q4_1_x1,
+    group_dot_q4_1_x4,
+    group_dot_q8_0_x1,
+    group_dot_q8_0_x4,
+)
+
+Q4_0, Q4_1, Q8_0 = int(QType.Q4_0), int(QType.Q4_1), int(QType.Q8_0)
+_ORDER = ACTIVATION_ORDER.copy()
+_STRIDE_Q4_0, _STRIDE_Q4_1, _STRIDE_Q8_0 = BLOCK_STRIDE[QType.Q4_0], BLOCK_STRIDE[QType.Q4_1], BLOCK_STRIDE[QType.Q8_0]
+
+
+@njit(nogil=True, cache=True)
+def quantize_activation_row(x, n_cols, xq, xd, xsum):
+    """x: (≥n_cols,) float32 → xq (n_cols,) int8 in ACTIVATION_ORDER per block, xd / xsum per block."""
+    for b in range(n_cols // 32):
+        base = b * 32
+        amax = np.float32(0.0)
+        for j in range(32):
+            amax = max(amax, abs(x[base + j]))
+        scale = amax / np.float32(127.0)
+        inverse = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+        total = 0
+        for i in range(32):
+            v = x[base + _ORDER[i]] * inverse
+            q = np.int32(np.floor(v + np.float32(0.5))) if v >= 0 else -np.int32(np.floor(-v + np.float32(0.5)))
+            xq[base + i] = q
+            total += q
+        xd[b] = scale
+        xsum[b] = total
+
+
+@njit(nogil=True, cache=True)
+def group_stride(qtype, n_blocks):
+    if qtype == Q4_1:
+        return _STRIDE_Q4_1 * n_blocks
+    if qtype == Q4_0:
+        return _STRIDE_Q4_0 * n_blocks
+    return _STRIDE_Q8_0 * n_blocks
+
+
+@njit(nogil=True, cache=True)
+def group_dot(packed, qtype, offset, n_blocks, xq, xd, xsum, token, num_tokens, out):
+    """out[k, :8] for tokens token..token+num_tokens-1 (num_tokens is 1 or 4)."""
+    if qtype == Q4_1:
+        if num_tokens == 4:
+            group_dot_q4_1_x4(packed, offset, n_blocks, xq, xd, xsum, token, out)
+        else:
+            group_dot_q4_1_x1(packed, offset, n_blocks, xq, xd, xsum, token, out)
+    elif qtype == Q8_0:
+        if num_tokens == 4:
+            group_dot_q8_0_x4(packed, offset, n_blocks, xq, xd, xsum, token, out)
+        else:
+            group_dot_q8_0_x1(packed, offset, n_blocks, xq, xd, xsum, token, out)
+    else:
+        if num_tokens == 4:
+            group_dot_q4_0_x4(packed, offset, n_blocks, xq, xd, xsum, token, out)
+        else:
+            group_dot_q4_0_x1(packed, offset, n_blocks, xq, xd, xsum, token, out)
+
+
+@njit(nogil=True, cache=True)
+def matmul_groups(packed, qtype, n_cols, xq, xd, xsum, n_tokens, out, group_begin, group_end, accumulate, tmp):
+    """out[t, 8g + i] (+)= row 8g+i · x[t] for groups [group_begin, group_end); tmp: (4, 8) float32."""
+    n_blocks = n_cols // 32
+    stride = group_stride(qtype, n_blocks)
+    for g in range(group_begin, group_end):
+        t = 0
+        while t < n_tokens:
+            step = 4 if t + 4 <= n_tokens else 1
+            group_dot(packed, qtype, g * stride, n_blocks, xq, xd, xsum, t, step, tmp)
+            for k in range(step):
+                for i in range(8):
+                    if accumulate:
+                        out[t + k, 8 * g + i] += tmp[k, i]
+                    else:
+                        out[t + k, 8 * g + i] = tmp[k, i]
+            t += step
+
+
+@njit(nogil=True, cache=True)
+def swiglu_groups(gate, up, qtype_gate, qtype_up, n_cols, xq, xd, xsum, n_tokens, out, group_begin, group_end,
+                  tmp_gate, tmp_up):
+    n_blocks = n_cols // 32
+    stride_gate = group_stride(qtype_gate, n_blocks)
+    stride_up = group_stride(qtype_up, n_blocks)
+    for g in range(group_begin, group_end):
+        t = 0
+        while t < n_tokens:
+            step = 4 if t + 4 <= n_tokens else 1
+            group_dot(gate, qtype_gate, g * stride_gate, n_blocks, xq, xd, xsum, t, step, tmp_gate)
+            group_dot(up, qtype_up, g * stride_up, n_blocks, xq, xd, xsum, t, step, tmp_up)
+            for k in range(step):
+                for i in range(8):
+                    g_val = tmp_gate[k, i]
+                    out[t + k, 8 * g + i] = g_val / (np.float32(1.0) + np.exp(-g_val)) * tmp_up[k, i]
+            t += step

@@ -1,0 +1,49 @@
+"""Repack ggml blocks at load into the layout the VNNI kernels stream (decoding.vnni).
+
+Rows are taken in groups of 8; for each 32-weight block the group's bytes are contiguous:
+
+    Q4_0 / Q4_1: 4 steps × 8 rows × 4 bytes of nibbles (128 B), 8 fp16 scales (16 B)[, 8 fp16 mins (16 B)]
+    Q8_0:        4 steps × 8 rows × 8 bytes, each weight + 128 as an unsigned byte (256 B), 8 fp16 scales
+
+Step s of a row holds its weights 4s..4s+3 and 16+4s..16+4s+3: in a Q4 byte the low nibble is weight j
+and the high nibble weight j+16, so nibble bytes need no reshuffling; Q8_0 bytes are put in the same
+order so that one activation layout (`ACTIVATION_ORDER`) serves every type. The repacked matrix has
+exactly as many bytes as the original; streaming 8 rows at a time keeps the hardware prefetcher on
+one sequential stream per thread.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .quant import BLOCK_BYTES, QK, QType
+from .vnni import GROUP_ROWS
+
+PACKABLE = (QType.Q4_0, QType.Q4_1, QType.Q8_0)
+# activation byte i of a block holds weight ACTIVATION_ORDER[i]: step s = [4s..4s+3, 16+4s..16+4s+3]
+ACTIVATION_ORDER = np.array([4 * s + k for s in range(4) for k in (0, 1, 2, 3, 16, 17, 18, 19)], dtype=np.int64)
+
+
+def is_packable(qtype: QType, n_rows: int) -> bool:
+    return qtype in PACKABLE and n_rows % GROUP_ROWS == 0
+
+
+def repack(data: np.ndarray, qtype: QType, n_rows: int, n_cols: int) -> np.ndarray:
+    """(n_rows, row_bytes) ggml blocks → flat uint8 stream of n_rows / 8 groups, same size."""
+    if not is_packable(qtype, n_rows):
+        raise ValueError(f"{qtype.name} with {n_rows} rows cannot be repacked")
+    n_groups, n_blocks = n_rows // GROUP_ROWS, n_cols // QK
+    blocks = np.asarray(data, dtype=np.uint8).reshape(n_groups, GROUP_ROWS, n_blocks, BLOCK_BYTES[qtype])
+    scales = blocks[..., 0:2].transpose(0, 2, 1, 3).reshape(n_groups, n_blocks, 16)
+    if qtype == QType.Q8_0:
+        weights = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        weights = weights[..., ACTIVATION_ORDER]  # (g, r, b, 32) in step order
+        steps = weights.reshape(n_groups, GROUP_ROWS, n_blocks, 4, 8).transpose(0, 2, 3, 1, 4)
+        parts = [steps.reshape(n_groups, n_blocks, 256), scales]
+    else:
+        first = 4 if qtype == QType.Q4_1 else 2
+        nibbles = blocks[..., first : first + 16].reshape(n_groups, GROUP_ROWS, n_blocks, 4, 4)
+        parts = [nibbles.transpose(0, 2, 3, 1, 4).reshape(n_groups, n_blocks, 128), scales]
+        if qtype == QType.Q4_1:
+            parts.append(blocks[..., 2:4].transpose(0, 2, 1, 3).reshape(n_groups, n_blocks, 16))
+    return np.ascontiguousarray(np.concatenate(parts, axis=-1)).reshape(-1)

@@ -1,0 +1,221 @@
+"""AVX-512 VNNI dot products of repacked quantized weights with int8 activations (the `fast` kernels).
+
+numba never emits `vpdpbusd` on its own (MEASURED.md), so each kernel here is an LLVM IR loop
+written with llvmlite and exposed to nopython code as an intrinsic. One call computes 8 weight rows
+(an interleaved group, see decoding.repack) against 1 or 4 tokens, and stores 8 float32 results
+per token.
+
+Per 32-weight block and 8 rows, four `vpdpbusd`s multiply unsigned weight bytes with signed
+activation bytes and sum groups of four into 16 int32 lanes (two lanes per row). The lanes are
+scaled in float32 once per block — weight scale × activation scale — and accumulated; the Q4_1 min
+term adds m · d_x · Σq_x; unsigned storage offsets (nibble − 8 for Q4_0, byte + 128 for Q8_0) are
+taken back exactly in integers with the block's Σq_x. Every token's arithmetic is the same sequence
+of operations whether it is computed alone or with three others, so results are batch-invariant.
+"""
+
+from __future__ import annotations
+
+import os
+
+from llvmlite import binding, ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .quant import QType
+
+LANES = 16
+GROUP_ROWS = 8
+# bytes of one (8-row group, 32-weight block) in the repacked stream, and where its scales start
+BLOCK_STRIDE = {QType.Q4_0: 144, QType.Q4_1: 160, QType.Q8_0: 272}
+SCALE_OFFSET = {QType.Q4_0: 128, QType.Q4_1: 128, QType.Q8_0: 256}
+MIN_OFFSET = 144  # Q4_1 only
+UNSIGNED_BIAS = {QType.Q4_0: 8, QType.Q8_0: 128, QType.Q4_1: 0}
+
+_i8, _i16, _i32, _i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+_f32 = ir.FloatType()
+
+# Without VNNI the same integer dot products are written in plain vector IR (slower, identical results),
+# so the kernels compile on every x86-64 CPU; numba's cache is keyed by the host CPU anyway.
+# TREADLE_NO_VNNI=1 forces the plain-IR path (to test it on a VNNI machine; use a fresh NUMBA_CACHE_DIR).
+HAS_VNNI = bool(binding.get_host_cpu_features().get("avx512vnni", False)) and not os.environ.get("TREADLE_NO_VNNI")
+
+
+def _vec(t: ir.Type, n: int) -> ir.VectorType:
+    return ir.VectorType(t, n)
+
+
+def _mask(values: list[int]) -> ir.Constant:
+    return ir.Constant(_vec(_i32, len(values)), values)
+
+
+def _splat(builder: ir.IRBuilder, value: ir.Value, n: int) -> ir.Value:
+    vec = builder.insert_element(ir.Constant(_vec(value.type, n), None), value, ir.Constant(_i32, 0))
+    return builder.shuffle_vector(vec, vec, _mask([0] * n))
+
+
+def _load(builder: ir.IRBuilder, byte_ptr: ir.Value, offset: ir.Value | int, ty: ir.Type, align: int = 1) -> ir.Value:
+    if isinstance(offset, int):
+        offset = ir.Constant(_i64, offset)
+    ptr = builder.gep(byte_ptr, [offset])
+    return builder.load(builder.bitcast(ptr, ty.as_pointer()), align=align)
+
+
+def _array_byte_pointer(context, builder, arr_type, arr_value) -> ir.Value:
+    array = context.make_array(arr_type)(context, builder, arr_value)
+    return builder.bitcast(array.data, _i8.as_pointer())
+
+
+def _row_stride_bytes(context, builder, arr_type, arr_value) -> ir.Value:
+    """Bytes between rows of a 2-D array (scratch arrays are wider than the matrix being used)."""
+    array = context.make_array(arr_type)(context, builder, arr_value)
+    return cgutils.unpack_tuple(builder, array.strides)[0]
+
+
+def _weight_vector(builder: ir.IRBuilder, qtype: QType, block_ptr: ir.Value, step: int) -> ir.Value:
+    """The 64 unsigned weight bytes of step `step` (0..3) of a block: 8 bytes for each of 8 rows."""
+    if qtype == QType.Q8_0:
+        return _load(builder, block_ptr, 64 * step, _vec(_i8, 64))
+    packed = _load(builder, block_ptr, 32 * step, _vec(_i8, 32))  # 4 bytes of nibbles per row
+    low = builder.and_(packed, ir.Constant(_vec(_i8, 32), [15] * 32))
+    high = builder.lshr(packed, ir.Constant(_vec(_i8, 32), [4] * 32))
+    low32 = builder.bitcast(low, _vec(_i32, 8))
+    high32 = builder.bitcast(high, _vec(_i32, 8))
+    # row r's two lanes: its 4 low nibbles (weights 4s..4s+3), then its 4 high ones (16+4s..16+4s+3)
+    interleaved = builder.shuffle_vector(low32, high32, _mask([i // 2 + (8 if i % 2 else 0) for i in range(16)]))
+    return builder.bitcast(interleaved, _vec(_i8, 64))
+
+
+def _dpbusd_emitter(builder: ir.IRBuilder):
+    """acc + Σ over each 4 bytes of (unsigned a) · (signed b): `vpdpbusd` or its plain-IR equivalent."""
+    if HAS_VNNI:
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_vec(_i32, 16), [_vec(_i32, 16), _vec(_i8, 64), _vec(_i8, 64)]),
+            "llvm.x86.avx512.vpdpbusd.512",
+        )
+        return lambda acc, a, b: builder.call(fn, [acc, a, b])
+
+    def emulate(acc: ir.Value, a: ir.Value, b: ir.Value) -> ir.Value:
+        products = builder.mul(builder.zext(a, _vec(_i32, 64)), builder.sext(b, _vec(_i32, 64)))
+        for k in range(4):
+            acc = builder.add(acc, builder.shuffle_vector(products, products, _mask([4 * i + k for i in range(16)])))
+        return acc
+
+    return emulate
+
+
+def _make_group_dot(qtype: QType, num_tokens: int):  # noqa: C901 - one IR loop, written out
+    stride, scale_offset, bias = BLOCK_STRIDE[qtype], SCALE_OFFSET[qtype], UNSIGNED_BIAS[qtype]
+
+    @intrinsic
+    def group_dot(typingctx, weights, weight_offset, num_blocks, xq, xd, xsum, token, out):
+        """out[k, 0:8] = the 8 rows of the group at `weight_offset` · activation row token + k.
+
+        weights: (…) uint8 repacked stream; xq: (tokens, 32·num_blocks) int8, reordered per block;
+        xd: (tokens, num_blocks) float32 scales; xsum: (tokens, num_blocks) int32 Σq per block;
+        out: (≥num_tokens, 8) float32.
+        """
+        sig = types.void(weights, weight_offset, num_blocks, xq, xd, xsum, token, out)
+
+        def codegen(context, builder, signature, args):
+            w_arr, w_off, n_blocks, xq_arr, xd_arr, xs_arr, tok, out_arr = args
+            w_off = context.cast(builder, w_off, signature.args[1], types.int64)
+            n_blocks = context.cast(builder, n_blocks, signature.args[2], types.int64)
+            tok = context.cast(builder, tok, signature.args[6], types.int64)
+            w_base = builder.gep(_array_byte_pointer(context, builder, signature.args[0], w_arr), [w_off])
+            xq_base = _array_byte_pointer(context, builder, signature.args[3], xq_arr)
+            xd_base = _array_byte_pointer(context, builder, signature.args[4], xd_arr)
+            xs_base = _array_byte_pointer(context, builder, signature.args[5], xs_arr)
+            out_base = _array_byte_pointer(context, builder, signature.args[7], out_arr)
+            out_row_bytes = _row_stride_bytes(context, builder, signature.args[7], out_arr)
+            xq_row_bytes = _row_stride_bytes(context, builder, signature.args[3], xq_arr)
+            xd_row_bytes = _row_stride_bytes(context, builder, signature.args[4], xd_arr)
+            xs_row_bytes = _row_stride_bytes(context, builder, signature.args[5], xs_arr)
+
+            dpbusd = _dpbusd_emitter(builder)
+            zero_f = ir.Constant(_vec(_f32, LANES), [0.0] * LANES)
+            zero_i = ir.Constant(_vec(_i32, LANES), [0] * LANES)
+            duplicate = _mask([i // 2 for i in range(16)])
+            even_only = _mask([i // 2 if i % 2 == 0 else 8 for i in range(16)])  # lane 8 of the 2nd operand = 0
+
+            entry = builder.block
+            loop = builder.append_basic_block("blocks")
+            done = builder.append_basic_block("done")
+            builder.cbranch(builder.icmp_signed(">", n_blocks, ir.Constant(_i64, 0)), loop, done)
+
+            builder.position_at_end(loop)
+            block = builder.phi(_i64)
+            block.add_incoming(ir.Constant(_i64, 0), entry)
+            accs = []
+            for _ in range(num_tokens):
+                acc = builder.phi(_vec(_f32, LANES))
+                acc.add_incoming(zero_f, entry)
+                accs.append(acc)
+            block_ptr = builder.gep(w_base, [builder.mul(block, ir.Constant(_i64, stride))])
+            weight_vectors = [_weight_vector(builder, qtype, block_ptr, s) for s in range(4)]
+            scales = builder.fpext(builder.bitcast(_load(builder, block_ptr, scale_offset, _vec(_i16, 8)),
+                                                   _vec(ir.HalfType(), 8)), _vec(_f32, 8))
+            scales16 = builder.shuffle_vector(scales, scales, duplicate)
+            if qtype == QType.Q4_1:
+                mins = builder.fpext(builder.bitcast(_load(builder, block_ptr, MIN_OFFSET, _vec(_i16, 8)),
+                                                     _vec(ir.HalfType(), 8)), _vec(_f32, 8))
+                mins16 = builder.shuffle_vector(mins, ir.Constant(_vec(_f32, 8), [0.0] * 8), even_only)
+            next_accs = []
+            for k in range(num_tokens):
+                row = builder.add(tok, ir.Constant(_i64, k))
+                x_ptr = builder.gep(xq_base, [builder.add(builder.mul(row, xq_row_bytes),
+                                                          builder.mul(block, ir.Constant(_i64, 32)))])
+                acc_i = zero_i
+                for s in range(4):
+                    x8 = _load(builder, x_ptr, 8 * s, _i64)
+                    x_vec = builder.bitcast(_splat(builder, x8, 8), _vec(_i8, 64))
+                    acc_i = dpbusd(acc_i, weight_vectors[s], x_vec)
+                block_bytes = builder.mul(block, ir.Constant(_i64, 4))
+                x_scale = _load(builder, xd_base, builder.add(builder.mul(row, xd_row_bytes), block_bytes), _f32, align=4)
+                if bias or qtype == QType.Q4_1:
+                    x_sum = _load(builder, xs_base, builder.add(builder.mul(row, xs_row_bytes), block_bytes), _i32,
+                                  align=4)
+                if bias:  # take back the unsigned storage offset: Σ(w + bias)·x − bias·Σx, once per row
+                    correction = builder.mul(x_sum, ir.Constant(_i32, bias))
+                    corr16 = builder.shuffle_vector(_splat(builder, correction, 8), ir.Constant(_vec(_i32, 8), [0] * 8),
+                                                    even_only)
+                    acc_i = builder.sub(acc_i, corr16)
+                lanes = builder.sitofp(acc_i, _vec(_f32, LANES))
+                scaled = builder.fmul(lanes, builder.fmul(scales16, _splat(builder, x_scale, LANES)))
+                acc = builder.fadd(accs[k], scaled)
+                if qtype == QType.Q4_1:
+                    x_mass = builder.fmul(builder.sitofp(x_sum, _f32), x_scale)
+                    acc = builder.fadd(acc, builder.fmul(mins16, _splat(builder, x_mass, LANES)))
+                next_accs.append(acc)
+            next_block = builder.add(block, ir.Constant(_i64, 1))
+            block.add_incoming(next_block, loop)
+            for acc, nxt in zip(accs, next_accs):
+                acc.add_incoming(nxt, loop)
+            builder.cbranch(builder.icmp_signed("<", next_block, n_blocks), loop, done)
+
+            builder.position_at_end(done)
+            finals = []
+            for k in range(num_tokens):  # phis first: LLVM wants them at the top of the block
+                final = builder.phi(_vec(_f32, LANES))
+                final.add_incoming(zero_f, entry)
+                final.add_incoming(next_accs[k], loop)
+                finals.append(final)
+            for k, final in enumerate(finals):
+                even = builder.shuffle_vector(final, final, _mask(list(range(0, 16, 2))))
+                odd = builder.shuffle_vector(final, final, _mask(list(range(1, 16, 2))))
+                rows = builder.fadd(even, odd)  # row r = lane 2r + lane 2r+1
+                out_ptr = builder.gep(out_base, [builder.mul(ir.Constant(_i64, k), out_row_bytes)])
+                builder.store(rows, builder.bitcast(out_ptr, _vec(_f32, 8).as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return group_dot
+
+
+group_dot_q4_0_x1 = _make_group_dot(QType.Q4_0, 1)
+group_dot_q4_0_x4 = _make_group_dot(QType.Q4_0, 4)
+group_dot_q4_1_x1 = _make_group_dot(QType.Q4_1, 1)
+group_dot_q4_1_x4 = _make_group_dot(QType.Q4_1, 4)
+group_dot_q8_0_x1 = _make_group_dot(QType.Q8_0, 1)
+group_dot_q8_0_x4 = _make_group_dot(QType.Q8_0, 4)

@@ -1,0 +1,85 @@
+"""The VNNI kernels against numpy on the same int8 activations: only float rounding may differ."""
+
+import numpy as np
+import pytest
+
+from decoding.fast_kernels import matmul_groups, quantize_activation_row, swiglu_groups
+from decoding.quant import QType, dequantize, quantize
+from decoding.repack import ACTIVATION_ORDER, repack
+
+
+def quantized_activations(x: np.ndarray):
+    tokens, cols = x.shape
+    xq = np.zeros((tokens, cols + 64), np.int8)  # wider than used, as the engine's scratch is
+    xd = np.zeros((tokens, cols // 32 + 3), np.float32)
+    xsum = np.zeros((tokens, cols // 32 + 3), np.int32)
+    for t in range(tokens):
+        quantize_activation_row(x[t], cols, xq[t], xd[t], xsum[t])
+    return xq, xd, xsum
+
+
+def dequantized_activations(xq, xd, cols: int) -> np.ndarray:
+    """What the int8 activations stand for, in natural weight order."""
+    inverse = np.argsort(ACTIVATION_ORDER)
+    blocks = xq[:, :cols].reshape(xq.shape[0], cols // 32, 32)[..., inverse].astype(np.float32)
+    return (blocks * xd[:, : cols // 32, None]).reshape(xq.shape[0], cols)
+
+
+def test_activation_quantization_is_q8_0_with_round_half_away():
+    x = np.array([[0.5, -0.5, 1.5, -2.5] + [0.0] * 27 + [127.0]], dtype=np.float32)
+    xq, xd, xsum = quantized_activations(x)
+    restored = dequantized_activations(xq, xd, 32)
+    np.testing.assert_array_equal(restored, np.round(x + np.sign(x) * 1e-6))  # scale 1: q = round-half-away(x)
+    assert xd[0, 0] == 1.0 and xsum[0, 0] == 1 - 1 + 2 - 3 + 127
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_1, QType.Q8_0])
+@pytest.mark.parametrize("tokens", [1, 3, 4, 9])
+def test_group_dot_products_equal_numpy_on_the_same_quantized_inputs(qtype, tokens):
+    rng = np.random.default_rng(int(qtype) * 10 + tokens)
+    rows, cols = 48, 320
+    stored = quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
+    x = rng.standard_normal((tokens, cols)).astype(np.float32) * 3
+    xq, xd, xsum = quantized_activations(x)
+    expected = dequantized_activations(xq, xd, cols).astype(np.float64) @ dequantize(stored, qtype, cols).T.astype(np.float64)
+    out = np.full((tokens, rows + 5), np.nan, np.float32)
+    matmul_groups(repack(stored, qtype, rows, cols), int(qtype), cols, xq, xd, xsum, tokens, out, 0, rows // 8, False,
+                  np.zeros((4, 8), np.float32))
+    np.testing.assert_allclose(out[:, :rows], expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+    assert np.isnan(out[:, rows:]).all()  # nothing written past the matrix
+
+
+def test_groups_of_four_tokens_give_the_same_bits_as_one_at_a_time():
+    rng = np.random.default_rng(3)
+    rows, cols, tokens = 64, 576, 7
+    stored = quantize(rng.standard_normal((rows, cols)).astype(np.float32), QType.Q4_1)
+    packed = repack(stored, QType.Q4_1, rows, cols)
+    xq, xd, xsum = quantized_activations(rng.standard_normal((tokens, cols)).astype(np.float32))
+    together = np.zeros((tokens, rows), np.float32)
+    matmul_groups(packed, int(QType.Q4_1), cols, xq, xd, xsum, tokens, together, 0, 8, False, np.zeros((4, 8), np.float32))
+    for t in range(tokens):
+        alone = np.zeros((1, rows), np.float32)
+        matmul_groups(packed, int(QType.Q4_1), cols, xq[t : t + 1], xd[t : t + 1], xsum[t : t + 1], 1, alone, 0, 8,
+                      False, np.zeros((4, 8), np.float32))
+        np.testing.assert_array_equal(alone[0], together[t])
+
+
+def test_accumulate_adds_to_the_residual_and_swiglu_combines_both_projections():
+    rng = np.random.default_rng(4)
+    rows, cols, tokens = 16, 64, 5
+    gate = quantize(rng.standard_normal((rows, cols)).astype(np.float32), QType.Q8_0)
+    up = quantize(rng.standard_normal((rows, cols)).astype(np.float32), QType.Q4_1)
+    xq, xd, xsum = quantized_activations(rng.standard_normal((tokens, cols)).astype(np.float32))
+    x = dequantized_activations(xq, xd, cols)
+    residual = rng.standard_normal((tokens, rows)).astype(np.float32)
+    out = residual.copy()
+    matmul_groups(repack(gate, QType.Q8_0, rows, cols), int(QType.Q8_0), cols, xq, xd, xsum, tokens, out, 0, 2, True,
+                  np.zeros((4, 8), np.float32))
+    np.testing.assert_allclose(out, residual + x @ dequantize(gate, QType.Q8_0, cols).T, rtol=1e-4, atol=1e-4)
+    hidden = np.zeros((tokens, rows), np.float32)
+    swiglu_groups(repack(gate, QType.Q8_0, rows, cols), repack(up, QType.Q4_1, rows, cols), int(QType.Q8_0),
+                  int(QType.Q4_1), cols, xq, xd, xsum, tokens, hidden, 0, 2, np.zeros((4, 8), np.float32),
+                  np.zeros((4, 8), np.float32))
+    g = x @ dequantize(gate, QType.Q8_0, cols).T
+    u = x @ dequantize(up, QType.Q4_1, cols).T
+    np.testing.assert_allclose(hidden, g / (1 + np.exp(-g)) * u, rtol=1e-3, atol=1e-4)
