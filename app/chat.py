@@ -12,6 +12,7 @@ from typing import TextIO
 
 from decoding import DEFAULT_MODEL, ModelLoadError, TemplateError, load_model
 from decoding.engine import Engine, EngineConfig, RequestTooLarge
+from decoding.forward import KERNEL_MODES
 from decoding.params import InvalidParams, SamplingParams
 
 
@@ -19,6 +20,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="treadle chat", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--kernels", choices=KERNEL_MODES, default="fast",
+                        help="fast: int8 activations (default); exact: float32 activations, reference numerics")
     parser.add_argument("--system", default=None, help="system message (default: the template's own)")
     parser.add_argument("--max-tokens", type=int, default=512, help="longest reply, in tokens")
     parser.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
@@ -72,7 +75,8 @@ def main(argv: list[str]) -> int:
     except (ModelLoadError, TemplateError, InvalidParams) as exc:
         print(f"treadle: error: {exc}", file=sys.stderr)
         return 2
-    engine = Engine(model, EngineConfig(max_num_seqs=1, n_threads=args.threads, kv_cache_mb=128)).start()
+    engine = Engine(model, EngineConfig(max_num_seqs=1, n_threads=args.threads, kv_cache_mb=128,
+                                        kernels=args.kernels)).start()
     print("treadle: type a message; /reset starts over, /exit or Ctrl-D quits", file=sys.stderr, flush=True)
     try:
         chat_loop(engine, params, args.system, sys.stdin, sys.stdout)

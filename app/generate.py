@@ -7,6 +7,7 @@ import sys
 
 from decoding import DEFAULT_MODEL, ModelLoadError, TemplateError, load_model
 from decoding.engine import Engine, EngineConfig, RequestTooLarge
+from decoding.forward import KERNEL_MODES
 from decoding.params import InvalidParams, SamplingParams
 
 
@@ -20,6 +21,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--kernels", choices=KERNEL_MODES, default="fast",
+                        help="fast: int8 activations (default); exact: float32 activations, reference numerics")
     parser.add_argument("--threads", type=int, default=None, help="pool threads (default: every usable core)")
     args = parser.parse_args(argv)
     if args.max_tokens <= 0:
@@ -43,7 +46,8 @@ def main(argv: list[str]) -> int:
         print(f"treadle: error: {exc}", file=sys.stderr)
         return 2
     ids = tok.encode(text, add_special_tokens=True)
-    engine = Engine(model, EngineConfig(max_num_seqs=1, n_threads=args.threads, kv_cache_mb=64)).start()
+    engine = Engine(model, EngineConfig(max_num_seqs=1, n_threads=args.threads, kv_cache_mb=64,
+                                        kernels=args.kernels)).start()
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 seed=args.seed)

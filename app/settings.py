@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from decoding import DEFAULT_MODEL
 from decoding.engine import EngineConfig
+from decoding.forward import KERNEL_MODES
 
 ENV_PREFIX = "TREADLE_"
 _ENGINE_DEFAULTS = EngineConfig()
@@ -24,6 +25,7 @@ class ServerSettings:
     max_num_batched_tokens: int = _ENGINE_DEFAULTS.max_num_batched_tokens
     kv_cache_mb: float = _ENGINE_DEFAULTS.kv_cache_mb
     block_size: int = _ENGINE_DEFAULTS.block_size
+    kernels: str = _ENGINE_DEFAULTS.kernels
     max_queue: int = _ENGINE_DEFAULTS.max_queue  # running + waiting + being tokenized; more get 429
     api_key: str | None = None
     cors_origins: tuple[str, ...] = field(default_factory=tuple)
@@ -34,7 +36,7 @@ class ServerSettings:
     def engine_config(self) -> EngineConfig:
         return EngineConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                             kv_cache_mb=self.kv_cache_mb, block_size=self.block_size, max_queue=self.max_queue,
-                            n_threads=self.threads)
+                            n_threads=self.threads, kernels=self.kernels)
 
 
 def _positive_int(text: str) -> int:
@@ -56,6 +58,12 @@ def _positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {text}")
     return value
+
+
+def _kernels(text: str) -> str:
+    if text not in KERNEL_MODES:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(KERNEL_MODES)}, got {text!r}")
+    return text
 
 
 def _origins(text: str) -> tuple[str, ...]:
@@ -88,6 +96,9 @@ def build_parser(prog: str = "treadle serve") -> argparse.ArgumentParser:
            "tokens per engine step (default %(default)s)")
     option("--kv-cache-mb", _positive_float, defaults.kv_cache_mb, "KV cache size in MiB (default %(default)s)")
     option("--block-size", _positive_int, defaults.block_size, "tokens per KV block (default %(default)s)")
+    option("--kernels", _kernels, defaults.kernels,
+           "fast: int8 activations, VNNI dot products (llama.cpp-like numerics); exact: float32 activations, "
+           "logits within 1e-3 of the reference (default %(default)s)")
     option("--max-queue", _positive_int, defaults.max_queue,
            "requests admitted at once (running + waiting); more are answered 429 (default %(default)s)")
     option("--api-key", str, None, "require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize")

@@ -27,7 +27,9 @@ CORS_ORIGIN = "http://chat.example.test"
 # name -> `treadle serve` options. "main" serves most tests; "guarded" has a key, CORS, a tiny
 # queue, one sequence at a time and fast pings, for the overload, auth, CORS and queued-client tests.
 CONFIGS = {
-    "main": ["--kv-cache-mb", "128", "--max-num-seqs", "8", "--max-queue", "16", "--sse-ping-seconds", "0.5"],
+    # exact kernels: greedy text through the API is compared with transformers' continuations
+    "main": ["--kv-cache-mb", "128", "--max-num-seqs", "8", "--max-queue", "16", "--sse-ping-seconds", "0.5",
+             "--kernels", "exact"],
     "guarded": ["--kv-cache-mb", "128", "--max-num-seqs", "1", "--max-queue", "2", "--sse-ping-seconds", "0.2",
                 "--api-key", API_KEY, "--cors-origins", CORS_ORIGIN, "--max-body-bytes", "65536", "--threads", "1"],
 }

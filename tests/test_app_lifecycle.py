@@ -183,7 +183,8 @@ def test_curl_no_buffer_streams_tokens_of_a_completion(server):
 
 
 def test_chat_command_keeps_the_conversation_and_quits_at_end_of_input():
-    result = subprocess.run([sys.executable, "-m", "app.cli", "chat", "--temperature", "0", "--max-tokens", "24"],
+    result = subprocess.run([sys.executable, "-m", "app.cli", "chat", "--temperature", "0", "--max-tokens", "24",
+                             "--kernels", "exact"],
                             cwd=REPO, env=server_env(), input="What is the capital of France?\n/reset\n",
                             capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr

@@ -74,7 +74,7 @@ def test_generate_cli_prints_the_transformers_greedy_continuation(default_model)
     expected_ids = greedy[: next((i for i, t in enumerate(greedy) if t in eos), len(greedy))][:10]
     result = subprocess.run(
         [sys.executable, "-m", "app.cli", "generate", "--temperature", "0", "--max-tokens", str(len(expected_ids)),
-         "The capital of France is"],
+         "--kernels", "exact", "The capital of France is"],
         capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr
