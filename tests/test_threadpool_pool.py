@@ -125,10 +125,10 @@ def test_make_barrier_gives_each_thread_its_own_aligned_cache_line() -> None:
 @pytest.mark.parametrize("num_threads", [1, 2, 3])
 def test_barrier_stress_every_thread_sees_every_write_of_the_episode(num_threads: int) -> None:
     # 3 threads spinning on 2 cores is slow (a time slice per episode), so fewer episodes.
-    episodes = 20_000 if num_threads <= len(os.sched_getaffinity(0)) else 50
+    episodes = 5_000 if num_threads <= len(os.sched_getaffinity(0)) else 50
     slots = np.zeros(num_threads * 8, dtype=np.int64)
     num_wrong = np.zeros(num_threads, dtype=np.int64)
-    with SpinPool(num_threads, pin=False) as pool:
+    with SpinPool(num_threads) as pool:
         pool.run(exchange_through_barrier, slots, episodes, num_wrong)
     assert num_wrong.tolist() == [0] * num_threads
     assert slots[::8].tolist() == [episodes * 1000 + tid for tid in range(num_threads)]
@@ -317,16 +317,25 @@ def test_a_dropped_pool_stops_its_workers() -> None:
 
 
 @pytest.mark.skipif(not TWO_CORES, reason="needs two usable cores")
-def test_workers_are_pinned_to_their_own_core_unless_pin_is_false() -> None:
+def test_pinned_pool_pins_workers_and_the_caller_only_while_it_runs() -> None:
     cores = sorted(os.sched_getaffinity(0))
+    affinity_during_run: dict[int, set[int]] = {}
+
+    def note_affinity(tid: int, nthreads: int, barrier: np.ndarray) -> None:  # a Python kernel
+        affinity_during_run[tid] = os.sched_getaffinity(0)
+
     with SpinPool(2) as pool:
-        pool.run(do_nothing)
+        pool.run(note_affinity)
         (worker,) = worker_threads()
         assert os.sched_getaffinity(worker.native_id) == {cores[1]}
+    assert affinity_during_run == {0: {cores[0]}, 1: {cores[1]}}
+    assert os.sched_getaffinity(0) == set(cores)  # the caller's affinity is restored
+
     with SpinPool(2, pin=False) as pool:
+        pool.run(note_affinity)
         (worker,) = worker_threads()
         assert os.sched_getaffinity(worker.native_id) == set(cores)
-    assert os.sched_getaffinity(0) == set(cores)  # the caller is never pinned
+    assert affinity_during_run == {0: set(cores), 1: set(cores)}
 
 
 # ---- spinning, parking, idle CPU ------------------------------------------------------------------

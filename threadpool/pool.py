@@ -41,7 +41,7 @@ import numpy as np
 from numba import njit
 from numba.core.registry import CPUDispatcher
 
-from threadpool.affinity import pin_thread, usable_cores
+from threadpool.affinity import pin_calling_thread, pin_thread, restore_calling_thread, usable_cores
 from threadpool.atomics import load_acquire, store_release
 from threadpool.barrier import BarrierAborted, arrival_counts, make_barrier, mark_departed, reset_barrier
 from threadpool.handoff import (
@@ -122,7 +122,10 @@ class SpinPool:
     """A fixed team of `n_threads` threads (the caller + n_threads - 1 workers) for SPMD kernels.
 
     n_threads: default, the number of usable cores (`os.sched_getaffinity`).
-    pin:       pin worker tid to `cores[tid]` (thread 0, the caller, is never pinned by the pool).
+    pin:       pin worker tid to `cores[tid]`, and the caller to `cores[0]` for the duration of
+               each run (its affinity is restored afterwards). Unpinned, a loaded machine's
+               scheduler may stack thread 0 and a worker on one core, where a spinning thread
+               waits a whole time slice for the one it spins on.
     cores:     the cores to use, default the usable ones in ascending order.
     spin_us:   how long an idle worker spins before parking; 0 parks at once.
     """
@@ -142,6 +145,7 @@ class SpinPool:
             raise ValueError(f"spin_us must be >= 0, got {spin_us}")
         self.n_threads = n_threads
         self.spin_us = spin_us
+        self._caller_core = cores[0] if pin and n_threads > 1 else None
         self._state = _PoolState(n_threads, max_spins=int(spin_us * 1000 / nanoseconds_per_spin()))
         _compile_helpers()
         threads = _start_workers(self._state)
@@ -166,9 +170,11 @@ class SpinPool:
             if state.is_closed:
                 raise RuntimeError("SpinPool is closed")
             state.running_thread = threading.get_ident()
+            previous_affinity = None if self._caller_core is None else pin_calling_thread(self._caller_core)
             try:
                 _run_locked(state, kernel, args)
             finally:
+                restore_calling_thread(previous_affinity)
                 state.running_thread = None
 
     def close(self) -> None:
