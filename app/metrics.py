@@ -67,13 +67,10 @@ class ServerMetrics:
         engine.observers.append(EngineMetricsObserver(self))
 
     def _num_running(self) -> int:
-        if self._engine is None:
-            return 0
-        return len({id(seq.request) for seq in list(self._engine.scheduler.running)})
+        return self._engine.num_running_requests if self._engine else 0
 
     def _num_waiting(self) -> int:
-        # Counted from the engine's admission total, so requests still in its inbox are included.
-        return max(0, self._engine.num_unfinished - self._num_running()) if self._engine else 0
+        return self._engine.num_waiting_requests if self._engine else 0
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -90,9 +87,6 @@ class EngineMetricsObserver:
 
     def on_first_token(self, seconds: float) -> None:
         self.metrics.time_to_first_token.observe(seconds)
-
-    def on_token(self, seconds_since_previous: float) -> None:
-        """Not called by the engine yet; inter-token latency is measured per stream (`TokenGapTimer`)."""
 
     def on_request_finished(self, request: Request, finish_reason: str) -> None:
         m = self.metrics

@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from decoding import TemplateError
-from decoding.engine import Engine, QueueFull, RequestTooLarge
+from decoding.engine import Engine, EngineShuttingDown, QueueFull, RequestTooLarge
 from decoding.params import InvalidParams, SamplingParams
 
 from .body import read_body
@@ -117,7 +117,7 @@ def _submit(state: ServingState, engine: Engine, prompt_ids: list[int], params: 
         raise APIError(400, str(exc), code="context_length_exceeded") from None
     except InvalidParams as exc:
         raise APIError(400, str(exc), exc.param, code="invalid_value") from None
-    except RuntimeError as exc:  # the engine is shutting down
+    except EngineShuttingDown as exc:
         raise APIError(503, str(exc), code="shutting_down") from None
     return Generation(engine, stream, formatter, TokenGapTimer(state.metrics.inter_token_latency))
 

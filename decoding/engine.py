@@ -43,6 +43,10 @@ class QueueFull(RuntimeError):
     """Running plus waiting requests reached `max_queue`: try again later (HTTP 429)."""
 
 
+class EngineShuttingDown(RuntimeError):
+    """The engine stopped admitting requests (HTTP 503)."""
+
+
 class RequestTooLarge(ValueError):
     """The request can never be served: longer than the context, or larger than the whole KV cache."""
 
@@ -67,7 +71,6 @@ class EngineObserver(Protocol):
 
     def on_step(self, seconds: float, kernel_seconds: float, num_tokens: int, num_seqs: int) -> None: ...
     def on_first_token(self, seconds: float) -> None: ...
-    def on_token(self, seconds_since_previous: float) -> None: ...
     def on_request_finished(self, request: Request, finish_reason: str) -> None: ...
     def on_preemption(self) -> None: ...
 
@@ -109,6 +112,7 @@ class Engine:
         self._inbox: deque[_Command] = deque()
         self._wakeup = threading.Condition()
         self._num_unfinished = 0  # submitted and not yet finished; guarded by _wakeup
+        self.num_running_requests = 0  # requests with a sequence in the running queue, after the last step
         self._ids = itertools.count()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -129,7 +133,7 @@ class Engine:
         stream = RequestStream(request_id, loop)
         with self._wakeup:
             if self._stopping:
-                raise RuntimeError("the engine is shutting down")
+                raise EngineShuttingDown("the engine is shutting down")
             if self._num_unfinished >= self.config.max_queue:
                 raise QueueFull(f"{self._num_unfinished} requests are running or waiting (max_queue)")
             self._num_unfinished += 1
@@ -149,8 +153,10 @@ class Engine:
             raise InvalidParams("prompt", "the prompt is empty")
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise InvalidParams("prompt", f"token ids must lie in [0, {vocab})")
-        if any(not 0 <= t < vocab for t in (*params.logit_bias, *params.stop_token_ids)):
+        if any(not 0 <= t < vocab for t in params.logit_bias):
             raise InvalidParams("logit_bias", f"token ids must lie in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise InvalidParams("stop_token_ids", f"token ids must lie in [0, {vocab})")
         total = len(prompt_ids) + params.max_tokens
         if len(prompt_ids) >= self.max_model_len:
             raise RequestTooLarge(f"the prompt has {len(prompt_ids)} tokens; the context holds {self.max_model_len}")
@@ -165,6 +171,11 @@ class Engine:
     @property
     def num_unfinished(self) -> int:
         return self._num_unfinished
+
+    @property
+    def num_waiting_requests(self) -> int:
+        """Submitted and not yet running: in the inbox, or waiting for admission (or preempted)."""
+        return max(0, self._num_unfinished - self.num_running_requests)
 
     def shutdown(self) -> None:
         with self._wakeup:
@@ -189,7 +200,14 @@ class Engine:
             self._fail_request(request, "abort", "the engine shut down")
 
     def step(self) -> None:
+        """One turn: apply the inbox, schedule, run the model, sample, publish."""
         self._drain_inbox()
+        try:
+            self._step()
+        finally:
+            self.num_running_requests = len({id(seq.request) for seq in self.scheduler.running})
+
+    def _step(self) -> None:
         scheduled = self.scheduler.schedule()
         for _ in scheduled.preempted:
             self._notify("on_preemption")
