@@ -16,6 +16,9 @@ from .params import SamplingParams
 # Nucleus sampling first looks among this many best tokens; only if they hold less than top_p of the
 # probability mass does it sort the whole vocabulary.
 _NUCLEUS_CANDIDATES = 1024
+# Inverse-CDF sampling over the whole vocabulary finds the block holding the drawn mass first, then the
+# token inside it: two short cumulative sums per row instead of one over 49152 values.
+_CDF_BLOCK = 1024
 
 
 @dataclass(slots=True)
@@ -88,6 +91,27 @@ def _restrict_candidates(z: np.ndarray, p: SamplingParams) -> tuple[np.ndarray, 
     return ids[keep], scores[keep]
 
 
+def draw_full_vocabulary(z: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
+    """Inverse-CDF sampling of softmax(z) row by row, vectorised: z (rows, vocab) float32 → token ids.
+
+    Block sums are accumulated in float64, so the drawn position is exact to ~1e-12 of the mass.
+    """
+    rows, vocab = z.shape
+    num_blocks = -(-vocab // _CDF_BLOCK)
+    probs = np.zeros((rows, num_blocks * _CDF_BLOCK), dtype=np.float32)
+    np.subtract(z, z.max(axis=1, keepdims=True), out=probs[:, :vocab])
+    np.exp(probs[:, :vocab], out=probs[:, :vocab])
+    blocks = probs.reshape(rows, num_blocks, _CDF_BLOCK)
+    block_cdf = np.cumsum(blocks.sum(axis=2, dtype=np.float64), axis=1)  # (rows, num_blocks)
+    target = uniforms * block_cdf[:, -1]
+    block = np.minimum((block_cdf < target[:, None]).sum(axis=1), num_blocks - 1)
+    before = np.where(block > 0, block_cdf[np.arange(rows), block - 1], 0.0)
+    inner_cdf = np.cumsum(blocks[np.arange(rows), block], axis=1, dtype=np.float64)  # (rows, _CDF_BLOCK)
+    inner = np.minimum((inner_cdf < (target - before)[:, None]).sum(axis=1), _CDF_BLOCK - 1)
+    tokens = block * _CDF_BLOCK + inner
+    return np.minimum(tokens, vocab - 1)  # the zero padding past the vocabulary is never drawn
+
+
 def _draw(ids: np.ndarray, scores: np.ndarray, uniform: float) -> int:
     weights = np.exp(scores - scores.max())
     cumulative = np.cumsum(weights)
@@ -116,20 +140,26 @@ class Sampler:
                 for token_id, bias in req.params.logit_bias.items():
                     work[i, token_id] += bias
 
+        uniforms: list[float] = []
         greedy = [i for i, r in enumerate(requests) if r.params.is_greedy]
         if greedy:
             tokens[greedy] = np.argmax(work[greedy], axis=-1)
+        plain: list[int] = []
         for i, req in enumerate(requests):
-            if req.params.is_greedy:
-                continue
             p = req.params
+            if p.is_greedy:
+                continue
             uniform = req.rng.random()  # exactly one draw per token: reproducible whatever the batch
-            z = work[i].astype(np.float64) / p.temperature
             if p.effective_top_k or p.top_p < 1.0 or p.min_p > 0.0:
-                ids, scores = _restrict_candidates(z, p)
+                ids, scores = _restrict_candidates(work[i].astype(np.float64) / p.temperature, p)
                 tokens[i] = _draw(ids, scores, uniform)
             else:
-                tokens[i] = _draw(np.arange(z.shape[0]), z, uniform)
+                plain.append(i)
+                uniforms.append(uniform)
+        if plain:
+            temperatures = np.array([requests[i].params.temperature for i in plain], dtype=np.float32)
+            scaled = work[plain].astype(np.float32) / temperatures[:, None]
+            tokens[plain] = draw_full_vocabulary(scaled, np.asarray(uniforms))
 
         results: list[TokenLogprobs | None] = [None] * num_rows
         for j, i in enumerate(want_logprobs):

@@ -113,3 +113,15 @@ def test_out_of_range_parameters_name_themselves(params):
     with pytest.raises(InvalidParams) as info:
         SamplingParams(**params)
     assert info.value.param in {*params, "temperature"}
+
+
+def test_blocked_inverse_cdf_draws_the_same_tokens_as_a_plain_one():
+    from decoding.sampling import draw_full_vocabulary
+
+    rng = np.random.default_rng(8)
+    z = (rng.standard_normal((6, 3000)) * 3).astype(np.float32)  # not a multiple of the block size
+    uniforms = rng.random(6)
+    tokens = draw_full_vocabulary(z, uniforms)
+    for row, u, token in zip(z.astype(np.float64), uniforms, tokens):
+        cdf = np.cumsum(np.exp(row - row.max()))
+        assert token == np.searchsorted(cdf, u * cdf[-1], side="left")
