@@ -14,6 +14,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    ProcessCollector,
     generate_latest,
 )
 
@@ -41,6 +42,8 @@ class ServerMetrics:
         }
         for name, (doc, read) in gauges.items():
             Gauge(name, doc, registry=registry).set_function(read)
+        # process_resident_memory_bytes, process_open_fds, ...: leaks show up here in a soak
+        ProcessCollector(registry=registry)
         self.prompt_tokens = Counter("treadle_prompt_tokens", "Prompt tokens of finished requests.",
                                      registry=registry)
         self.generation_tokens = Counter("treadle_generation_tokens", "Generated tokens of finished requests.",
