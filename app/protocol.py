@@ -87,7 +87,16 @@ def merge_outputs(outputs: list[RequestOutput]) -> list[RequestOutput]:
     return [merged[i] for i in sorted(merged)]
 
 
+def is_stream_error(output: RequestOutput) -> bool:
+    """A choice that ended without finishing: an engine fault, or the engine stopped under it
+    (shutdown). An abort without an error is the client's own, and nobody reads its stream."""
+    return output.finish_reason == "error" or (output.finish_reason == "abort" and output.error is not None)
+
+
 def stream_error_chunk(output: RequestOutput) -> Chunk:
+    if output.finish_reason == "abort":
+        return error_body(503, "the server is shutting down: this generation was ended before it finished",
+                          code="shutting_down")
     return error_body(500, output.error or "generation failed")
 
 
@@ -113,7 +122,7 @@ class ChatFormatter:
                               "finish_reason": None}]) for i in range(self.n)]
 
     def chunks(self, output: RequestOutput) -> list[Chunk]:
-        if output.finish_reason == "error":
+        if is_stream_error(output):
             return [stream_error_chunk(output)]
         chunks = []
         logprobs = self.logprobs(output.logprobs)
@@ -189,7 +198,7 @@ class CompletionFormatter:
                 "finish_reason": output.finish_reason, "stop_reason": output.stop_reason}
 
     def chunks(self, output: RequestOutput) -> list[Chunk]:
-        if output.finish_reason == "error":
+        if is_stream_error(output):
             return [stream_error_chunk(output)]
         self.usage = output.usage or self.usage
         choice = self._choice(output)

@@ -8,10 +8,11 @@ A generation request goes: admission (429 when full) → body → prompt ids →
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import anyio
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from decoding import TemplateError
@@ -31,6 +32,9 @@ from .streaming import Generation, respond
 # limit cannot hold a sequence for minutes; completions keep OpenAI's documented default of 16.
 DEFAULT_CHAT_MAX_TOKENS = 4096
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+# The browser chat page (no build step), served at / unless --no-chat-page.
+CHAT_PAGE = Path(__file__).resolve().parent.parent / "examples" / "chat.html"
 
 
 async def chat_completions(request: Request) -> Response:
@@ -160,6 +164,8 @@ async def models(request: Request) -> Response:
 
 async def health(request: Request) -> Response:
     state = serving(request)
+    if state.is_draining:
+        return JSONResponse({"status": "draining"}, 503)
     if state.is_ready:
         return JSONResponse({"status": "ok"})
     return JSONResponse({"status": "failed" if state.startup_error else "loading"}, 503)
@@ -168,6 +174,12 @@ async def health(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     state = serving(request)
     return Response(state.metrics.render(), media_type=state.metrics.content_type)
+
+
+async def chat_page(request: Request) -> Response:
+    if not CHAT_PAGE.is_file():  # an install without the repository's examples/
+        raise APIError(404, f"the chat page is not installed ({CHAT_PAGE} is missing)", code="not_found")
+    return FileResponse(CHAT_PAGE, media_type="text/html; charset=utf-8", headers={"Cache-Control": "no-cache"})
 
 
 async def openapi(request: Request) -> Response:
@@ -184,3 +196,4 @@ ROUTES = [
     Route("/metrics", metrics, methods=["GET"]),
     Route("/openapi.json", openapi, methods=["GET"]),
 ]
+CHAT_PAGE_ROUTE = Route("/", chat_page, methods=["GET"])

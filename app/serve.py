@@ -6,21 +6,74 @@
 
 The model loads before the port opens (a bad --model exits with status 2); the engine then warms up
 in the background (kernels compile on a first start) while /health answers 503, then 200.
+
+SIGTERM or Ctrl-C drains: new generation requests get 503 while those in flight run on for up to
+--shutdown-grace-seconds; what is left then ends with an error event; the process exits 0. A second
+signal ends the grace period at once.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import signal
 import sys
 import time
+from collections.abc import Iterator
 
 import uvicorn
 
 from decoding import ModelLoadError, load_model
 from decoding.engine import Engine
 
-from .server import build_app
+from .faults import install_from_env
+from .server import ServingState, build_app
 from .settings import ServerSettings, parse_settings
+
+SHUTDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+RESPONSE_FLUSH_SECONDS = 5  # after the drain: for responses to write their last events
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with our own signal handling. uvicorn's stops admitting by closing the
+    listener at once, cuts SSE streams (through sse-starlette's hook) and re-raises the signal when
+    done, so the process dies with status 143. Here a signal drains first (ServingState.drain),
+    then stops the server, and `run()` returns normally."""
+
+    def __init__(self, config: uvicorn.Config, state: ServingState, grace_seconds: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.grace_seconds = grace_seconds
+        self._drain: asyncio.Task[None] | None = None
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        loop = asyncio.get_running_loop()
+        for sig in SHUTDOWN_SIGNALS:
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            yield
+        finally:
+            for sig in SHUTDOWN_SIGNALS:
+                loop.remove_signal_handler(sig)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        log = logging.getLogger("treadle")
+        if self._drain is None:
+            log.info("%s: shutting down gracefully (a second signal ends the grace period)", sig.name)
+            self._drain = asyncio.get_running_loop().create_task(self._drain_then_exit())
+        elif not self.state.is_draining or self.should_exit:
+            self.force_exit = True  # a third signal, or one while uvicorn is already closing: stop waiting
+        else:
+            log.info("%s again: ending the requests in flight now", sig.name)
+            self.state.hurry()
+
+    async def _drain_then_exit(self) -> None:
+        try:
+            await self.state.drain(self.grace_seconds)
+        finally:
+            self.should_exit = True
 
 
 def _configure_logging(settings: ServerSettings) -> None:
@@ -58,10 +111,18 @@ def main(argv: list[str]) -> int:
         startup_failed = True
         server.should_exit = True
 
+    try:
+        faults = install_from_env(engine)
+    except ValueError as exc:
+        print(f"treadle: error: {exc}", file=sys.stderr)
+        engine.shutdown()
+        return 2
+    if faults is not None:
+        log.warning("TEST FAULT INJECTION IS ON: engine steps fail %s", faults.describe())
     app = build_app(settings, engine, on_startup_failure=stop_after_failed_startup)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+                            timeout_graceful_shutdown=RESPONSE_FLUSH_SECONDS)
+    server = DrainingServer(config, app.state.serving, settings.shutdown_grace_seconds)
     try:
         server.run()
     finally:

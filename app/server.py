@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
+import math
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
+import anyio
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
@@ -50,6 +52,8 @@ class ServingState:
         self.is_ready = False
         self.startup_error: str | None = None
         self.num_preparing = 0  # requests admitted and being parsed/tokenized, not yet in the engine
+        self.is_draining = False  # shutting down: admit nothing new, let requests in flight finish
+        self._is_hurried = False  # a second signal: end what is in flight now
         self._on_startup_failure = on_startup_failure
 
     def warm_up(self) -> None:
@@ -80,6 +84,10 @@ class ServingState:
         The bound counts requests in the engine and requests being prepared for it, so nothing queues
         without limit (a bounded queue that rejects, rather than one that grows until latency collapses).
         """
+        if self.is_draining:
+            # `Connection: close` sends a keep-alive client (or a balancer) to reconnect, elsewhere.
+            raise APIError(503, "the server is shutting down; retry on another instance", code="shutting_down",
+                           headers={"Retry-After": RETRY_AFTER_SECONDS, "Connection": "close"})
         if not self.is_ready:
             raise APIError(503, "the model is still loading" if self.startup_error is None else "startup failed",
                            code="not_ready", headers={"Retry-After": RETRY_AFTER_SECONDS})
@@ -90,6 +98,33 @@ class ServingState:
             yield self.engine
         finally:
             self.num_preparing -= 1
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests admitted and not yet finished by the engine (the warm-up's own are nobody's)."""
+        return self.engine.num_unfinished + self.num_preparing if self.is_ready else 0
+
+    async def drain(self, grace_seconds: float) -> None:
+        """Graceful shutdown: refuse new requests (503), let those in flight run for up to
+        `grace_seconds`, then stop the engine, which ends each remaining stream with an error event.
+
+        Only the engine's side ends here; the server then stops listening and waits (briefly) for
+        the responses to write their last events before the process exits.
+        """
+        self.is_draining = True
+        log.info("draining: %d request(s) in flight, up to %g s to finish; new requests get 503",
+                 self.num_in_flight, grace_seconds)
+        with anyio.move_on_after(grace_seconds if math.isfinite(grace_seconds) else None):
+            while self.num_in_flight and not self._is_hurried:
+                await anyio.sleep(0.05)
+        if self.num_in_flight:
+            log.warning("ending %d request(s) still in flight with an error event", self.num_in_flight)
+        # Also with nothing in flight: a request still being prepared gets 503 from submit().
+        await anyio.to_thread.run_sync(self.engine.shutdown)
+
+    def hurry(self) -> None:
+        """End the grace period now (a second SIGTERM or Ctrl-C)."""
+        self._is_hurried = True
 
     def queue_full(self) -> APIError:
         self.metrics.requests_rejected.inc()
@@ -134,7 +169,7 @@ def build_app(settings: ServerSettings, engine: Engine, on_startup_failure: Call
 
     The engine is warmed up in the background once the server listens; until then /health is 503.
     """
-    from .routes import ROUTES
+    from .routes import CHAT_PAGE_ROUTE, ROUTES
 
     state = ServingState(settings, engine, on_startup_failure)
 
@@ -150,6 +185,7 @@ def build_app(settings: ServerSettings, engine: Engine, on_startup_failure: Call
                                      expose_headers=["Retry-After"]))
     if settings.api_key:
         middleware.append(Middleware(APIKeyMiddleware, api_key=settings.api_key))
-    app = Starlette(routes=ROUTES, middleware=middleware, exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
+    routes = [*ROUTES, CHAT_PAGE_ROUTE] if settings.chat_page else ROUTES
+    app = Starlette(routes=routes, middleware=middleware, exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
     app.state.serving = state
     return app

@@ -31,7 +31,9 @@ class ServerSettings:
     cors_origins: tuple[str, ...] = field(default_factory=tuple)
     max_body_bytes: int = 4 * 1024 * 1024
     sse_ping_seconds: float = 15.0  # below the 60 s idle timeout of common proxies
+    shutdown_grace_seconds: float = 20.0  # below Kubernetes' default 30 s before SIGKILL
     log_level: str = "info"
+    chat_page: bool = True  # examples/chat.html at GET /
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
@@ -60,10 +62,28 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be zero or more, got {text}")
+    return value
+
+
 def _kernels(text: str) -> str:
     if text not in KERNEL_MODES:
         raise argparse.ArgumentTypeError(f"must be one of {', '.join(KERNEL_MODES)}, got {text!r}")
     return text
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    if value.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.strip().lower() in ("0", "false", "no", "off", ""):
+        return False
+    raise SystemExit(f"treadle serve: error: {name} must be 1/0, true/false, yes/no or on/off, got {value!r}")
 
 
 def _origins(text: str) -> tuple[str, ...]:
@@ -107,6 +127,12 @@ def build_parser(prog: str = "treadle serve") -> argparse.ArgumentParser:
            "largest request body; larger ones get 413 (default %(default)s)")
     option("--sse-ping-seconds", _positive_float, defaults.sse_ping_seconds,
            "interval of SSE comment pings that keep idle streams open through proxies (default %(default)s)")
+    option("--shutdown-grace-seconds", _non_negative_float, defaults.shutdown_grace_seconds,
+           "on SIGTERM or SIGINT, how long requests in flight may run on before their streams are ended with "
+           "an error event; new requests get 503 meanwhile (default %(default)s)")
+    parser.add_argument("--no-chat-page", dest="chat_page", action="store_false",
+                        default=_env_flag(env_var("--chat-page"), defaults.chat_page),
+                        help="do not serve the browser chat page (examples/chat.html) at / [TREADLE_CHAT_PAGE=0]")
     option("--log-level", str.lower, defaults.log_level, "critical, error, warning, info or debug (default %(default)s)")
     return parser
 
