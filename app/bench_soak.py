@@ -1,0 +1,553 @@
+"""`treadle bench soak`: many streaming clients against a running server for a long while — some
+leave mid-stream, a few send garbage — then check that nothing failed and nothing leaked.
+
+    treadle serve &
+    treadle bench soak --duration 600 --clients 64 --disconnect-rate 0.2 --json soak.json
+
+Each client loops until the time is up: a chat or completion request with a random prompt length,
+`max_tokens`, temperature, `n`, stop strings and usage option, streamed as SSE (one in ten not
+streamed); with probability `--disconnect-rate` it leaves at a random point (before the first token,
+or after a random number of events); with probability `--malformed-rate` it sends a malformed body
+instead. A prober times `GET /health` throughout; /metrics is sampled for the KV cache, the queues,
+the server's resident memory (process_resident_memory_bytes) and its open file descriptors.
+
+When the time is up the clients finish what they are doing, the server is left to come to rest, and
+these checks decide the exit status (1 if any fails):
+
+- no 5xx, no error event in a stream, no failed connection;
+- every malformed request answered 4xx;
+- every stream read to its end well formed: each choice once with a `finish_reason` (`stop` or
+  `length`) and nothing after it, chunks of the right object type, `[DONE]` last, usage only when asked;
+- at rest: `treadle_kv_blocks_used` 0, no request running or waiting, open fds back to where they were;
+- resident memory grew by at most `--max-rss-growth-mib` after the warm-up (the first tenth of the run);
+- `/health` p99 latency under `--max-health-p99-ms` (the event loop was never starved).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+_WORDS = (
+    "loom", "wheel", "thread", "yarn", "weave", "cloth", "wool", "spin", "mill", "town", "road", "river",
+    "hill", "tree", "stone", "light", "sound", "word", "line", "page", "the", "of", "and", "to", "in",
+    "is", "was", "for", "on", "that", "with", "as", "by", "at", "from", "it", "an", "be", "this", "are",
+    "or", "one", "all", "were", "they", "had", "there", "not", "but", "have", "been", "more", "when",
+    "who", "will", "would", "their", "can", "into", "time",
+)
+_SYSTEM = "You are a terse assistant."
+_STOPS = (["\n\n"], [".", "!"], ["the end"])
+FINISH_REASONS = ("stop", "length")
+SETTLE_SECONDS = 60.0  # how long the server may take to come to rest once traffic stops
+FD_SLACK = 8  # descriptors the server may legitimately hold more at rest (its own files, a log)
+
+
+@dataclass(slots=True)
+class SoakConfig:
+    base_url: str = "http://127.0.0.1:8000"
+    duration: float = 60.0
+    clients: int = 16
+    disconnect_rate: float = 0.2
+    malformed_rate: float = 0.02
+    max_prompt_words: int = 300
+    max_tokens: int = 128
+    non_streamed_rate: float = 0.1
+    seed: int = 0
+    api_key: str | None = None
+    health_interval: float = 0.2
+    metrics_interval: float = 2.0
+    max_rss_growth_mib: float = 64.0
+    max_health_p99_ms: float = 1000.0
+    finish_timeout: float = 300.0  # for the requests still running when the time is up
+
+
+@dataclass(slots=True)
+class SoakStats:
+    num_requests: int = 0
+    num_streams_completed: int = 0  # read to the end (streamed) or answered in full (not streamed)
+    num_disconnects: int = 0  # left on purpose before the end
+    num_malformed_sent: int = 0
+    num_malformed_refused: int = 0  # answered 4xx, as they must be
+    num_rejected: int = 0  # 429: the bounded queue at work, not a failure
+    num_5xx: int = 0
+    num_error_events: int = 0
+    num_transport_errors: int = 0
+    num_completion_tokens: int = 0
+    statuses: Counter[int] = field(default_factory=Counter)
+    problems: list[str] = field(default_factory=list)  # ill-formed streams and unexpected answers
+    health_ms: list[float] = field(default_factory=list)
+    num_health_failures: int = 0
+    samples: list[dict[str, float]] = field(default_factory=list)  # /metrics over time
+
+    def problem(self, text: str) -> None:
+        if len(self.problems) < 1000:
+            self.problems.append(text)
+
+
+# ---- what a well-formed stream is -----------------------------------------------------------------
+
+
+def check_sse_events(events: list[str], kind: str, n: int, include_usage: bool) -> list[str]:
+    """Problems with one SSE stream's `data:` payloads, in order ([] if well formed).
+
+    `kind` is "chat" or "completion". Error events are reported as problems too.
+    """
+    problems: list[str] = []
+    if not events or events[-1] != "[DONE]":
+        return [f"the stream does not end with [DONE] (last: {events[-1][:80] if events else None!r})"]
+    finished: dict[int, str] = {}
+    seen_role: set[int] = set()
+    expected_object = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    ids = set()
+    chunks = events[:-1]
+    for position, payload in enumerate(chunks):
+        if payload == "[DONE]":
+            return [*problems, "[DONE] before the end of the stream"]
+        try:
+            chunk = json.loads(payload)
+        except ValueError:
+            return [*problems, f"not JSON: {payload[:80]!r}"]
+        if "error" in chunk:
+            problems.append(f"error event: {chunk['error'].get('message', chunk['error'])}")
+            continue
+        if chunk.get("object") != expected_object:
+            problems.append(f"object {chunk.get('object')!r}, expected {expected_object!r}")
+        ids.add(chunk.get("id"))
+        if include_usage != ("usage" in chunk):
+            problems.append("usage field present without include_usage" if "usage" in chunk
+                            else "usage field missing with include_usage")
+        if not chunk["choices"]:
+            is_usage_chunk = include_usage and chunk.get("usage") is not None and position == len(chunks) - 1
+            if not is_usage_chunk:
+                problems.append("a chunk with no choices that is not the final usage chunk")
+            continue
+        for choice in chunk["choices"]:
+            index = choice["index"]
+            if not 0 <= index < n:
+                problems.append(f"choice index {index} with n={n}")
+            if index in finished:
+                problems.append(f"choice {index} continues after its finish_reason")
+            reason = choice.get("finish_reason")
+            if reason is not None:
+                if reason not in FINISH_REASONS:
+                    problems.append(f"finish_reason {reason!r}")
+                finished[index] = reason
+            if kind == "chat":
+                delta = choice.get("delta", {})
+                if index not in seen_role and delta.get("role") != "assistant":
+                    problems.append(f"choice {index} starts without role assistant")
+                seen_role.add(index)
+                if reason is not None and delta:
+                    problems.append("the finish chunk carries content")
+    if len(ids) > 1:
+        problems.append(f"{len(ids)} different ids in one stream")
+    missing = set(range(n)) - set(finished)
+    if missing and not any(p.startswith("error event") for p in problems):
+        problems.append(f"choices {sorted(missing)} have no finish_reason")
+    if include_usage and (not chunks or json.loads(chunks[-1]).get("choices") != []):
+        problems.append("include_usage but no final usage chunk")
+    return problems
+
+
+def check_whole_response(body: dict[str, Any], kind: str, n: int) -> list[str]:
+    expected_object = "chat.completion" if kind == "chat" else "text_completion"
+    problems = []
+    if body.get("object") != expected_object:
+        problems.append(f"object {body.get('object')!r}, expected {expected_object!r}")
+    choices = body.get("choices", [])
+    if sorted(c.get("index") for c in choices) != list(range(n)):
+        problems.append(f"choices {[c.get('index') for c in choices]} with n={n}")
+    problems += [f"finish_reason {c.get('finish_reason')!r}" for c in choices if c.get("finish_reason")
+                 not in FINISH_REASONS]
+    if not isinstance(body.get("usage"), dict):
+        problems.append("no usage")
+    return problems
+
+
+# ---- malformed requests: each must be answered 4xx --------------------------------------------------
+
+_CHAT = "/v1/chat/completions"
+_COMPLETIONS = "/v1/completions"
+_OK_MESSAGES = [{"role": "user", "content": "hi"}]
+MALFORMED: list[tuple[str, str, bytes]] = [
+    ("truncated JSON", _CHAT, b'{"messages": [{"role": "user", "content": "hi"'),
+    ("invalid UTF-8", _COMPLETIONS, b'{"prompt": "\xc3\x28\xff"}'),
+    ("NaN temperature", _COMPLETIONS, b'{"prompt": "hi", "temperature": NaN}'),
+    ("max_tokens negative", _COMPLETIONS, json.dumps({"prompt": "hi", "max_tokens": -5}).encode()),
+    ("max_tokens huge", _CHAT, json.dumps({"messages": _OK_MESSAGES, "max_tokens": 10**12}).encode()),
+    ("messages a number", _CHAT, json.dumps({"messages": 7}).encode()),
+    ("unknown role", _CHAT, json.dumps({"messages": [{"role": "god", "content": "x"}]}).encode()),
+    ("deep nesting", _COMPLETIONS, b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"),
+    ("stop list of 5000", _CHAT, json.dumps({"messages": _OK_MESSAGES, "stop": ["x"] * 5000}).encode()),
+    ("prompt ids out of vocab", _COMPLETIONS, json.dumps({"prompt": [2**40, -1]}).encode()),
+    ("a JSON array", _CHAT, b"[1, 2, 3]"),
+    ("empty body", _COMPLETIONS, b""),
+]
+
+
+# ---- the clients ----------------------------------------------------------------------------------
+
+
+def random_body(rng: random.Random, cfg: SoakConfig) -> tuple[str, str, dict[str, Any]]:
+    """(kind, path, body) of a valid generation request."""
+    words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(1, cfg.max_prompt_words)))
+    body: dict[str, Any] = {"max_tokens": rng.randint(1, cfg.max_tokens), "n": rng.choice((1, 1, 1, 2))}
+    if rng.random() < 0.5:
+        body["temperature"] = 0
+    else:
+        body.update(temperature=0.8, top_p=0.95, seed=rng.randrange(2**32))
+    if rng.random() < 0.2:
+        body["stop"] = rng.choice(_STOPS)
+    if rng.random() < 0.5:
+        messages = [{"role": "user", "content": words}]
+        if rng.random() < 0.3:
+            messages.insert(0, {"role": "system", "content": _SYSTEM})
+        return "chat", _CHAT, {**body, "messages": messages}
+    return "completion", _COMPLETIONS, {**body, "prompt": words}
+
+
+class SoakClient:
+    def __init__(self, cfg: SoakConfig, http: httpx.AsyncClient, stats: SoakStats) -> None:
+        self.cfg = cfg
+        self.http = http
+        self.stats = stats
+
+    async def run(self, index: int, stop_at: float) -> None:
+        rng = random.Random(self.cfg.seed * 1_000_003 + index)
+        while time.monotonic() < stop_at:
+            try:
+                if rng.random() < self.cfg.malformed_rate:
+                    await self.malformed(rng)
+                else:
+                    await self.generate(rng)
+            except httpx.HTTPError as exc:
+                self.stats.num_transport_errors += 1
+                self.stats.problem(f"transport error: {type(exc).__name__}: {exc}")
+
+    def _status(self, response: httpx.Response, what: str) -> bool:
+        """Count the status; True if it is 200."""
+        stats = self.stats
+        stats.statuses[response.status_code] += 1
+        if response.status_code >= 500:
+            stats.num_5xx += 1
+            stats.problem(f"{response.status_code} for {what}: {response.text[:200]}")
+        elif response.status_code == 429:
+            stats.num_rejected += 1
+        elif response.status_code != 200:
+            stats.problem(f"{response.status_code} for a valid {what}: {response.text[:200]}")
+        return response.status_code == 200
+
+    async def malformed(self, rng: random.Random) -> None:
+        name, path, raw = rng.choice(MALFORMED)
+        self.stats.num_malformed_sent += 1
+        response = await self.http.post(path, content=raw, headers={"Content-Type": "application/json"})
+        self.stats.statuses[response.status_code] += 1
+        if response.status_code >= 500:
+            self.stats.num_5xx += 1
+            self.stats.problem(f"{response.status_code} for malformed request {name!r}: {response.text[:200]}")
+        elif 400 <= response.status_code < 500:
+            self.stats.num_malformed_refused += 1
+        else:
+            self.stats.problem(f"malformed request {name!r} answered {response.status_code}")
+
+    async def generate(self, rng: random.Random) -> None:
+        kind, path, body = random_body(rng, self.cfg)
+        leaves = rng.random() < self.cfg.disconnect_rate
+        self.stats.num_requests += 1
+        if rng.random() < self.cfg.non_streamed_rate:
+            await self.whole(kind, path, body, leave_after=rng.uniform(0, 3) if leaves else None)
+        else:
+            include_usage = rng.random() < 0.3
+            body.update(stream=True, stream_options={"include_usage": True} if include_usage else None)
+            leave_after = rng.randint(0, body["max_tokens"]) if leaves else None
+            await self.stream(kind, path, body, include_usage, leave_after)
+
+    async def whole(self, kind: str, path: str, body: dict[str, Any], leave_after: float | None) -> None:
+        try:
+            response = await asyncio.wait_for(self.http.post(path, json=body), leave_after)
+        except TimeoutError:
+            self.stats.num_disconnects += 1  # cancelled: httpx closes the connection mid-request
+            return
+        if not self._status(response, f"{kind} request"):
+            return
+        problems = check_whole_response(response.json(), kind, body["n"])
+        self._finished(problems, response.json().get("usage"))
+
+    async def stream(self, kind: str, path: str, body: dict[str, Any], include_usage: bool,
+                     leave_after: int | None) -> None:
+        async with self.http.stream("POST", path, json=body) as response:
+            if not self._status(response, f"{kind} stream"):
+                await response.aread()
+                return
+            if leave_after == 0:  # gone before the first event: perhaps while the request still waits
+                self.stats.num_disconnects += 1
+                return
+            events: list[str] = []
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                elif line and not line.startswith(":"):
+                    self.stats.problem(f"not an SSE line: {line[:80]!r}")
+                if leave_after is not None and len(events) >= leave_after:
+                    self.stats.num_disconnects += 1  # leaving the block closes the connection
+                    return
+        usage = None
+        if include_usage and len(events) > 1 and events[-2].startswith("{"):
+            usage = json.loads(events[-2]).get("usage")
+        self._finished(check_sse_events(events, kind, body["n"], include_usage), usage)
+
+    def _finished(self, problems: list[str], usage: dict[str, int] | None) -> None:
+        stats = self.stats
+        stats.num_streams_completed += 1
+        stats.num_error_events += sum(p.startswith("error event") for p in problems)
+        for p in problems:
+            stats.problem(p)
+        if usage:
+            stats.num_completion_tokens += usage.get("completion_tokens", 0)
+
+
+# ---- probes ---------------------------------------------------------------------------------------
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return samples
+
+
+_WATCHED = {"rss": "process_resident_memory_bytes", "fds": "process_open_fds", "kv_used": "treadle_kv_blocks_used",
+            "kv_total": "treadle_kv_blocks_total", "running": "treadle_requests_running",
+            "waiting": "treadle_requests_waiting", "preemptions": "treadle_preemptions_total",
+            "aborted": 'treadle_request_success_total{finish_reason="abort"}',
+            "failed": 'treadle_request_success_total{finish_reason="error"}'}
+
+
+async def sample_metrics(http: httpx.AsyncClient, started: float) -> dict[str, float]:
+    response = await http.get("/metrics")
+    response.raise_for_status()
+    samples = parse_metrics(response.text)
+    return {"t": time.monotonic() - started, **{k: samples.get(name, 0.0) for k, name in _WATCHED.items()}}
+
+
+async def probe_health(http: httpx.AsyncClient, stats: SoakStats, interval: float, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        began = time.perf_counter()
+        try:
+            response = await http.get("/health")
+            ok = response.status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        stats.health_ms.append((time.perf_counter() - began) * 1000)
+        stats.num_health_failures += not ok
+        await asyncio.sleep(interval)
+
+
+async def probe_metrics(http: httpx.AsyncClient, stats: SoakStats, interval: float, started: float,
+                        stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        try:
+            stats.samples.append(await sample_metrics(http, started))
+        except httpx.HTTPError as exc:
+            stats.problem(f"/metrics failed: {exc}")
+        try:
+            await asyncio.wait_for(stop.wait(), interval)
+        except TimeoutError:
+            pass
+
+
+async def settle(http: httpx.AsyncClient, started: float) -> dict[str, float]:
+    """/metrics once the server is at rest (KV free, nothing running), or after SETTLE_SECONDS."""
+    deadline = time.monotonic() + SETTLE_SECONDS
+    while True:
+        sample = await sample_metrics(http, started)
+        at_rest = sample["kv_used"] == 0 and sample["running"] == 0 and sample["waiting"] == 0
+        if at_rest or time.monotonic() > deadline:
+            return sample
+        await asyncio.sleep(0.2)
+
+
+# ---- the run --------------------------------------------------------------------------------------
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+async def soak(cfg: SoakConfig) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    timeout = httpx.Timeout(connect=30, read=cfg.finish_timeout, write=30, pool=cfg.finish_timeout)
+    limits = httpx.Limits(max_connections=cfg.clients, max_keepalive_connections=cfg.clients)
+    stats = SoakStats()
+    started = time.monotonic()
+    async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers, timeout=10) as probe:
+        health = await probe.get("/health")
+        if health.status_code != 200:
+            raise SystemExit(f"treadle bench soak: {cfg.base_url}/health answers {health.status_code}; "
+                             "start the server (and let it warm up) first")
+        before = await settle(probe, started)
+        stop_probes = asyncio.Event()
+        probes = [asyncio.create_task(probe_health(probe, stats, cfg.health_interval, stop_probes)),
+                  asyncio.create_task(probe_metrics(probe, stats, cfg.metrics_interval, started, stop_probes))]
+        async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers, timeout=timeout, limits=limits) as http:
+            client = SoakClient(cfg, http, stats)
+            stop_at = time.monotonic() + cfg.duration
+            tasks = [asyncio.create_task(client.run(i, stop_at)) for i in range(cfg.clients)]
+            await asyncio.sleep(cfg.duration / 10)  # the warm-up: first-use allocations, arenas, caches
+            after_warm_up = await sample_metrics(probe, started)
+            done, pending = await asyncio.wait(tasks, timeout=cfg.duration * 0.9 + cfg.finish_timeout)
+            for task in pending:  # stuck past every timeout: count it, do not wait for ever
+                task.cancel()
+                stats.problem("a client was still waiting after the finish timeout")
+            for task in done:
+                if task.exception() is not None:
+                    stats.problem(f"a client crashed: {task.exception()!r}")
+        traffic_seconds = time.monotonic() - started
+        stop_probes.set()
+        await asyncio.gather(*probes)
+    async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers, timeout=10) as fresh:  # no pooled sockets
+        after = await settle(fresh, started)
+    return report(cfg, stats, before, after_warm_up, after, traffic_seconds)
+
+
+def report(cfg: SoakConfig, stats: SoakStats, before: dict[str, float], after_warm_up: dict[str, float],
+           after: dict[str, float], traffic_seconds: float) -> dict[str, Any]:
+    mib = 1 / (1 << 20)
+    peak_rss = max([s["rss"] for s in stats.samples] + [after["rss"]])
+    rss_growth_after_warm_up = (after["rss"] - after_warm_up["rss"]) * mib
+    health_p99 = percentile(stats.health_ms, 99)
+    results = {
+        "requests": stats.num_requests, "streams_completed": stats.num_streams_completed,
+        "disconnects": stats.num_disconnects, "malformed_sent": stats.num_malformed_sent,
+        "malformed_refused_4xx": stats.num_malformed_refused, "rejected_429": stats.num_rejected,
+        "server_errors_5xx": stats.num_5xx, "error_events": stats.num_error_events,
+        "transport_errors": stats.num_transport_errors, "problems": len(stats.problems),
+        "completion_tokens_in_usage": stats.num_completion_tokens,
+        "statuses": {str(k): v for k, v in sorted(stats.statuses.items())},
+        "server_aborts": after["aborted"] - before["aborted"], "server_failures": after["failed"] - before["failed"],
+        "preemptions": after["preemptions"] - before["preemptions"],
+        "kv_blocks_total": after["kv_total"], "kv_blocks_used_at_rest": after["kv_used"],
+        "running_at_rest": after["running"], "waiting_at_rest": after["waiting"],
+        "rss_before_mib": before["rss"] * mib, "rss_after_warm_up_mib": after_warm_up["rss"] * mib,
+        "rss_at_rest_mib": after["rss"] * mib, "rss_peak_mib": peak_rss * mib,
+        "rss_growth_mib": (after["rss"] - before["rss"]) * mib,
+        "rss_growth_after_warm_up_mib": rss_growth_after_warm_up,
+        "open_fds_before": before["fds"], "open_fds_at_rest": after["fds"],
+        "health_probes": len(stats.health_ms), "health_failures": stats.num_health_failures,
+        "health_p50_ms": percentile(stats.health_ms, 50), "health_p99_ms": health_p99,
+        "health_max_ms": max(stats.health_ms, default=float("nan")), "traffic_seconds": traffic_seconds,
+    }
+    checks = [
+        ("no 5xx", stats.num_5xx == 0, f"{stats.num_5xx}"),
+        ("no error events", stats.num_error_events == 0, f"{stats.num_error_events}"),
+        ("no failed connections", stats.num_transport_errors == 0, f"{stats.num_transport_errors}"),
+        ("malformed requests answered 4xx", stats.num_malformed_refused == stats.num_malformed_sent,
+         f"{stats.num_malformed_refused} of {stats.num_malformed_sent}"),
+        ("streams well formed", not stats.problems, f"{len(stats.problems)} problems"),
+        ("KV blocks back to 0", after["kv_used"] == 0, f"{after['kv_used']:.0f} used of {after['kv_total']:.0f}"),
+        ("no request running or waiting", after["running"] == 0 and after["waiting"] == 0,
+         f"{after['running']:.0f} running, {after['waiting']:.0f} waiting"),
+        ("open fds back to baseline", after["fds"] <= before["fds"] + FD_SLACK,
+         f"{before['fds']:.0f} → {after['fds']:.0f}"),
+        ("RSS growth after warm-up", rss_growth_after_warm_up <= cfg.max_rss_growth_mib,
+         f"{rss_growth_after_warm_up:+.1f} MiB (limit {cfg.max_rss_growth_mib:g})"),
+        ("/health p99", health_p99 <= cfg.max_health_p99_ms and stats.num_health_failures == 0,
+         f"{health_p99:.1f} ms (limit {cfg.max_health_p99_ms:g}), {stats.num_health_failures} failed"),
+    ]
+    return {"config": asdict(cfg) | {"api_key": None}, "results": results,
+            "checks": [{"name": n, "ok": ok, "detail": d} for n, ok, d in checks],
+            "problems": stats.problems[:50], "metrics_samples": stats.samples, "passed": all(c[1] for c in checks)}
+
+
+def print_report(out: dict[str, Any]) -> None:
+    cfg, r = out["config"], out["results"]
+    print(f"treadle bench soak: {cfg['clients']} clients, {cfg['duration']:g} s, disconnect rate "
+          f"{cfg['disconnect_rate']:g}, malformed rate {cfg['malformed_rate']:g}, against {cfg['base_url']}")
+    rows = [
+        ("requests", f"{r['requests']} generation + {r['malformed_sent']} malformed, {r['traffic_seconds']:.0f} s"),
+        ("completed", f"{r['streams_completed']} (streams and whole answers, each checked)"),
+        ("left mid-request", f"{r['disconnects']} (server counted {r['server_aborts']:.0f} aborts)"),
+        ("malformed → 4xx", f"{r['malformed_refused_4xx']} of {r['malformed_sent']}"),
+        ("429 (queue full)", f"{r['rejected_429']}"),
+        ("5xx / error events", f"{r['server_errors_5xx']} / {r['error_events']}"),
+        ("preemptions", f"{r['preemptions']:.0f}"),
+        ("KV blocks at rest", (f"{r['kv_blocks_used_at_rest']:.0f} used of {r['kv_blocks_total']:.0f}; "
+                               f"{r['running_at_rest']:.0f} running, {r['waiting_at_rest']:.0f} waiting")),
+        ("RSS (MiB)", (f"{r['rss_before_mib']:.0f} before, {r['rss_after_warm_up_mib']:.0f} after warm-up, "
+                       f"{r['rss_at_rest_mib']:.0f} at rest, {r['rss_peak_mib']:.0f} peak: "
+                       f"{r['rss_growth_after_warm_up_mib']:+.1f} after warm-up, {r['rss_growth_mib']:+.1f} in all")),
+        ("open fds", f"{r['open_fds_before']:.0f} before, {r['open_fds_at_rest']:.0f} at rest"),
+        ("/health (ms)", (f"p50 {r['health_p50_ms']:.1f}, p99 {r['health_p99_ms']:.1f}, "
+                          f"max {r['health_max_ms']:.1f} over {r['health_probes']} probes, "
+                          f"{r['health_failures']} failed")),
+    ]
+    for name, value in rows:
+        print(f"  {name:<20} {value}")
+    for check in out["checks"]:
+        print(f"  {'PASS' if check['ok'] else 'FAIL'}  {check['name']}: {check['detail']}")
+    for problem in out["problems"][:10]:
+        print(f"  problem: {problem}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="treadle bench soak", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = SoakConfig()
+    p.add_argument("--base-url", default=d.base_url, help="the running server (default %(default)s)")
+    p.add_argument("--duration", type=float, default=d.duration, help="seconds of traffic (default %(default)s)")
+    p.add_argument("--clients", type=int, default=d.clients, help="concurrent clients (default %(default)s)")
+    p.add_argument("--disconnect-rate", type=float, default=d.disconnect_rate,
+                   help="fraction of requests whose client leaves before the end (default %(default)s)")
+    p.add_argument("--malformed-rate", type=float, default=d.malformed_rate,
+                   help="fraction of requests that are malformed (default %(default)s)")
+    p.add_argument("--max-prompt-words", type=int, default=d.max_prompt_words, help="(default %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="largest max_tokens drawn (default %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed, help="(default %(default)s)")
+    p.add_argument("--api-key", default=None, help="sent as Authorization: Bearer KEY")
+    p.add_argument("--max-rss-growth-mib", type=float, default=d.max_rss_growth_mib,
+                   help="allowed growth of the server's RSS after the warm-up (default %(default)s)")
+    p.add_argument("--max-health-p99-ms", type=float, default=d.max_health_p99_ms,
+                   help="allowed p99 latency of GET /health during the run (default %(default)s)")
+    p.add_argument("--json", type=Path, default=None, help="also write the report here")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    if args.clients < 1 or args.duration <= 0 or not 0 <= args.disconnect_rate <= 1 or not 0 <= args.malformed_rate <= 1:
+        print("treadle bench soak: --clients ≥ 1, --duration > 0, rates in [0, 1]", file=sys.stderr)
+        return 2
+    cfg = SoakConfig(base_url=args.base_url.rstrip("/"), duration=args.duration, clients=args.clients,
+                     disconnect_rate=args.disconnect_rate, malformed_rate=args.malformed_rate,
+                     max_prompt_words=args.max_prompt_words, max_tokens=args.max_tokens, seed=args.seed,
+                     api_key=args.api_key, max_rss_growth_mib=args.max_rss_growth_mib,
+                     max_health_p99_ms=args.max_health_p99_ms)
+    try:
+        out = asyncio.run(soak(cfg))
+    except httpx.HTTPError as exc:
+        print(f"treadle bench soak: cannot reach {cfg.base_url}: {exc}", file=sys.stderr)
+        return 2
+    print_report(out)
+    if args.json is not None:
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    return 0 if out["passed"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
