@@ -12,7 +12,6 @@ import numpy as np
 from numba import njit
 
 from .quant import QType
-from .repack import ACTIVATION_ORDER
 from .vnni import (
     BLOCK_STRIDE,
     group_dot_q4_0_x1,
@@ -24,13 +23,22 @@ from .vnni import (
 )
 
 Q4_0, Q4_1, Q8_0 = int(QType.Q4_0), int(QType.Q4_1), int(QType.Q8_0)
-_ORDER = ACTIVATION_ORDER.copy()
 _STRIDE_Q4_0, _STRIDE_Q4_1, _STRIDE_Q8_0 = BLOCK_STRIDE[QType.Q4_0], BLOCK_STRIDE[QType.Q4_1], BLOCK_STRIDE[QType.Q8_0]
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, inline="always")
+def _round_half_away(v):
+    # truncation after adding ±0.5: round half away from zero, as llama.cpp's roundf; vectorises
+    return np.int32(v + np.float32(0.5) if v >= 0 else v - np.float32(0.5))
+
+
+@njit(nogil=True, cache=True, fastmath={"nnan", "ninf", "nsz"})
 def quantize_activation_row(x, n_cols, xq, xd, xsum):
-    """x: (≥n_cols,) float32 → xq (n_cols,) int8 in ACTIVATION_ORDER per block, xd / xsum per block."""
+    """x: (≥n_cols,) float32 → xq (n_cols,) int8 in ACTIVATION_ORDER per block, xd / xsum per block.
+
+    Step s of a block holds weights 4s..4s+3 then 16+4s..16+4s+3 (decoding.repack), so byte 8s+k of
+    the block is x[4s+k] and byte 8s+4+k is x[16+4s+k].
+    """
     for b in range(n_cols // 32):
         base = b * 32
         amax = np.float32(0.0)
@@ -39,11 +47,13 @@ def quantize_activation_row(x, n_cols, xq, xd, xsum):
         scale = amax / np.float32(127.0)
         inverse = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
         total = 0
-        for i in range(32):
-            v = x[base + _ORDER[i]] * inverse
-            q = np.int32(np.floor(v + np.float32(0.5))) if v >= 0 else -np.int32(np.floor(-v + np.float32(0.5)))
-            xq[base + i] = q
-            total += q
+        for s in range(4):
+            for k in range(4):
+                low = _round_half_away(x[base + 4 * s + k] * inverse)
+                high = _round_half_away(x[base + 16 + 4 * s + k] * inverse)
+                xq[base + 8 * s + k] = low
+                xq[base + 8 * s + 4 + k] = high
+                total += low + high
         xd[b] = scale
         xsum[b] = total
 

@@ -11,6 +11,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from kvcache.fastmath import u32_bits_to_f32
+
 
 @intrinsic
 def f16_bits_to_f32(typingctx, bits):  # type: ignore[no-untyped-def]
@@ -23,22 +25,6 @@ def f16_bits_to_f32(typingctx, bits):  # type: ignore[no-untyped-def]
         as_i16 = builder.trunc(args[0], ir.IntType(16)) if bits.bitwidth > 16 else args[0]
         as_half = builder.bitcast(as_i16, ir.HalfType())
         return builder.fpext(as_half, ir.FloatType())
-
-    return sig, codegen
-
-
-@intrinsic
-def u32_bits_to_f32(typingctx, bits):  # type: ignore[no-untyped-def]
-    """Reinterpret a 32-bit integer's bits as a float32."""
-    if not isinstance(bits, types.Integer):
-        return None
-    sig = types.float32(bits)
-
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        value = args[0]
-        if bits.bitwidth != 32:
-            value = builder.trunc(value, ir.IntType(32)) if bits.bitwidth > 32 else builder.zext(value, ir.IntType(32))
-        return builder.bitcast(value, ir.FloatType())
 
     return sig, codegen
 

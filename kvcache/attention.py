@@ -37,6 +37,8 @@ import math
 import numpy as np
 from numba import njit
 
+from kvcache.fastmath import exp_f32
+
 # One query head's row of scratch: its scaled query, its output accumulator, one block's scores
 # (then softmax weights), and the running max and running sum of the online softmax.
 _NUM_SOFTMAX_STATS = 2
@@ -208,12 +210,12 @@ def _softmax_block_update(scores, num_keys, stats):
     for t in range(1, num_keys):
         block_max = max(block_max, scores[t])
     new_max = max(stats[0], block_max)
-    correction = np.float32(math.exp(stats[0] - new_max))
+    correction = exp_f32(stats[0] - new_max)
+    for t in range(num_keys):  # vectorised: exp_f32 is plain arithmetic
+        scores[t] = exp_f32(scores[t] - new_max)
     block_sum = np.float32(0.0)
-    for t in range(num_keys):
-        weight = np.float32(math.exp(scores[t] - new_max))
-        scores[t] = weight
-        block_sum += weight
+    for t in range(num_keys):  # a sequential sum: its order is fixed, whatever the batch
+        block_sum += scores[t]
     stats[0] = new_max
     stats[1] = stats[1] * correction + block_sum
     return correction

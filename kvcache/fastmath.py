@@ -1,0 +1,52 @@
+"""Scalar math for nopython kernels that LLVM can vectorise: a float bit cast and expf.
+
+`math.exp` compiles to a libm call, which LLVM cannot vectorise without a vector math library;
+`exp_f32` is plain arithmetic (Cephes expf: range reduction and a degree-6 polynomial, ~1 ulp),
+so loops over it run 16 lanes wide, and it gives the same bits in every lane and every call.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693359375)  # ln 2 split in two: n · _LN2_HI is exact for |n| < 2^9
+_LN2_LO = np.float32(-2.12194440e-4)
+_EXP_MIN = np.float32(-87.0)  # expf underflows below this; exp_f32 returns exactly 0 there
+_EXP_MAX = np.float32(88.0)
+
+
+@intrinsic
+def u32_bits_to_f32(typingctx, bits):  # type: ignore[no-untyped-def]
+    """Reinterpret a 32-bit integer's bits as a float32."""
+    if not isinstance(bits, types.Integer):
+        return None
+    sig = types.float32(bits)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        value = args[0]
+        if bits.bitwidth != 32:
+            value = builder.trunc(value, ir.IntType(32)) if bits.bitwidth > 32 else builder.zext(value, ir.IntType(32))
+        return builder.bitcast(value, ir.FloatType())
+
+    return sig, codegen
+
+
+@njit(nogil=True, cache=True, fastmath=False, inline="always")
+def exp_f32(x):  # type: ignore[no-untyped-def]
+    """e**x for float32 x; exactly 0 below -87 (so exp(-inf) = 0, as a running maximum's start needs)."""
+    clamped = min(max(x, _EXP_MIN), _EXP_MAX)
+    n = np.floor(clamped * _LOG2E + np.float32(0.5))
+    r = clamped - n * _LN2_HI - n * _LN2_LO
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    p = p * r * r + r + np.float32(1.0)
+    two_to_n = u32_bits_to_f32(np.uint32(np.int32(n) + 127) << 23)
+    return p * two_to_n if x >= _EXP_MIN else np.float32(0.0)
