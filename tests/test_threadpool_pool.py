@@ -317,7 +317,7 @@ def test_a_dropped_pool_stops_its_workers() -> None:
 
 
 @pytest.mark.skipif(not TWO_CORES, reason="needs two usable cores")
-def test_pinned_pool_pins_workers_and_the_caller_only_while_it_runs() -> None:
+def test_pinned_pool_pins_workers_and_the_caller_until_close() -> None:
     cores = sorted(os.sched_getaffinity(0))
     affinity_during_run: dict[int, set[int]] = {}
 
@@ -328,8 +328,9 @@ def test_pinned_pool_pins_workers_and_the_caller_only_while_it_runs() -> None:
         pool.run(note_affinity)
         (worker,) = worker_threads()
         assert os.sched_getaffinity(worker.native_id) == {cores[1]}
+        assert os.sched_getaffinity(0) == {cores[0]}  # the caller stays pinned between runs
     assert affinity_during_run == {0: {cores[0]}, 1: {cores[1]}}
-    assert os.sched_getaffinity(0) == set(cores)  # the caller's affinity is restored
+    assert os.sched_getaffinity(0) == set(cores)  # and gets its cores back at close()
 
     with SpinPool(2, pin=False) as pool:
         pool.run(note_affinity)

@@ -1,12 +1,13 @@
-"""Which cores this process may use, and pinning one thread to one of them (Linux)."""
+"""Which cores this process may use, and pinning threads to them (Linux)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 
 
 def usable_cores() -> list[int]:
-    """The cores the process may run on (honours taskset, cgroups' cpusets), in ascending order."""
+    """The cores the calling thread may run on (honours taskset and cgroup cpusets), ascending."""
     return sorted(os.sched_getaffinity(0))
 
 
@@ -18,21 +19,20 @@ def pin_thread(native_thread_id: int, core: int) -> None:
     os.sched_setaffinity(native_thread_id, {core})
 
 
-def thread_affinity(native_thread_id: int) -> set[int]:
-    """The cores one thread may run on."""
-    return os.sched_getaffinity(native_thread_id)
+def set_thread_affinity(native_thread_id: int, cores: Iterable[int]) -> None:
+    """Allow one thread on `cores` (e.g. give back what `pin_calling_thread` took); a thread
+    that has exited meanwhile is ignored."""
+    try:
+        os.sched_setaffinity(native_thread_id, set(cores))
+    except ProcessLookupError:
+        pass
 
 
 def pin_calling_thread(core: int) -> set[int] | None:
-    """Restrict the calling thread to `core`; returns the cores it had before, to restore with
-    `restore_calling_thread`, or None when it was already pinned there (nothing to undo)."""
+    """Restrict the calling thread to `core`; returns the cores it had before, or None when it
+    was already pinned there."""
     previous = os.sched_getaffinity(0)  # pid 0: the calling thread, not the whole process
     if previous == {core}:
         return None
     os.sched_setaffinity(0, {core})
     return previous
-
-
-def restore_calling_thread(previous: set[int] | None) -> None:
-    if previous is not None:
-        os.sched_setaffinity(0, previous)

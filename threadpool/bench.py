@@ -199,8 +199,11 @@ def measure_idle_cpu_percent(idle_s: float) -> dict[str, float]:
 def measure_steps_in_process(num_threads: int, budget_s: float) -> dict[str, dict[str, dict[str, float]]]:
     """Microseconds per step for every in-process approach, per op kind; checks results agree."""
     results: dict[str, dict[str, dict[str, float]]] = {}
-    with SpinPool(num_threads) as pool, ThreadPoolExecutor(num_threads) as executor:
+    with ThreadPoolExecutor(num_threads) as executor:
+        # Start the executor's threads before the pool pins this thread: they would inherit it.
+        list(executor.map(time.sleep, [0.01] * num_threads))
         team = PythonBarrierTeam(num_threads)
+        pool = SpinPool(num_threads)
         try:
             approaches: dict[str, Callable[[int, np.ndarray, np.ndarray, int], None]] = {
                 "SpinPool (one run, spin barriers)": lambda *a: step_on_pool(pool, *a),
@@ -220,6 +223,7 @@ def measure_steps_in_process(num_threads: int, budget_s: float) -> dict[str, dic
                 results[kind_name] = {name: to_us(seconds)
                                       for name, seconds in time_interleaved(actions, budget_s, pause_s=0.01).items()}
         finally:
+            pool.close()
             team.close()
     return results
 

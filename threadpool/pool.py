@@ -41,7 +41,7 @@ import numpy as np
 from numba import njit
 from numba.core.registry import CPUDispatcher
 
-from threadpool.affinity import pin_calling_thread, pin_thread, restore_calling_thread, usable_cores
+from threadpool.affinity import pin_calling_thread, pin_thread, set_thread_affinity, usable_cores
 from threadpool.atomics import load_acquire, store_release
 from threadpool.barrier import BarrierAborted, arrival_counts, make_barrier, mark_departed, reset_barrier
 from threadpool.handoff import (
@@ -98,6 +98,7 @@ class _PoolState:
         "is_closed",
         "max_spins",
         "num_threads",
+        "pinned_callers",
         "run_lock",
         "running_thread",
         "task",
@@ -115,6 +116,8 @@ class _PoolState:
         self.run_lock = threading.Lock()
         self.running_thread: int | None = None
         self.worker_idents: set[int] = set()
+        # Calling threads pinned by run(), with the cores to give back at close().
+        self.pinned_callers: dict[threading.Thread, set[int] | None] = {}
         self.is_closed = False
 
 
@@ -122,10 +125,11 @@ class SpinPool:
     """A fixed team of `n_threads` threads (the caller + n_threads - 1 workers) for SPMD kernels.
 
     n_threads: default, the number of usable cores (`os.sched_getaffinity`).
-    pin:       pin worker tid to `cores[tid]`, and the caller to `cores[0]` for the duration of
-               each run (its affinity is restored afterwards). Unpinned, a loaded machine's
-               scheduler may stack thread 0 and a worker on one core, where a spinning thread
-               waits a whole time slice for the one it spins on.
+    pin:       pin worker tid to `cores[tid]`, and a thread calling `run` to `cores[0]` from its
+               first run until `close()`, which restores its affinity. Unpinned, a loaded
+               machine's scheduler may stack thread 0 and a worker on one core, where a spinning
+               thread waits a whole time slice for the one it spins on. (Threads the caller
+               starts meanwhile inherit its pinning.)
     cores:     the cores to use, default the usable ones in ascending order.
     spin_us:   how long an idle worker spins before parking; 0 parks at once.
     """
@@ -170,11 +174,11 @@ class SpinPool:
             if state.is_closed:
                 raise RuntimeError("SpinPool is closed")
             state.running_thread = threading.get_ident()
-            previous_affinity = None if self._caller_core is None else pin_calling_thread(self._caller_core)
+            if self._caller_core is not None:
+                _pin_caller(state, self._caller_core)
             try:
                 _run_locked(state, kernel, args)
             finally:
-                restore_calling_thread(previous_affinity)
                 state.running_thread = None
 
     def close(self) -> None:
@@ -195,6 +199,20 @@ class SpinPool:
 
 
 # ---- thread 0: one run -----------------------------------------------------------------------------
+
+
+def _pin_caller(state: _PoolState, core: int) -> None:
+    """Pin the calling thread on its first run (a dict lookup afterwards, no syscall)."""
+    caller = threading.current_thread()
+    if caller not in state.pinned_callers:
+        state.pinned_callers[caller] = pin_calling_thread(core)
+
+
+def _unpin_callers(state: _PoolState) -> None:
+    for caller, previous_cores in state.pinned_callers.items():
+        if previous_cores is not None and caller.is_alive() and caller.native_id is not None:
+            set_thread_affinity(caller.native_id, previous_cores)
+    state.pinned_callers.clear()
 
 
 def _run_locked(state: _PoolState, kernel: Kernel, args: tuple[Any, ...]) -> None:
@@ -356,6 +374,7 @@ def _stop_workers(state: _PoolState, threads: list[threading.Thread]) -> None:
     with state.run_lock:
         state.is_closed = True
         request_shutdown(state.control, state.epoch + 1)
+        _unpin_callers(state)
     for thread in threads:
         if thread is not threading.current_thread():
             thread.join()
