@@ -1,0 +1,80 @@
+"""Helpers of the reliability tests (tests/test_reliability_*.py): servers with options or an environment
+of their own, and streams read on threads so that a test can act while they run."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from unittest import mock
+
+import httpx
+
+from .conftest_server import TreadleServer
+
+
+@contextmanager
+def running_server(args: list[str], env: dict[str, str] | None = None) -> Iterator[TreadleServer]:
+    """A `treadle serve` of its own, stopped (if still running) when the block ends."""
+    with mock.patch.dict(os.environ, env or {}):  # the server process copies this environment
+        server = TreadleServer(args)
+    try:
+        yield server.wait_ready()
+    finally:
+        server.stop()
+
+
+class StreamReader(threading.Thread):
+    """POSTs a streamed request and keeps every SSE `data:` payload."""
+
+    def __init__(self, base_url: str, path: str, body: dict[str, object]) -> None:
+        super().__init__(daemon=True)
+        self.url = base_url + path
+        self.body = {**body, "stream": True}
+        self.status: int | None = None
+        self.events: list[str] = []
+        self.error: BaseException | None = None
+        self.is_over = False
+        self._new_event = threading.Condition()
+        self.start()
+
+    def run(self) -> None:
+        try:
+            with httpx.stream("POST", self.url, json=self.body, timeout=300) as response:
+                self.status = response.status_code
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        with self._new_event:
+                            self.events.append(line[6:])
+                            self._new_event.notify_all()
+        except BaseException as exc:  # noqa: BLE001 - reported by finish()
+            self.error = exc
+        finally:
+            with self._new_event:
+                self.is_over = True
+                self._new_event.notify_all()
+
+    def wait_events(self, count: int = 1, timeout: float = 120) -> StreamReader:
+        """Until `count` events arrived (or the stream ended)."""
+        with self._new_event:
+            assert self._new_event.wait_for(lambda: len(self.events) >= count or self.is_over, timeout), \
+                f"fewer than {count} events from {self.url} within {timeout} s"
+        return self
+
+    def finish(self, timeout: float = 300) -> list[str]:
+        self.join(timeout)
+        assert not self.is_alive(), f"the stream from {self.url} did not end within {timeout} s"
+        assert self.error is None, f"the stream from {self.url} failed: {self.error!r}"
+        assert self.status == 200, self.status
+        return self.events
+
+    def text(self) -> str:
+        """The streamed text of choice 0 (chat deltas or completion text)."""
+        pieces = []
+        for payload in self.events[:-1]:
+            for choice in json.loads(payload).get("choices", []):
+                if choice["index"] == 0:
+                    pieces.append(choice.get("text") or choice.get("delta", {}).get("content") or "")
+        return "".join(pieces)
