@@ -130,6 +130,13 @@ async def tokenize(request: Request) -> Response:
     state = serving(request)
     body = await read_body(request, TokenizeRequest, state.settings.max_body_bytes)
     state.check_model(body.model)
+    # Off the event loop: a template may run for up to its render deadline, a long prompt takes a while.
+    tokens = await anyio.to_thread.run_sync(_tokenize, state, body)
+    return encoded_response(request, {"tokens": tokens, "count": len(tokens),
+                                      "max_model_len": state.engine.max_model_len})
+
+
+def _tokenize(state: ServingState, body: TokenizeRequest) -> list[int]:
     tokenizer = state.model.tokenizer
     if body.messages is not None:
         try:
@@ -137,12 +144,8 @@ async def tokenize(request: Request) -> Response:
                                                  add_generation_prompt=body.add_generation_prompt)
         except TemplateError as exc:
             raise APIError(400, f"the chat template cannot render these messages: {exc}", "messages") from None
-        add_special_tokens = bool(body.add_special_tokens)
-    else:
-        text, add_special_tokens = body.prompt or "", body.add_special_tokens is not False
-    tokens = await anyio.to_thread.run_sync(lambda: tokenizer.encode(text, add_special_tokens=add_special_tokens))
-    return encoded_response(request, {"tokens": tokens, "count": len(tokens),
-                                      "max_model_len": state.engine.max_model_len})
+        return tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+    return tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens is not False)
 
 
 async def detokenize(request: Request) -> Response:
@@ -152,7 +155,8 @@ async def detokenize(request: Request) -> Response:
     vocab_size = state.model.config.vocab_size
     if any(t >= vocab_size for t in body.tokens):
         raise APIError(400, f"token ids must lie in [0, {vocab_size})", "tokens", code="invalid_value")
-    return encoded_response(request, {"prompt": state.model.tokenizer.decode(body.tokens)})
+    text = await anyio.to_thread.run_sync(state.model.tokenizer.decode, body.tokens)  # up to a body's worth of ids
+    return encoded_response(request, {"prompt": text})
 
 
 async def models(request: Request) -> Response:
