@@ -26,15 +26,25 @@ TINY_SIZE, MATVEC_SIZE = 64, 576
 
 
 def make_operands(kind: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """(weights float32 (n, n) or (1, 1) for tiny ops, buffers float32 (2, n))."""
+    """(weights float32 (n, n) or (1, 1) for tiny ops, buffers float32 (2, n)), 64-byte aligned so
+    that timings do not depend on where the allocator happened to put them."""
     rng = np.random.default_rng(seed)
     size = TINY_SIZE if kind == TINY_OP else MATVEC_SIZE
-    weights = np.zeros((1, 1), dtype=np.float32)
+    weights = aligned_zeros((1, 1))
     if kind == MATVEC_OP:
-        weights = (rng.standard_normal((size, size)) / np.sqrt(size)).astype(np.float32)
-    buffers = np.zeros((2, size), dtype=np.float32)
+        weights = aligned_zeros((size, size))
+        weights[:] = rng.standard_normal((size, size)) / np.sqrt(size)
+    buffers = aligned_zeros((2, size))
     buffers[0] = rng.standard_normal(size)
     return weights, buffers
+
+
+def aligned_zeros(shape: tuple[int, ...], alignment: int = 64) -> np.ndarray:
+    """A C-contiguous float32 array of `shape` whose data starts on an `alignment`-byte boundary."""
+    num_bytes = int(np.prod(shape)) * 4
+    storage = np.zeros(num_bytes + alignment, dtype=np.uint8)
+    offset = -storage.ctypes.data % alignment
+    return storage[offset : offset + num_bytes].view(np.float32).reshape(shape)
 
 
 @njit(nogil=True, cache=True)
