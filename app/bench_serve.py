@@ -22,8 +22,10 @@ What is measured, per request, on the client's clock:
     text-carrying chunks (one token each on llama.cpp's and llama-cpp-python's servers).
 
 So that every request generates `--max-tokens`, the body carries `ignore_eos: true` (vLLM, treadle,
-llama.cpp's C++ server) and `min_tokens: max_tokens` (vLLM, llama-cpp-python); servers ignore the
-one they do not know. Requests that still ended early are counted as `short` and reported.
+llama.cpp's llama-server) and `min_tokens: max_tokens` (vLLM, llama-cpp-python); lenient servers
+ignore the one they do not know. A strict one (`transformers serve` answers 422 to unknown fields)
+takes `--no-ignore-eos` and its own field through `--extra-body` (transformers: a `generation_config`
+JSON string with `min_new_tokens`). Requests that still ended early are counted and reported.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ class RequestSpec:
     temperature: float
     ignore_eos: bool
     api_key: str | None = None
+    extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every body last (--extra-body)
 
     @property
     def url(self) -> str:
@@ -97,6 +100,7 @@ class RequestSpec:
         if self.ignore_eos:
             body["ignore_eos"] = True
             body["min_tokens"] = self.max_tokens
+        body.update(self.extra_body)
         return body
 
     def headers(self) -> dict[str, str]:
@@ -371,6 +375,7 @@ class BenchConfig:
     knee_factor: float
     api_key: str | None = None
     progress: bool = True
+    extra_body: dict[str, Any] = field(default_factory=dict)
 
     def num_requests(self, concurrency: int) -> int:
         return max(self.requests, concurrency) if self.requests else max(8, 2 * concurrency)
@@ -382,7 +387,7 @@ async def run_bench(config: BenchConfig) -> dict[str, Any]:
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         model = config.model or await discover_model(client, config.base_url, config.api_key)
         spec = RequestSpec(config.base_url, model, config.chat, config.max_tokens, config.temperature,
-                           config.ignore_eos, config.api_key)
+                           config.ignore_eos, config.api_key, config.extra_body)
         rng = random.Random(config.seed)
         total = config.warmup + sum(config.num_requests(c) for c in config.concurrency)
         progress = Progress(total, config.progress)
@@ -540,6 +545,16 @@ def _levels(text: str) -> list[int]:
     return levels
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -562,6 +577,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default %(default)s)")
     parser.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                         help="do not send ignore_eos/min_tokens (requests may end before --max-tokens)")
+    parser.add_argument("--extra-body", type=_json_object, default={},
+                        help="JSON object merged into every request body, e.g. a server's own way to force the "
+                             "output length: '{\"generation_config\": \"{\\\"min_new_tokens\\\": 64}\"}'")
     parser.add_argument("--warmup", type=int, default=2, help="uncounted warm-up requests first (default %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts (default %(default)s)")
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request read timeout, s (default %(default)s)")
@@ -584,7 +602,8 @@ def main(argv: list[str]) -> int:
                          requests=args.requests, max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens,
                          temperature=args.temperature, ignore_eos=args.ignore_eos, warmup=max(0, args.warmup),
                          seed=args.seed, timeout_s=args.timeout, knee_metric=args.knee_metric,
-                         knee_factor=args.knee_factor, api_key=args.api_key, progress=args.progress)
+                         knee_factor=args.knee_factor, api_key=args.api_key, progress=args.progress,
+                         extra_body=args.extra_body)
     try:
         report = asyncio.run(run_bench(config))
     except (RuntimeError, httpx.HTTPError) as exc:

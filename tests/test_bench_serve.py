@@ -124,6 +124,25 @@ def test_requests_per_level_default_and_floor():
     assert [config.num_requests(c) for c in (1, 4)] == [3, 4]  # never fewer requests than clients
 
 
+def test_request_body_asks_for_usage_full_length_and_takes_extra_fields():
+    from app.bench_serve import RequestSpec
+
+    spec = RequestSpec("http://h/", "m", chat=False, max_tokens=5, temperature=0.0, ignore_eos=True,
+                       extra_body={"top_k": 1, "temperature": 0.5})
+    assert spec.url == "http://h/v1/completions"
+    assert spec.body("p") == {"model": "m", "prompt": "p", "max_tokens": 5, "temperature": 0.5, "stream": True,
+                              "stream_options": {"include_usage": True}, "ignore_eos": True, "min_tokens": 5,
+                              "top_k": 1}
+    strict = RequestSpec("http://h", None, chat=True, max_tokens=5, temperature=0.0, ignore_eos=False)
+    body = strict.body("q")
+    assert strict.url == "http://h/v1/chat/completions" and body["messages"] == [{"role": "user", "content": "q"}]
+    assert "ignore_eos" not in body and "min_tokens" not in body and "model" not in body
+    parser = bench_serve.build_parser()
+    assert parser.parse_args(["--extra-body", '{"a": 1}']).extra_body == {"a": 1}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--extra-body", "[1]"])
+
+
 def test_bad_concurrency_lists_are_refused():
     parser = bench_serve.build_parser()
     for bad in ("0,4", "a,b", ""):

@@ -1,0 +1,282 @@
+#!/usr/bin/env python3
+"""The same streaming load against treadle and its peers, on the same GGUF file, one server at a time.
+
+    make bench                                   # installs what it needs, then runs this
+    .venv/bin/python bench/side_by_side.py --concurrency 1,4,16,32 --max-tokens 64 \\
+        --plot docs/bench-serve.png --update-readme bench/README.md
+
+Peers, each started here on a free loopback port with the same number of threads and stopped before
+the next one starts (so no two compete for the cores):
+  * treadle          — `treadle serve --threads N` (fast kernels, continuous batching);
+  * llama-cpp-python — `python -m llama_cpp.server --model GGUF --n_threads N --n_threads_batch N
+                       --interrupt_requests False` (its default, True, ends a running stream as soon as
+                       another request arrives; the server then serves one request at a time);
+  * transformers     — `transformers serve DIR:FILE.gguf --continuous-batching` from .venv-bench (torch
+                       on the CPU, the GGUF dequantized to float32 at load; OMP_NUM_THREADS=N).
+A peer that is not installed is skipped with the reason printed.
+
+Load: `treadle bench serve` (app/bench_serve.py) over /v1/completions with stream: true, ~L-token
+synthetic prompts, every request generating --max-tokens (ignore_eos / min_tokens), 2 × C requests
+per concurrency level C (at least 8) after warm-up. The table gives each peer's figures and the ratio
+treadle / peer: above 1 is better for treadle for tokens/s, below 1 for TTFT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shlex
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from app.bench_serve import BenchConfig, format_table, machine_description, run_bench, write_plot
+from decoding.registry import resolve_model_path
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = "smollm2-135m-instruct"
+README_BEGIN, README_END = "<!-- side-by-side:begin -->", "<!-- side-by-side:end -->"
+
+
+@dataclass(frozen=True)
+class Peer:
+    name: str
+    command: Callable[[int, Path, int], list[str] | None]  # (port, gguf, threads) -> argv, None if not installed
+    ready_path: str  # GET this until 200
+    why_missing: str
+    env: Callable[[int], dict[str, str]] = lambda threads: {}
+    # How the peer is told to generate exactly max_tokens: ignore_eos + min_tokens, or its own field.
+    ignore_eos: bool = True
+    extra_body: Callable[[int], dict[str, Any]] = lambda max_tokens: {}
+
+
+def _treadle(port: int, gguf: Path, threads: int) -> list[str]:
+    return [str(REPO / ".venv/bin/treadle"), "serve", "--port", str(port), "--threads", str(threads),
+            "--model", MODEL, "--log-level", "warning"]
+
+
+def _has_module(python: Path, module: str) -> bool:
+    return python.exists() and subprocess.run([str(python), "-c", f"import {module}"], capture_output=True,
+                                              check=False).returncode == 0
+
+
+def _llama_cpp(port: int, gguf: Path, threads: int) -> list[str] | None:
+    python = REPO / ".venv/bin/python"
+    if not _has_module(python, "llama_cpp.server"):
+        return None
+    return [str(python), "-m", "llama_cpp.server", "--model", str(gguf), "--n_threads", str(threads),
+            "--n_threads_batch", str(threads), "--n_ctx", "2048", "--port", str(port), "--host", "127.0.0.1",
+            "--interrupt_requests", "False"]
+
+
+def _transformers(port: int, gguf: Path, threads: int) -> list[str] | None:
+    python = REPO / ".venv-bench/bin/python"
+    if not _has_module(python, "transformers.cli.serve") or not _has_module(python, "fastapi"):
+        return None
+    # `transformers serve DIR:FILE.gguf` fails on this GGUF (no `architectures` in the config it
+    # builds), so it serves the same weights written out once by its own GGUF loader.
+    hf_dir = REPO / "bench-results" / f"hf-{MODEL}"
+    if not (hf_dir / "config.json").exists():
+        subprocess.run([str(python), str(REPO / "bench/gguf_to_hf.py"), str(gguf), str(hf_dir)], check=True)
+    return [str(REPO / ".venv-bench/bin/transformers"), "serve", str(hf_dir), "--port", str(port),
+            "--host", "127.0.0.1", "--continuous-batching"]
+
+
+def _min_new_tokens(max_tokens: int) -> dict[str, Any]:
+    # transformers serve answers 422 to unknown fields such as ignore_eos; its own knob is a
+    # generation_config JSON string (which replaces the model's, EOS included).
+    return {"generation_config": json.dumps({"max_new_tokens": max_tokens, "min_new_tokens": max_tokens})}
+
+
+def _torch_threads(threads: int) -> dict[str, str]:
+    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+
+
+PEERS = {
+    "treadle": Peer("treadle", _treadle, "/health", "treadle is not installed in .venv (make install)"),
+    "llama-cpp-python": Peer("llama-cpp-python", _llama_cpp, "/v1/models",
+                             "llama-cpp-python is not installed in .venv (make bench installs it)"),
+    "transformers": Peer("transformers", _transformers, "/v1/models",
+                         "transformers serve is not installed in .venv-bench (make bench installs it)",
+                         _torch_threads, ignore_eos=False, extra_body=_min_new_tokens),
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start(peer: Peer, argv: list[str], threads: int, timeout_s: float) -> tuple[subprocess.Popen[bytes], str, Path]:
+    port = int(argv[argv.index("--port") + 1])
+    log_path = Path(tempfile.mkstemp(prefix=f"bench-{peer.name}-", suffix=".log")[1])
+    env = {**os.environ, **peer.env(threads), "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(argv, stdout=log_path.open("wb"), stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    base_url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{peer.name} exited with {process.returncode}; log: {log_path}")
+        try:
+            if httpx.get(base_url + peer.ready_path, timeout=2).status_code == 200:
+                return process, base_url, log_path
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    process.kill()
+    raise RuntimeError(f"{peer.name} not ready after {timeout_s} s; log: {log_path}")
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def level(report: dict[str, Any], concurrency: int) -> dict[str, Any] | None:
+    return next((lv for lv in report["levels"] if lv["concurrency"] == concurrency and lv["num_completed"]), None)
+
+
+def metric_rows(concurrency: list[int]) -> list[tuple[str, Callable[[dict[str, Any]], float | None], bool]]:
+    """(label, value of a report, higher is better) for each row of the table."""
+
+    def decode_tps(report: dict[str, Any]) -> float | None:
+        lv = level(report, 1)
+        return 1000.0 / lv["tpot_ms"]["p50"] if lv and lv["tpot_ms"]["p50"] else None
+
+    def aggregate(c: int) -> Callable[[dict[str, Any]], float | None]:
+        return lambda report: (lv := level(report, c)) and lv["output_throughput"]
+
+    def ttft_p99(c: int) -> Callable[[dict[str, Any]], float | None]:
+        return lambda report: (lv := level(report, c)) and lv["ttft_ms"]["p99"]
+
+    rows = [("single-stream decode tokens/s (1 / TPOT p50)", decode_tps, True)]
+    rows += [(f"aggregate output tokens/s, {c} streams", aggregate(c), True) for c in concurrency if c >= 16]
+    rows += [(f"TTFT p99 ms, {c} stream{'s' if c > 1 else ''}", ttft_p99(c), False) for c in concurrency
+             if c == 1 or c >= 16]
+    return rows
+
+
+def ratio_table(reports: dict[str, dict[str, Any]], concurrency: list[int]) -> str:
+    peers = [name for name in reports if name != "treadle"]
+    header = ["metric", "treadle"] + [f"{p} | treadle / {p}" for p in peers]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * (1 + 1 + 2 * len(peers))]
+    for label, value, _higher_is_better in metric_rows(concurrency):
+        mine = value(reports["treadle"]) if "treadle" in reports else None
+        cells = [label, f"{mine:.1f}" if mine else "-"]
+        for peer in peers:
+            theirs = value(reports[peer])
+            cells.append(f"{theirs:.1f}" if theirs else "-")
+            cells.append(f"**{mine / theirs:.2f}**" if mine and theirs else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def update_readme(path: Path, section: str) -> None:
+    text = path.read_text() if path.exists() else f"{README_BEGIN}\n{README_END}\n"
+    if README_BEGIN not in text or README_END not in text:
+        text += f"\n{README_BEGIN}\n{README_END}\n"
+    before, rest = text.split(README_BEGIN, 1)
+    after = rest.split(README_END, 1)[1]
+    path.write_text(f"{before}{README_BEGIN}\n{section}\n{README_END}{after}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--peers", default="treadle,llama-cpp-python,transformers",
+                        help="comma-separated, from: " + ", ".join(PEERS))
+    parser.add_argument("--threads", type=int, default=2, help="threads of every server (default %(default)s)")
+    parser.add_argument("--concurrency", default="1,4,16,32", help="levels (default %(default)s)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--start-timeout", type=float, default=600, help="s for a server to become ready")
+    parser.add_argument("--out", default="bench-results/side_by_side", help="JSON reports and logs go here")
+    parser.add_argument("--plot", help="PNG of all servers' latency and throughput against concurrency")
+    parser.add_argument("--update-readme", help="rewrite the side-by-side section of this markdown file")
+    args = parser.parse_args()
+
+    concurrency = sorted({int(c) for c in args.concurrency.split(",")})
+    load_before = os.getloadavg()[0]
+    gguf, _ = resolve_model_path(MODEL)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    reports: dict[str, dict[str, Any]] = {}
+    skipped: dict[str, str] = {}
+    commands: dict[str, str] = {}
+    for name in args.peers.split(","):
+        peer = PEERS[name.strip()]
+        argv = peer.command(free_port(), gguf, args.threads)
+        if argv is None:
+            skipped[peer.name] = peer.why_missing
+            print(f"== {peer.name}: skipped ({peer.why_missing})", file=sys.stderr)
+            continue
+        env_words = [f"{k}={v}" for k, v in peer.env(args.threads).items()]
+        commands[peer.name] = " ".join([*env_words, shlex.join(argv)]).replace(str(REPO) + "/", "")
+        print(f"== {peer.name}: {commands[peer.name].strip()}", file=sys.stderr)
+        try:
+            process, base_url, _log = start(peer, argv, args.threads, args.start_timeout)
+        except RuntimeError as exc:
+            skipped[peer.name] = str(exc)
+            print(f"== {peer.name}: skipped ({exc})", file=sys.stderr)
+            continue
+        try:
+            config = BenchConfig(base_url=base_url, model=None, chat=False, concurrency=concurrency,
+                                 requests=None, max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens,
+                                 temperature=0.0, ignore_eos=peer.ignore_eos, warmup=args.warmup, seed=0,
+                                 timeout_s=1800, knee_metric="ttft", knee_factor=1.5,
+                                 extra_body=peer.extra_body(args.max_tokens))
+            report = asyncio.run(run_bench(config))
+        finally:
+            stop(process)
+        report["label"] = peer.name
+        report["command"] = commands[peer.name].strip()
+        reports[peer.name] = report
+        (out / f"{peer.name}.json").write_text(json.dumps(report, indent=2) + "\n")
+        print(f"\n{peer.name}\n{format_table(report)}\n", file=sys.stderr)
+
+    if "treadle" not in reports:
+        print("treadle did not run: no ratios", file=sys.stderr)
+        return 1
+    table = ratio_table(reports, concurrency)
+    machine = machine_description()
+    load = (f"/v1/completions, stream: true; prompts ~{args.prompt_tokens} tokens of synthetic text, "
+            f"{args.max_tokens} output tokens each (ignore_eos / min_tokens; transformers: min_new_tokens); "
+            f"max(8, 2 × C) requests at each concurrency C in {concurrency}, after "
+            f"{args.warmup} warm-up requests; temperature 0; one server at a time, {args.threads} threads each")
+    measured = (f"Measured {time.strftime('%Y-%m-%d')} on {machine['cpu']}, {machine['cores']} cores, "
+                f"Linux, Python {platform.python_version()}; 1-minute load average {load_before:.2f} before the "
+                f"run (the servers' own load is in it by the end: {os.getloadavg()[0]:.2f}).")
+    section = [measured, "", table, "", f"Load: {load}.", "", "Servers:", ""]
+    section += [f"- {name}: `{cmd}`" for name, cmd in commands.items() if name in reports]
+    section += [f"- {name}: skipped — {why}" for name, why in skipped.items()]
+    section += ["", f"Command: `{shlex.join(['.venv/bin/python', 'bench/side_by_side.py', *sys.argv[1:]])}`"]
+    if args.plot:
+        write_plot(reports, args.plot, title=f"{MODEL} (Q4_1 GGUF), {args.threads} threads, "
+                                             f"{args.max_tokens} output tokens per request")
+        section += ["", f"![latency and throughput against concurrency]({os.path.relpath(args.plot, 'bench')})"]
+    text = "\n".join(section)
+    print(text)
+    (out / "table.md").write_text(text + "\n")
+    if args.update_readme:
+        update_readme(Path(args.update_readme), text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
