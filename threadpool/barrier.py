@@ -63,7 +63,7 @@ def _wait_for_arrival(barrier: np.ndarray, other: int, episode: int) -> None:
     word = _arrival_word(other)
     while True:
         # acquire: once we see its arrival we also see everything it wrote before arriving.
-        seen = load_acquire(barrier, word)
+        seen: int = load_acquire(barrier, word)
         if (seen & ARRIVALS_MASK) >= episode:
             return
         if seen & DEPARTED:

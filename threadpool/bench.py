@@ -24,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -84,7 +84,7 @@ def time_repeatedly(action: Callable[[], object], budget_s: float, min_reps: int
     return summarize(durations)
 
 
-def time_interleaved(actions: dict[str, Callable[[], object]], budget_s: float, rounds: int = 4,
+def time_interleaved(actions: Mapping[str, Callable[[], object]], budget_s: float, rounds: int = 4,
                      pause_s: float = 0.0, max_reps_per_block: int = 200) -> dict[str, dict[str, float]]:
     """Time several actions in alternating blocks, `rounds` blocks each, so that a machine whose
     speed drifts (other tenants) shifts them all alike; seconds per call for each action.

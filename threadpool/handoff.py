@@ -67,7 +67,7 @@ def spin_while_equal(words: np.ndarray, index: int, seen: int, max_spins: int) -
     the last value read (== `seen` on timeout)."""
     for _ in range(max_spins):
         # acquire: a plain load would be hoisted out of the loop and spin forever.
-        value = load_acquire(words, index)
+        value: int = load_acquire(words, index)
         if value != seen:
             return value
         cpu_pause()
@@ -178,7 +178,7 @@ def load_acquire_from_python(words: np.ndarray, index: int) -> int:
 
 # ---- futex (Linux) ------------------------------------------------------------------------------
 
-_SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine(), -1)
 _FUTEX_WAIT_PRIVATE = 0 | 128
 _FUTEX_WAKE_PRIVATE = 1 | 128
 _INT32_MAX = 2**31 - 1
@@ -189,7 +189,7 @@ _syscall.restype = ctypes.c_long
 
 def epoch_futex_address(control: np.ndarray) -> int:
     """Address of the epoch's low 32 bits (little-endian), the futex word."""
-    if _SYS_FUTEX is None or sys.byteorder != "little":
+    if _SYS_FUTEX < 0 or sys.byteorder != "little":
         raise OSError(f"futex parking is implemented for little-endian Linux, not {platform.machine()}")
     return control.ctypes.data + EPOCH * 8
 

@@ -158,6 +158,7 @@ class SpinPool:
         if pin:
             try:
                 for tid, thread in enumerate(threads, start=1):
+                    assert thread.native_id is not None  # set once start() returned
                     pin_thread(thread.native_id, cores[tid % len(cores)])
             except OSError:
                 self.close()
@@ -242,9 +243,9 @@ def _task_for(state: _PoolState, kernel: Kernel, args: tuple[Any, ...]) -> _Task
     if previous is not None and previous.is_same(kernel, args):
         return previous
     is_numba = isinstance(kernel, CPUDispatcher)
-    if is_numba and not kernel.targetoptions.get("nogil"):
+    if is_numba and not getattr(kernel, "targetoptions", {}).get("nogil"):
         # Thread 0 would hold the GIL inside the kernel while a worker needs it to start: deadlock.
-        raise ValueError(f"SpinPool kernels must be compiled with nogil=True: {kernel.py_func.__name__}")
+        raise ValueError(f"SpinPool kernels must be compiled with nogil=True: {kernel!r}")
     task_id = 1 if previous is None else previous.task_id + 1
     return _Task(kernel, args, task_id, is_numba)
 
