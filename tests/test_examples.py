@@ -75,7 +75,7 @@ def test_curl_example_streams_chat_and_completions(server, how):
     if how == "flag":
         args, env = ["bash", str(EXAMPLES / "curl.sh"), "--base-url", server.base_url, 'Say "hi" \\ twice'], {}
     else:
-        args, env = ["bash", str(EXAMPLES / "curl.sh")], {"BASE_URL": server.base_url}
+        args, env = ["bash", str(EXAMPLES / "curl.sh"), "Say hi."], {"BASE_URL": server.base_url}
     stdout, _, _ = run_streaming(args, env)
     chat_part, completion_part = stdout.split("# completions: POST ")
     assert chat_part.startswith(f"# chat: POST {server.base_url}/v1/chat/completions")
