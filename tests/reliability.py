@@ -8,10 +8,12 @@ import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from unittest import mock
 
 import httpx
 
+from . import tinymodel
 from .conftest_server import TreadleServer
 
 
@@ -78,3 +80,9 @@ class StreamReader(threading.Thread):
                 if choice["index"] == 0:
                     pieces.append(choice.get("text") or choice.get("delta", {}).get("content") or "")
         return "".join(pieces)
+
+
+def write_tiny_gguf(path: Path, chat_template: str) -> Path:
+    """tests/tinymodel's random GGUF model, with the chat template given (it reads the module's constant)."""
+    with mock.patch.object(tinymodel, "CHAT_TEMPLATE", chat_template):
+        return tinymodel.write_gguf(path)
