@@ -33,10 +33,10 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self
 
+import numba
 import numpy as np
 from numba import njit
 from numba.core.registry import CPUDispatcher
@@ -70,20 +70,31 @@ _SLOW_WAIT_POLL_SECONDS = 50e-6
 Kernel = Callable[..., Any]  # kernel(tid, nthreads, barrier, *args)
 
 
-@dataclass(frozen=True, slots=True)
 class _Task:
     """A kernel and its arguments; `task_id` changes whenever either does."""
 
-    kernel: Kernel
-    args: tuple[Any, ...]
-    task_id: int
-    is_numba: bool  # served from the nopython trampoline
+    __slots__ = ("args", "is_numba", "kernel", "task_id", "trampoline")
+
+    def __init__(self, kernel: Kernel, args: tuple[Any, ...], task_id: int) -> None:
+        self.kernel = kernel
+        self.args = args
+        self.task_id = task_id
+        self.is_numba = isinstance(kernel, CPUDispatcher)  # served from the nopython trampoline
+        # serve_task compiled for this task's types, called without numba's type dispatch
+        # (~6 us, mostly typing the dispatcher argument, on every re-entry after a park).
+        self.trampoline: Callable[..., tuple[int, int]] | None = None
 
     def is_same(self, kernel: Kernel, args: tuple[Any, ...]) -> bool:
         return kernel is self.kernel and len(args) == len(self.args) and all(
             new is old or (type(new) is type(old) and np.isscalar(new) and new == old)
             for new, old in zip(args, self.args)
         )
+
+    def compiled_trampoline(self, barrier: np.ndarray, control: np.ndarray) -> Callable[..., tuple[int, int]]:
+        if self.trampoline is None:
+            example_args = (self.kernel, 1, barrier, control, self.args, 0, 0, 0)
+            self.trampoline = serve_task.compile(tuple(numba.typeof(value) for value in example_args))
+        return self.trampoline
 
 
 class _PoolState:
@@ -242,12 +253,11 @@ def _task_for(state: _PoolState, kernel: Kernel, args: tuple[Any, ...]) -> _Task
     previous = state.task
     if previous is not None and previous.is_same(kernel, args):
         return previous
-    is_numba = isinstance(kernel, CPUDispatcher)
-    if is_numba and not getattr(kernel, "targetoptions", {}).get("nogil"):
+    task = _Task(kernel, args, 1 if previous is None else previous.task_id + 1)
+    if task.is_numba and not getattr(kernel, "targetoptions", {}).get("nogil"):
         # Thread 0 would hold the GIL inside the kernel while a worker needs it to start: deadlock.
         raise ValueError(f"SpinPool kernels must be compiled with nogil=True: {kernel!r}")
-    task_id = 1 if previous is None else previous.task_id + 1
-    return _Task(kernel, args, task_id, is_numba)
+    return task
 
 
 @njit(nogil=True, cache=True, _nrt=False)
@@ -336,7 +346,8 @@ def _serve(state: _PoolState, tid: int, epoch: int, previous_task_id: int) -> tu
     assert task is not None
     try:
         if task.is_numba and task.task_id == previous_task_id:
-            return serve_task(task.kernel, tid, state.barrier, state.control, task.args, task.task_id,
+            trampoline = task.compiled_trampoline(state.barrier, state.control)
+            return trampoline(task.kernel, tid, state.barrier, state.control, task.args, task.task_id,
                               epoch, state.max_spins)
         task.kernel(tid, state.num_threads, state.barrier, *task.args)
     except BaseException as exc:  # noqa: BLE001 - handed to the caller of run()
