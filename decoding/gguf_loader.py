@@ -169,11 +169,27 @@ def _check_extent(reader: Any, path: Path) -> None:
             raise ModelLoadError(f"{path.name} is truncated: tensor {t.name} ends past the file's {size} bytes")
 
 
-def load_gguf(path: Path) -> tuple[ModelConfig, ModelWeights, GGUFTokenizerData]:
+def _reader(path: Path) -> Any:
     import gguf
 
+    class PlainViewGGUFReader(gguf.GGUFReader):  # type: ignore[misc]
+        """GGUFReader over a plain ndarray view of its memory map (still no copy). np.memmap's
+        per-slice bookkeeping made parsing the ~100k tokenizer strings take seconds at start."""
+
+        @property
+        def data(self) -> np.ndarray:
+            return self._plain_data
+
+        @data.setter
+        def data(self, mapped: np.ndarray) -> None:
+            self._plain_data = mapped.view(np.ndarray)
+
+    return PlainViewGGUFReader(path, "r")
+
+
+def load_gguf(path: Path) -> tuple[ModelConfig, ModelWeights, GGUFTokenizerData]:
     try:
-        reader = gguf.GGUFReader(path, "r")
+        reader = _reader(path)
     except ModelLoadError:
         raise
     except Exception as exc:  # the gguf package raises ValueError, KeyError, IndexError… on bad bytes
