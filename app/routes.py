@@ -58,7 +58,7 @@ async def completions(request: Request) -> Response:
         if isinstance(body.prompt, str):
             prompt_ids = await anyio.to_thread.run_sync(_encode, state, body.prompt, True, "prompt")
         else:
-            prompt_ids = body.prompt
+            prompt_ids = _checked_token_ids(state, body.prompt, "prompt")  # before `echo` decodes them
         params = _sampling_params(engine, body, len(prompt_ids), DEFAULT_COMPLETION_MAX_TOKENS, "prompt")
         echo_text = None
         if body.echo:
@@ -75,6 +75,14 @@ def _chat_prompt_ids(state: ServingState, body: ChatCompletionRequest) -> list[i
     except TemplateError as exc:
         raise APIError(400, f"the chat template cannot render these messages: {exc}", "messages") from None
     return _encode(state, text, False, "messages")  # the template already wrote the special tokens
+
+
+def _checked_token_ids(state: ServingState, token_ids: list[int], param: str) -> list[int]:
+    """Token ids from the client, within the vocabulary (the tokenizer overflows on ids past 32 bits)."""
+    vocab_size = state.model.config.vocab_size
+    if any(not 0 <= t < vocab_size for t in token_ids):
+        raise APIError(400, f"token ids must lie in [0, {vocab_size})", param, code="invalid_value")
+    return token_ids
 
 
 def _encode(state: ServingState, text: str, add_special_tokens: bool, param: str) -> list[int]:
@@ -152,10 +160,8 @@ async def detokenize(request: Request) -> Response:
     state = serving(request)
     body = await read_body(request, DetokenizeRequest, state.settings.max_body_bytes)
     state.check_model(body.model)
-    vocab_size = state.model.config.vocab_size
-    if any(t >= vocab_size for t in body.tokens):
-        raise APIError(400, f"token ids must lie in [0, {vocab_size})", "tokens", code="invalid_value")
-    text = await anyio.to_thread.run_sync(state.model.tokenizer.decode, body.tokens)  # up to a body's worth of ids
+    tokens = _checked_token_ids(state, body.tokens, "tokens")
+    text = await anyio.to_thread.run_sync(state.model.tokenizer.decode, tokens)  # up to a body's worth of ids
     return encoded_response(request, {"prompt": text})
 
 
