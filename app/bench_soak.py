@@ -191,6 +191,7 @@ MALFORMED: list[tuple[str, str, bytes]] = [
     ("deep nesting", _COMPLETIONS, b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"),
     ("stop list of 5000", _CHAT, json.dumps({"messages": _OK_MESSAGES, "stop": ["x"] * 5000}).encode()),
     ("prompt ids out of vocab", _COMPLETIONS, json.dumps({"prompt": [2**40, -1]}).encode()),
+    ("echo of ids past 32 bits", _COMPLETIONS, json.dumps({"prompt": [2**32], "echo": True}).encode()),
     ("a JSON array", _CHAT, b"[1, 2, 3]"),
     ("empty body", _COMPLETIONS, b""),
 ]

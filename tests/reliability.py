@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,13 +20,19 @@ from .conftest_server import TreadleServer
 
 @contextmanager
 def running_server(args: list[str], env: dict[str, str] | None = None) -> Iterator[TreadleServer]:
-    """A `treadle serve` of its own, stopped (if still running) when the block ends."""
+    """A `treadle serve` of its own, stopped when the block ends: with SIGTERM, and it must exit 0."""
     with mock.patch.dict(os.environ, env or {}):  # the server process copies this environment
         server = TreadleServer(args)
     try:
         yield server.wait_ready()
-    finally:
+    except BaseException:
         server.stop()
+        raise
+    # Whatever the test did to it, a server still running drains and exits 0 on SIGTERM.
+    if server.process.poll() is None:
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(120) == 0, server.log()[-3000:]
+    server.stop()
 
 
 class StreamReader(threading.Thread):

@@ -84,6 +84,15 @@ def fuzz_operation(server: TreadleServer, operation: Any, mode: GenerationMode,
     call()
 
 
+@pytest.mark.parametrize("ids", [[2**32], [2**63], [-1], [5, 2**40]])
+def test_echoed_token_ids_past_the_vocabulary_get_400_not_500(server, ids):
+    """Found by schemathesis: `echo` decoded the ids before anything checked them, and the tokenizer
+    overflows past 32 bits."""
+    response = httpx.post(f"{server.base_url}{COMPLETIONS}", json={"prompt": ids, "echo": True, "max_tokens": 1},
+                          timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+
+
 # ---- a corpus of malformed bodies -------------------------------------------------------------------
 
 VALID = {CHAT: {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
@@ -128,9 +137,11 @@ def malformed(draw: st.DrawFn) -> tuple[str, str, bytes, bool]:
     if kind == "type":  # any JSON in any field: huge, negative, wrong type, null — valid or not
         value = draw(any_json | st.integers(-(2**200), 2**200) | st.floats(allow_nan=False, allow_infinity=False))
         return path, "application/json", body(path, **{draw(st.sampled_from(FIELDS)): value}), False
-    if kind == "nesting":
+    if kind == "nesting":  # in the route's own input field, where no nesting is valid
         depth = draw(st.sampled_from([100, 1_000, 10_000, 100_000, 500_000]))
-        return path, "application/json", body(path)[:-1] + b', "prompt": ' + b"[" * depth + b"]" * depth + b"}", True
+        field = {CHAT: "messages", DETOKENIZE: "tokens"}.get(path, "prompt")
+        nested = b"[" * depth + b"]" * depth
+        return path, "application/json", body(path)[:-1] + b', "' + field.encode() + b'": ' + nested + b"}", True
     if kind == "messages":  # thousands of messages: the prompt cannot fit the tiny model's context
         count = draw(st.integers(1_000, 5_000))
         messages = [{"role": "user", "content": "hello there"}] * count

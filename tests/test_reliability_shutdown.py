@@ -42,7 +42,7 @@ def assert_ended_with_shutdown_error(events: list[str]) -> None:
 
 
 def test_sigterm_refuses_new_work_lets_short_requests_finish_and_ends_the_rest_with_an_error():
-    with running_server(["--shutdown-grace-seconds", "10", "--max-num-seqs", "4"]) as server:
+    with running_server(["--shutdown-grace-seconds", "6", "--max-num-seqs", "4"]) as server:
         endless = StreamReader(server.base_url, COMPLETIONS, ENDLESS).wait_events()
         # a non-streamed request in flight too: it can only answer once, so it answers 503
         with ThreadPoolExecutor(1) as pool:

@@ -76,7 +76,7 @@ def soak(server: TreadleServer, tmp_path: Path, *args: str) -> tuple[int, dict[s
 def test_a_short_soak_passes_every_check(tmp_path):
     # 24 MiB of KV (34 blocks, 544 tokens) for 8 clients of up to ~150 prompt tokens + 64: some are preempted.
     with running_server(["--kv-cache-mb", "24", "--max-num-seqs", "8"]) as server:
-        status, report = soak(server, tmp_path, "--duration", "20", "--clients", "8", "--disconnect-rate", "0.3",
+        status, report = soak(server, tmp_path, "--duration", "15", "--clients", "8", "--disconnect-rate", "0.3",
                               "--malformed-rate", "0.2", "--max-prompt-words", "100", "--max-tokens", "64",
                               "--max-health-p99-ms", "60000")  # liveness, not speed: this machine is shared
     results = report["results"]
@@ -90,7 +90,7 @@ def test_a_short_soak_passes_every_check(tmp_path):
 def test_a_soak_against_a_failing_engine_fails(tmp_path):
     model = write_tiny_gguf(tmp_path / "tiny.gguf", CHAT_TEMPLATE)
     with running_server(["--model", str(model)], env={EVERY_N_STEPS: "5"}) as server:
-        status, report = soak(server, tmp_path, "--duration", "5", "--clients", "4", "--max-prompt-words", "10",
+        status, report = soak(server, tmp_path, "--duration", "3", "--clients", "4", "--max-prompt-words", "10",
                               "--max-tokens", "16")
     failed = {check["name"] for check in report["checks"] if not check["ok"]}
     assert status == 1 and "no error events" in failed
