@@ -74,6 +74,56 @@ def run_level(engine: Engine, prompt_ids: list[int], concurrency: int, max_token
     return LevelResult(concurrency, total, seconds, total / seconds, 1000 * statistics.median(step_seconds), python)
 
 
+@dataclass(slots=True)
+class InterferenceResult:
+    streams: int
+    long_prompt_tokens: int
+    median_gap_ms: float  # between tokens of the running streams, before the long prompt arrived
+    max_gap_ms: float  # the longest gap while it was prefilled
+    p99_gap_ms: float
+    stretch: float  # max gap / median gap
+    long_prompt_ttft_s: float
+
+
+def measure_long_prompt_interference(engine: Engine, model: Model, num_streams: int,
+                                     long_tokens: int) -> InterferenceResult:
+    """Streams decode; a long prompt arrives: how much does its prefill stretch their token gaps?"""
+    prompt_ids = model.tokenizer.encode(PROMPT)
+    arrivals: list[list[float]] = [[] for _ in range(num_streams)]
+    streams = [engine.submit(prompt_ids, SamplingParams(max_tokens=4000, temperature=0.8, seed=i, ignore_eos=True),
+                             request_id=f"stream-{i}") for i in range(num_streams)]
+
+    def read(i: int) -> None:
+        for out in streams[i]:
+            arrivals[i].extend([time.perf_counter()] * len(out.token_ids))
+
+    readers = [threading.Thread(target=read, args=(i,)) for i in range(num_streams)]
+    for t in readers:
+        t.start()
+    while min(len(a) for a in arrivals) < 24:
+        time.sleep(0.01)
+    injected = time.perf_counter()
+    rng = np.random.default_rng(1)
+    engine.generate(rng.integers(100, model.config.vocab_size, long_tokens).tolist(), SamplingParams(max_tokens=1))
+    prefilled = time.perf_counter()
+    time.sleep(0.2)
+    for i in range(num_streams):
+        engine.abort(f"stream-{i}")
+    for t in readers:
+        t.join()
+    before, during = [], []
+    for times in arrivals:
+        for previous, current in zip(times[8:], times[9:]):  # skip each stream's own prefill
+            if current <= injected:
+                before.append(current - previous)
+            elif current <= prefilled + 0.05:
+                during.append(current - previous)
+    median = statistics.median(g for g in before if g > 0)
+    largest = max(during)
+    return InterferenceResult(num_streams, long_tokens, 1000 * median, 1000 * largest,
+                              1000 * float(np.percentile(during, 99)), largest / median, prefilled - injected)
+
+
 def measure_prefill(engine: Engine, model: Model, num_tokens: int) -> float:
     """Prompt tokens per second on a fresh prompt of `num_tokens` (no prefix-cache hits)."""
     rng = np.random.default_rng(0)
@@ -111,6 +161,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--prefill-tokens", type=int, default=512)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--kernels", choices=("fast", "exact"), default="fast")
+    parser.add_argument("--interference-streams", type=int, default=16,
+                        help="streams decoding while a long prompt arrives (0 skips that measurement)")
+    parser.add_argument("--long-prompt-tokens", type=int, default=2000)
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -118,7 +172,7 @@ def main(argv: list[str]) -> int:
     model = load_model(args.model)
     prompt_ids = model.tokenizer.encode(PROMPT)
     config = EngineConfig(max_num_seqs=max(levels), max_num_batched_tokens=max(512, max(levels)),
-                          kv_cache_mb=1024, n_threads=args.threads)
+                          kv_cache_mb=1024, n_threads=args.threads, kernels=args.kernels)
     engine = Engine(model, config).start()
     try:
         engine.generate(prompt_ids, SamplingParams(max_tokens=4))  # warm-up: numba compiles or loads its cache
@@ -129,6 +183,10 @@ def main(argv: list[str]) -> int:
             print(f"  {level:>3} streams: {result.tokens_per_second:8.1f} tokens/s", flush=True)
         engine.kv.enable_prefix_caching = False
         prefill = measure_prefill(engine, model, args.prefill_tokens)
+        interference = None
+        if args.interference_streams:
+            interference = measure_long_prompt_interference(engine, model, args.interference_streams,
+                                                            args.long_prompt_tokens)
     finally:
         engine.shutdown()
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before the 1 GiB roofline probe
@@ -148,6 +206,8 @@ def main(argv: list[str]) -> int:
         "single_stream_tokens_per_second": results[0].tokens_per_second if levels[0] == 1 else None,
         "prefill_tokens_per_second": prefill,
         "prefill_prompt_tokens": args.prefill_tokens,
+        "kernels": args.kernels,
+        "long_prompt_interference": asdict(interference) if interference else None,
         "read_bandwidth_gb_s": bandwidth,
         "gemm_gflops": gflops,
         "weight_bytes_per_step": weight_bytes,
@@ -167,7 +227,7 @@ def main(argv: list[str]) -> int:
 
 def print_table(r: dict) -> None:
     single = r["single_stream_tokens_per_second"]
-    print(f"\n{r['model']} — {r['threads']} pool threads, {r['prompt_tokens']}-token prompts, "
+    print(f"\n{r['model']} — {r['kernels']} kernels, {r['threads']} pool threads, {r['prompt_tokens']}-token prompts, "
           f"{r['max_tokens']} new tokens each")
     print(f"{'streams':>8} {'tokens/s':>10} {'× single':>9} {'step ms p50':>12} {'python share':>13}")
     for level in r["levels"]:
@@ -175,6 +235,11 @@ def print_table(r: dict) -> None:
         print(f"{level['concurrency']:>8} {level['tokens_per_second']:>10.1f} {ratio:>9} "
               f"{level['step_ms_median']:>12.2f} {100 * level['python_share']:>12.1f}%")
     print(f"\nprefill: {r['prefill_tokens_per_second']:.0f} tokens/s on a {r['prefill_prompt_tokens']}-token prompt")
+    if r["long_prompt_interference"]:
+        i = r["long_prompt_interference"]
+        print(f"a {i['long_prompt_tokens']}-token prompt arriving while {i['streams']} streams decode: their token gap "
+              f"{i['median_gap_ms']:.1f} ms median before, {i['max_gap_ms']:.1f} ms max / {i['p99_gap_ms']:.1f} ms p99 "
+              f"during its prefill ({i['stretch']:.2f}× median); its first token after {i['long_prompt_ttft_s']:.2f} s")
     print(f"read bandwidth {r['read_bandwidth_gb_s']:.1f} GB/s → roofline {r['bandwidth_roofline_tokens_per_second']:.0f}"
           f" tokens/s for one stream ({r['weight_bytes_per_step'] / 1e6:.1f} MB of weights per step)")
     if single:

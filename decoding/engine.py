@@ -64,6 +64,7 @@ class EngineConfig:
     pin_threads: bool = True
     max_model_len: int | None = None  # None: the model's context
     kernels: str = "fast"  # "fast": int8 activations, VNNI dot products; "exact": float32 activations
+    max_itl_stretch: float | None = 2.0  # prefill chunks keep decode steps within this factor; None: no limit
 
 
 class EngineObserver(Protocol):
@@ -98,7 +99,7 @@ class Engine:
         num_blocks = cfg.num_kv_blocks or spec.num_blocks_for_mib(cfg.kv_cache_mb)
         self.storage = KVCacheStorage.allocate(spec, num_blocks)
         self.kv = KVCacheManager(num_blocks, cfg.block_size, self.max_model_len, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_itl_stretch)
         self.pool = SpinPool(cfg.n_threads, pin=cfg.pin_threads)
         max_logit_rows = max(cfg.max_num_batched_tokens, cfg.max_num_seqs)
         self.runner = ModelRunner(model, self.storage, self.pool, cfg.max_num_batched_tokens, max_logit_rows,
@@ -224,6 +225,7 @@ class Engine:
                 self._fail_request(request, "error", f"internal error while generating: {type(exc).__name__}")
             return
         seconds = time.perf_counter() - started
+        self.scheduler.observe_step(scheduled, seconds)
         self.stats.num_steps += 1
         self.stats.step_seconds += seconds
         self.stats.kernel_seconds += kernel_seconds

@@ -6,6 +6,13 @@ served, as far as the budget, `max_num_seqs` and free KV blocks allow. A long pr
 over several steps instead of stalling every stream. When a decode needs a block and none is free, the
 most recently admitted sequence is preempted: its blocks are freed and it goes back to the front of
 the queue, to be recomputed (prefix caching often finds its blocks still there).
+
+While streams are decoding, prefill chunks are also held to a time budget: a step may take at most
+`max_itl_stretch` times as long as a decode-only step, so a long prompt arriving never stretches the
+running streams' inter-token gaps past that. The engine reports each step's duration; the scheduler
+keeps moving averages of a decode-only step and of the cost of one more token, and sizes the prefill
+share from them. (CPU steps are compute-bound: time grows linearly with the tokens in the step.)
+Chunk sizes never change any sequence's numbers (the kernels are batch-invariant), only its timing.
 """
 
 from __future__ import annotations
@@ -34,19 +41,54 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     block_copies: list[BlockCopy] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    num_decode_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
 
 
+class StepCostModel:
+    """Moving averages of a decode-only step's time and of one more token's cost in a step."""
+
+    MIN_PREFILL_CHUNK = 4  # tokens: a long prompt always makes progress
+    _SMOOTHING = 0.2
+
+    def __init__(self, max_itl_stretch: float) -> None:
+        self.max_itl_stretch = max_itl_stretch
+        self.decode_step_seconds: float | None = None
+        self.seconds_per_token: float | None = None
+
+    def observe(self, num_decode_tokens: int, num_prefill_tokens: int, seconds: float) -> None:
+        if num_prefill_tokens == 0 and num_decode_tokens > 0:
+            self.decode_step_seconds = self._blend(self.decode_step_seconds, seconds)
+        elif num_prefill_tokens >= 16 and self.decode_step_seconds is not None and num_decode_tokens > 0:
+            extra = (seconds - self.decode_step_seconds) / num_prefill_tokens
+            if extra > 0:
+                self.seconds_per_token = self._blend(self.seconds_per_token, extra)
+        elif num_prefill_tokens >= 16 and num_decode_tokens == 0:
+            self.seconds_per_token = self._blend(self.seconds_per_token, seconds / num_prefill_tokens)
+
+    def prefill_budget_while_decoding(self, budget: int) -> int:
+        if self.decode_step_seconds is None or self.seconds_per_token is None:
+            return min(budget, 16 * self.MIN_PREFILL_CHUNK)  # until measured: a modest chunk
+        allowed = (self.max_itl_stretch - 1.0) * self.decode_step_seconds / self.seconds_per_token
+        return max(self.MIN_PREFILL_CHUNK, min(budget, int(allowed)))
+
+    def _blend(self, average: float | None, sample: float) -> float:
+        return sample if average is None else average + self._SMOOTHING * (sample - average)
+
+
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_itl_stretch: float | None = 2.0) -> None:
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError("max_num_batched_tokens must be at least max_num_seqs: every decode needs a slot")
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # None: prefill chunks take whatever budget the decodes leave (throughput over smoothness)
+        self.step_costs = StepCostModel(max_itl_stretch) if max_itl_stretch else None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the newest is preempted first
         self.num_preemptions = 0
@@ -74,11 +116,21 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens - self._schedule_decodes(out)
+        num_decodes = self._schedule_decodes(out)
+        budget = self.max_num_batched_tokens - num_decodes
+        if num_decodes and self.step_costs is not None:
+            budget = self.step_costs.prefill_budget_while_decoding(budget)
+        out.num_decode_tokens = num_decodes
         budget = self._schedule_prefills(out, budget)
         if not out.preempted:  # admitting right after preempting would only trade one for another
             self._admit(out, budget)
         return out
+
+    def observe_step(self, scheduled: SchedulerOutput, seconds: float) -> None:
+        """The engine reports how long a scheduled step took (it sizes later prefill chunks)."""
+        if self.step_costs is not None:
+            num_prefill = scheduled.num_tokens - scheduled.num_decode_tokens
+            self.step_costs.observe(scheduled.num_decode_tokens, num_prefill, seconds)
 
     def _schedule_decodes(self, out: SchedulerOutput) -> int:
         num_scheduled = 0

@@ -115,3 +115,33 @@ def test_removing_sequences_returns_every_block():
     for s in seqs:
         scheduler.remove(s)
     assert kv.num_used_blocks == 0 and not scheduler.has_work
+
+
+def test_prefill_chunks_while_decoding_are_sized_to_keep_the_step_within_the_stretch():
+    from decoding.scheduler import StepCostModel
+
+    model = StepCostModel(max_itl_stretch=2.0)
+    assert model.prefill_budget_while_decoding(256) == 64  # not measured yet: a modest chunk
+    for _ in range(20):
+        model.observe(num_decode_tokens=16, num_prefill_tokens=0, seconds=0.020)
+        model.observe(num_decode_tokens=16, num_prefill_tokens=40, seconds=0.060)  # 1 ms per extra token
+    assert model.prefill_budget_while_decoding(256) == 20  # 20 ms more at 1 ms a token doubles the step
+    assert StepCostModel(max_itl_stretch=3.0).prefill_budget_while_decoding(8) == 8  # never above the budget
+
+
+def test_a_long_prompt_arriving_during_decodes_gets_the_time_budgeted_chunk():
+    scheduler = Scheduler(KVCacheManager(256, 4, 2048, enable_prefix_caching=False), max_num_seqs=8,
+                          max_num_batched_tokens=256)
+    streams = [make_seq(4, f"s{i}") for i in range(3)]
+    for s in streams:
+        scheduler.add(s)
+    finish_step(scheduler, scheduler.schedule())
+    for _ in range(5):  # decode-only steps of 10 ms; an extra token costs 1 ms
+        out = scheduler.schedule()
+        scheduler.observe_step(out, 0.010)
+        finish_step(scheduler, out)
+    scheduler.step_costs.seconds_per_token = 0.001
+    long_prompt = make_seq(500, "long")
+    scheduler.add(long_prompt)
+    out = scheduler.schedule()
+    assert [c.num_tokens for c in out.chunks] == [1, 1, 1, 10]
