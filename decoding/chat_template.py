@@ -23,6 +23,7 @@ from .errors import TemplateError
 MAX_RENDER_SECONDS = 1.0
 MAX_RENDER_CHARS = 4_000_000
 _MAX_PRODUCT_ITEMS = 1_000_000
+_MAX_INT_BITS = 1 << 16  # ~20,000 digits, past the 4,300 Python prints; a bigger int is an attack
 _EVENTS_PER_CLOCK_CHECK = 512
 
 
@@ -30,10 +31,17 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
     intercepted_binops = frozenset(["*", "**"])
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        # Big-int arithmetic runs in one C call that holds the GIL, where the deadline cannot stop it:
+        # (((10 ** 64) ** 64) ** 64) ** 64 computes for ~40 s with every exponent within bounds.
+        is_int_pair = isinstance(left, int) and isinstance(right, int)
         if operator == "**":
             if isinstance(right, int) and abs(right) > 64:
                 raise TemplateError("chat template raised a number to a huge power")
+            if is_int_pair and abs(left).bit_length() * right > _MAX_INT_BITS:
+                raise TemplateError("chat template raised a number to a huge power")
             return left**right
+        if is_int_pair and abs(left).bit_length() + abs(right).bit_length() > _MAX_INT_BITS:
+            raise TemplateError("chat template multiplied huge numbers")
         for seq, count in ((left, right), (right, left)):
             if isinstance(seq, (str, list, tuple)) and isinstance(count, int):
                 if len(seq) * count > _MAX_PRODUCT_ITEMS:

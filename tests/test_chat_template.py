@@ -64,6 +64,21 @@ def test_huge_output_and_huge_strings_are_refused():
         render("{{ 'x' * 10000000000 }}")
 
 
+@pytest.mark.parametrize("source", [
+    "{{ (((10 ** 64) ** 64) ** 64) ** 64 > 1 }}",  # ~40 s in one C call before the bound
+    "{% set ns = namespace(x=10 ** 64) %}{% for i in range(40) %}{% set ns.x = ns.x * ns.x %}{% endfor %}",
+])
+def test_huge_integer_arithmetic_is_refused(source):
+    start = time.monotonic()
+    with pytest.raises(TemplateError, match="huge"):
+        render(source)
+    assert time.monotonic() - start < 30  # bounded, not a speed assertion: unbounded it runs for minutes
+
+
+def test_ordinary_integer_arithmetic_still_works():
+    assert render("{{ 2 ** 64 }} {{ (10 ** 18) * (10 ** 18) }} {{ 3 * 'ab' }}") == f"{2**64} {10**36} ababab"
+
+
 def test_recursion_is_refused():
     source = "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}"
     with pytest.raises(TemplateError):
