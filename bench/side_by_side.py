@@ -206,7 +206,9 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--start-timeout", type=float, default=600, help="s for a server to become ready")
-    parser.add_argument("--out", default="bench-results/side_by_side", help="JSON reports and logs go here")
+    parser.add_argument("--out", default="bench-results/side_by_side", help="JSON reports go here")
+    parser.add_argument("--reuse", default="", help="comma-separated peers whose report is read from --out "
+                                                    "(an earlier run) instead of measured again")
     parser.add_argument("--plot", help="PNG of all servers' latency and throughput against concurrency")
     parser.add_argument("--update-readme", help="rewrite the side-by-side section of this markdown file")
     args = parser.parse_args()
@@ -219,8 +221,13 @@ def main() -> int:
     reports: dict[str, dict[str, Any]] = {}
     skipped: dict[str, str] = {}
     commands: dict[str, str] = {}
+    reuse = {name.strip() for name in args.reuse.split(",") if name.strip()}
     for name in args.peers.split(","):
         peer = PEERS[name.strip()]
+        if peer.name in reuse:
+            reports[peer.name] = json.loads((out / f"{peer.name}.json").read_text())
+            commands[peer.name] = reports[peer.name]["command"] + f" (measured {reports[peer.name]['started_at']})"
+            continue
         argv = peer.command(free_port(), gguf, args.threads)
         if argv is None:
             skipped[peer.name] = peer.why_missing
