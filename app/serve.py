@@ -88,6 +88,10 @@ def _configure_logging(settings: ServerSettings) -> None:
 
 
 def main(argv: list[str]) -> int:
+    if "--ray" in argv:  # replicas behind Ray Serve (the `ray` extra; docs/scaling.md)
+        from .ray_serve import main as ray_main
+
+        return ray_main(argv)
     settings = parse_settings(argv)
     _configure_logging(settings)
     log = logging.getLogger("treadle")
