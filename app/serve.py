@@ -87,6 +87,10 @@ def _configure_logging(settings: ServerSettings) -> None:
         logger.propagate = False
 
 
+def _exit_now(sig: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
 def main(argv: list[str]) -> int:
     if "--ray" in argv:  # replicas behind Ray Serve (the `ray` extra; docs/scaling.md)
         from .ray_serve import main as ray_main
@@ -94,6 +98,8 @@ def main(argv: list[str]) -> int:
         return ray_main(argv)
     settings = parse_settings(argv)
     _configure_logging(settings)
+    for sig in SHUTDOWN_SIGNALS:  # until the server listens nothing is in flight: a signal just ends it
+        signal.signal(sig, _exit_now)
     log = logging.getLogger("treadle")
     log.info("loading %s ...", settings.model)
     started = time.perf_counter()
