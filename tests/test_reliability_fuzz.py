@@ -112,6 +112,12 @@ any_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(al
                         | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
 
 
+msgpack_value = st.recursive(st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()
+                             | st.text(max_size=20) | st.binary(max_size=20),
+                             lambda inner: st.lists(inner, max_size=4)
+                             | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
+
+
 def body(path: str, **fields: Any) -> bytes:
     return json.dumps({**VALID[path], **fields}).encode()
 
@@ -159,7 +165,7 @@ def malformed(draw: st.DrawFn) -> tuple[str, str, bytes, bool]:
         bias = draw(st.dictionaries(st.text(max_size=30), st.floats(allow_nan=False, allow_infinity=False), max_size=2000))
         return COMPLETIONS, "application/json", body(COMPLETIONS, logit_bias=bias), False
     if kind == "msgpack":  # msgpack carries what JSON cannot: NaN, bytes, huge unsigned ints
-        value = draw(st.one_of(st.floats(), st.binary(max_size=20), st.integers(0, 2**64 - 1), any_json))
+        value = draw(msgpack_value)
         field = draw(st.sampled_from(FIELDS))
         raw = msgpack.packb({**VALID[path], field: value}) if draw(st.booleans()) else draw(st.binary(max_size=100))
         return path, "application/msgpack", raw, False
