@@ -175,7 +175,7 @@ class TreadleReplica:
                     "status": "ok" if self.state.is_ready and not self.state.is_draining else "unavailable",
                     "node_id": node_id, "cores": self.cores, "in_flight": self.state.num_in_flight,
                     "metrics": self.state.metrics.render().decode()})
-            except Exception:  # noqa: BLE001 - a report lost is the next one's to make
+            except Exception:  # noqa: BLE001, S110 - a report lost is the next one's to make
                 pass
             self._stop.wait(REPORT_SECONDS)
 
@@ -232,7 +232,7 @@ class TreadleReplica:
             stop.set()
             try:
                 self._registry.remove.remote(self.replica_id)
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001, S110 - the registry drops it when stale anyway
                 pass
         engine = getattr(self, "engine", None)
         if engine is not None:
@@ -389,9 +389,9 @@ def app_builder(args: dict[str, str]) -> Any:
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, ServerSettings]:
     parser = argparse.ArgumentParser(prog="treadle serve --ray", add_help=False)
     parser.add_argument("--ray", action="store_true")
-    parser.add_argument("--replicas", type=int, default=int(os.environ.get("TREADLE_REPLICAS", 2)))
+    parser.add_argument("--replicas", type=int, default=int(os.environ.get("TREADLE_REPLICAS", "2")))
     parser.add_argument("--threads-per-replica", type=int,
-                        default=int(os.environ.get("TREADLE_THREADS_PER_REPLICA", 1)))
+                        default=int(os.environ.get("TREADLE_THREADS_PER_REPLICA", "1")))
     parser.add_argument("--no-prefix-affinity", dest="prefix_affinity", action="store_false")
     parser.add_argument("--ray-address", default=os.environ.get("RAY_ADDRESS"),
                         help="an existing cluster (default: start one in this process)")

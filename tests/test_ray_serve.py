@@ -1,0 +1,170 @@
+"""`treadle serve --ray` on a local Ray cluster started here: 2 replicas x 1 thread behind Ray Serve's
+proxy, the `openai` client streaming through it, msgpack, aggregated /health and /metrics, prefix
+affinity on a multi-turn replay, and a replica killed mid-stream.
+
+Needs the `ray` extra (`make install` installs it). Every wait has a timeout; Ray is shut down in a
+finally, so a failure cannot leave the cluster (or the test) hanging.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import httpx
+import msgpack
+import pytest
+
+ray = pytest.importorskip("ray", reason="the ray extra: pip install -e '.[ray]'")
+serve = pytest.importorskip("ray.serve")
+
+from app.ray_replay import deploy, replay, stream_chat
+from app.ray_serve import APP_NAME, routing_text
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+PORT = 8793
+
+
+def test_routing_text_is_a_stable_prefix_across_turns() -> None:
+    first = [{"role": "system", "content": "S"}, {"role": "user", "content": "a"}]
+    second = [*first, {"role": "assistant", "content": "b"}, {"role": "user", "content": [{"type": "text",
+                                                                                           "text": "c"}]}]
+    one = routing_text("/v1/chat/completions", json.dumps({"messages": first}).encode(), "application/json")
+    two = routing_text("/v1/chat/completions", msgpack.packb({"messages": second}), "application/msgpack")
+    assert one and two and two.startswith(one) and two.endswith("<user>c\n")
+    assert routing_text("/v1/completions", b'{"prompt": "xyz"}', "application/json") == "xyz"
+    assert routing_text("/v1/models", b"", "") is None
+    assert routing_text("/v1/completions", b"{not json", "application/json") is None
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+        yield
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def base_url(cluster):
+    return deploy(2, True, PORT)
+
+
+def test_openai_client_streams_through_the_proxy(base_url: str) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", timeout=60, max_retries=0)
+    model = client.models.list().data[0].id
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hi."}],
+                                            max_tokens=8, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.strip()
+    completion = client.completions.create(model=model, prompt="Once upon a time", max_tokens=4, temperature=0)
+    assert completion.usage.completion_tokens == 4
+    # Errors are the replica's own, OpenAI-shaped.
+    response = httpx.post(f"{base_url}/v1/chat/completions", json={"messages": "nope"}, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+
+
+def test_msgpack_stream_and_replica_header(base_url: str) -> None:
+    body = msgpack.packb({"prompt": "Hello", "max_tokens": 3, "stream": True, "ignore_eos": True})
+    response = httpx.post(f"{base_url}/v1/completions", content=body, timeout=60,
+                          headers={"Content-Type": "application/msgpack", "Accept": "application/msgpack"})
+    assert response.status_code == 200 and response.headers["content-type"].startswith("application/msgpack")
+    assert response.headers["x-treadle-replica"].startswith("SERVE_REPLICA::")
+    maps = list(_unpack_all(response.content))
+    text = "".join(m["choices"][0]["text"] for m in maps if m.get("choices"))
+    assert text and not any("error" in m for m in maps)
+
+
+def _unpack_all(data: bytes):
+    unpacker = msgpack.Unpacker(raw=False)
+    unpacker.feed(data)
+    yield from unpacker
+
+
+def test_health_and_metrics_are_aggregated_and_per_replica(base_url: str) -> None:
+    health = httpx.get(f"{base_url}/health", timeout=10)
+    assert health.status_code == 200 and len(health.json()["replicas"]) == 2
+    replicas = httpx.get(f"{base_url}/replicas", timeout=10).json()["replicas"]
+    assert len(replicas) == 2
+    cores = [tuple(r["cores"] or ()) for r in replicas]
+    assert len(set(cores)) == 2, f"replicas share cores: {cores}"  # 2 cores here: one each
+    metrics = httpx.get(f"{base_url}/metrics", timeout=10).text
+    assert "treadle_replicas_up 2" in metrics
+    for r in replicas:
+        assert f'treadle_prompt_tokens_total{{replica="{r["id"]}"}}' in metrics
+        own = httpx.get(f"{base_url}/replicas/{r['id']}/metrics", timeout=10)
+        assert own.status_code == 200 and "treadle_kv_blocks_total" in own.text
+        assert httpx.get(f"{base_url}/replicas/{r['id']}/health", timeout=10).status_code == 200
+    assert httpx.get(f"{base_url}/replicas/nosuch/metrics", timeout=10).status_code == 404
+
+
+def test_prefix_affinity_keeps_conversations_on_their_replica(base_url: str) -> None:
+    result = replay(base_url, conversations=4, turns=3, max_tokens=8, concurrency=1)
+    print("affinity on:", result.summary())
+    # Sequential turns (no load imbalance): every later turn goes where its conversation's prefix is.
+    assert result.sticky == result.later_turns == 8, result.summary()
+    assert result.hit_rate > 0.5, result.summary()
+
+
+def test_killed_replica_ends_its_stream_and_survivors_serve(base_url: str) -> None:
+    survivors_ok = 0
+    with httpx.Client() as client:
+        with client.stream("POST", f"{base_url}/v1/chat/completions", timeout=60, json={
+                "messages": [{"role": "user", "content": "Count to one thousand."}], "max_tokens": 400,
+                "ignore_eos": True, "stream": True}) as response:
+            victim = response.headers["x-treadle-replica"]
+            lines = response.iter_lines()
+            events = []
+            for line in lines:
+                if line.startswith("data: "):
+                    events.append(line)
+                if len(events) >= 3:
+                    break
+            ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+            killed_at = time.monotonic()
+            events += [line for line in lines if line.startswith("data: ")]  # must end, not hang (timeout 60)
+        assert time.monotonic() - killed_at < 60
+        assert events[-1] == "data: [DONE]"
+        error = json.loads(events[-2][6:])
+        assert error["error"]["code"] == "replica_died", events[-3:]
+        # New requests flow to the survivor meanwhile (the router may learn of the death on a first try).
+        for _ in range(4):
+            try:
+                text, _, replica, _ = stream_chat(client, base_url, [{"role": "user", "content": "Hi"}], 4,
+                                                  timeout=60)
+                survivors_ok += replica != victim and bool(text)
+            except httpx.HTTPStatusError as exc:
+                assert exc.response.status_code == 503  # the one that met the dead replica
+    assert survivors_ok >= 3
+    # Ray restarts it.
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        replicas = httpx.get(f"{base_url}/replicas", timeout=10).json()["replicas"]
+        if len(replicas) == 2 and victim not in [r["actor"] for r in replicas]:
+            break
+        time.sleep(1)
+    else:
+        pytest.fail(f"the killed replica was not replaced: {replicas}")
+    text, _, _, _ = stream_chat(httpx.Client(), base_url, [{"role": "user", "content": "Hi again"}], 4)
+    assert text
+
+
+def test_affinity_off_for_comparison(base_url: str) -> None:
+    """The same replay through Ray's default router (power of two choices): recorded, for the docs."""
+    serve.delete(APP_NAME)
+    off = deploy(2, False, PORT)
+    result = replay(off, conversations=4, turns=3, max_tokens=8, concurrency=1)
+    print("affinity off:", result.summary())
+    assert result.requests == 12 and not any(math.isnan(t) for t in result.ttft)
