@@ -63,11 +63,11 @@ class DrainingServer(uvicorn.Server):
         if self._drain is None:
             log.info("%s: shutting down gracefully (a second signal ends the grace period)", sig.name)
             self._drain = asyncio.get_running_loop().create_task(self._drain_then_exit())
-        elif not self.state.is_draining or self.should_exit:
-            self.force_exit = True  # a third signal, or one while uvicorn is already closing: stop waiting
-        else:
+        elif not self.should_exit:
             log.info("%s again: ending the requests in flight now", sig.name)
             self.state.hurry()
+        else:
+            self.force_exit = True  # uvicorn is already closing: stop waiting for connections
 
     async def _drain_then_exit(self) -> None:
         try:
