@@ -10,9 +10,13 @@ import argparse
 import json
 import resource
 import statistics
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -124,6 +128,70 @@ def measure_long_prompt_interference(engine: Engine, model: Model, num_streams: 
                               1000 * float(np.percentile(during, 99)), largest / median, prefilled - injected)
 
 
+def quality_corpus(model: Model, num_tokens: int, chunk: int = 512) -> list[list[int]]:
+    """Real English text (the standard library's module documentation), cut in chunks of token ids."""
+    import argparse as a, json as j, logging, textwrap, typing, unittest, email, collections, inspect, pickle
+
+    text = "\n\n".join(m.__doc__ or "" for m in (a, j, logging, textwrap, typing, unittest, email, collections,
+                                                 inspect, pickle))
+    ids = model.tokenizer.encode(text)[:num_tokens]
+    return [ids[i : i + chunk] for i in range(0, len(ids) - 1, chunk)]
+
+
+def top1_predictions(engine: Engine, chunks: list[list[int]]) -> list[list[int]]:
+    """The model's argmax after every position of every chunk (prompt logprobs, then the sampled token)."""
+    result = []
+    for ids in chunks:
+        out = engine.generate(ids, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))[0]
+        result.append([lp.top[0][0] for lp in out.prompt_logprobs[1:]] + [out.token_ids[0]])
+    return result
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    pairs = [(x, y) for row_a, row_b in zip(a, b) for x, y in zip(row_a, row_b)]
+    return sum(x == y for x, y in pairs) / len(pairs)
+
+
+def measure_quality(model: Model, num_tokens: int) -> dict:
+    """Fast kernels against exact ones: top-1 agreement over real text and greedy continuations."""
+    chunks = quality_corpus(model, num_tokens)
+    predictions, greedy = {}, {}
+    prompts = [ids[:48] for ids in chunks]
+    for kernels in ("exact", "fast"):
+        engine = Engine(model, EngineConfig(kv_cache_mb=256, kernels=kernels, enable_prefix_caching=False)).start()
+        try:
+            predictions[kernels] = top1_predictions(engine, chunks)
+            greedy[kernels] = [engine.generate(p, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))[0]
+                               .token_ids for p in prompts]
+        finally:
+            engine.shutdown()
+    identical = sum(a == b for a, b in zip(greedy["fast"], greedy["exact"]))
+    return {"positions": sum(len(c) for c in chunks), "chunks": chunks, "exact_top1": predictions["exact"],
+            "fast_top1_agreement": agreement(predictions["fast"], predictions["exact"]),
+            "greedy_prompts": len(prompts), "greedy_identical_32_tokens": identical,
+            "greedy_token_agreement": agreement(greedy["fast"], greedy["exact"])}
+
+
+def run_peers(model: Model, threads: int, quality: dict | None) -> dict:
+    """llama.cpp in its own process on the same GGUF file and thread count (bench/llama_cpp_peer.py)."""
+    script = Path(__file__).resolve().parent.parent / "bench" / "llama_cpp_peer.py"
+    if not script.exists() or model.path.suffix != ".gguf":
+        return {"skipped": "needs a checkout with bench/ and a GGUF model"}
+    command = [sys.executable, str(script), "--model", str(model.path), "--threads", str(threads)]
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as ids_file:
+        if quality:
+            json.dump(quality["chunks"], ids_file)
+            ids_file.flush()
+            command += ["--agreement-ids", ids_file.name]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        return {"skipped": f"llama.cpp peer failed: {done.stderr.strip()[-300:]}"}
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if quality and "argmax" in result:
+        result["top1_agreement_with_exact"] = agreement(result.pop("argmax"), quality["exact_top1"])
+    return result
+
+
 def measure_prefill(engine: Engine, model: Model, num_tokens: int) -> float:
     """Prompt tokens per second on a fresh prompt of `num_tokens` (no prefix-cache hits)."""
     rng = np.random.default_rng(0)
@@ -165,13 +233,18 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--interference-streams", type=int, default=16,
                         help="streams decoding while a long prompt arrives (0 skips that measurement)")
     parser.add_argument("--long-prompt-tokens", type=int, default=2000)
+    parser.add_argument("--quality-tokens", type=int, default=3000,
+                        help="positions of real text for the fast-vs-exact agreement (0 skips it)")
+    parser.add_argument("--peers", action="store_true",
+                        help="also measure llama.cpp (llama-cpp-python) on the same GGUF and thread count")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
 
     model = load_model(args.model)
     prompt_ids = model.tokenizer.encode(PROMPT)
-    config = EngineConfig(max_num_seqs=max(levels), max_num_batched_tokens=max(512, max(levels)),
+    max_seqs = max(*levels, args.interference_streams + 1)  # the long prompt must find a free slot
+    config = EngineConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max(512, max_seqs),
                           kv_cache_mb=1024, n_threads=args.threads, kernels=args.kernels)
     engine = Engine(model, config).start()
     try:
@@ -189,7 +262,10 @@ def main(argv: list[str]) -> int:
                                                             args.long_prompt_tokens)
     finally:
         engine.shutdown()
-    peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before the 1 GiB roofline probe
+    peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before the probes below
+    threads = engine.pool.n_threads
+    quality = measure_quality(model, args.quality_tokens) if args.quality_tokens else None
+    peers = run_peers(model, threads, quality) if args.peers else None
     bandwidth = measure_read_bandwidth()
     gflops = measure_gemm_gflops()
     weight_bytes = model.weights.nbytes
@@ -199,7 +275,9 @@ def main(argv: list[str]) -> int:
     bandwidth_roofline = bandwidth * 1e9 / weight_bytes
     report = {
         "model": model.name,
-        "threads": engine.pool.n_threads,
+        "threads": threads,
+        "quality": {k: v for k, v in quality.items() if k not in ("chunks", "exact_top1")} if quality else None,
+        "llama_cpp": peers,
         "prompt_tokens": len(prompt_ids),
         "max_tokens": args.max_tokens,
         "levels": [asdict(r) for r in results],
@@ -246,4 +324,22 @@ def print_table(r: dict) -> None:
         print(f"single stream reaches {100 * single / r['bandwidth_roofline_tokens_per_second']:.0f}% of it")
     print(f"GEMM {r['gemm_gflops']:.0f} GFLOP/s → compute roofline {r['compute_roofline_tokens_per_second']:.0f}"
           f" tokens/s batched ({r['flops_per_token'] / 1e9:.2f} GFLOP per token)")
+    if r["quality"]:
+        q = r["quality"]
+        print(f"fast vs exact kernels over {q['positions']} positions of real text: top-1 agrees at "
+              f"{100 * q['fast_top1_agreement']:.1f}%; greedy 32-token continuations identical for "
+              f"{q['greedy_identical_32_tokens']}/{q['greedy_prompts']} prompts "
+              f"({100 * q['greedy_token_agreement']:.1f}% of tokens)")
+    peer = r["llama_cpp"]
+    if peer and "skipped" not in peer:
+        single = r["single_stream_tokens_per_second"]
+        print(f"llama.cpp {peer['llama_cpp_version']} ({peer['threads']} threads, same GGUF): decode "
+              f"{peer['decode_tokens_per_second']:.1f} tokens/s"
+              + (f" → treadle {single / peer['decode_tokens_per_second']:.2f}×" if single else "")
+              + f"; prompt {peer['prompt_tokens_per_second']:.0f} tokens/s → treadle "
+              f"{r['prefill_tokens_per_second'] / peer['prompt_tokens_per_second']:.2f}×")
+        if "top1_agreement_with_exact" in peer:
+            print(f"llama.cpp top-1 agrees with treadle's exact kernels at {100 * peer['top1_agreement_with_exact']:.1f}%")
+    elif peer:
+        print(f"llama.cpp: {peer['skipped']}")
     print(f"peak RSS {r['peak_rss_mb']:.0f} MB (model file {r['model_file_mb']:.0f} MB, KV cache {r['kv_cache_mb']:.0f} MB)")
