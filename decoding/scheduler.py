@@ -58,21 +58,26 @@ class StepCostModel:
         self.max_itl_stretch = max_itl_stretch
         self.decode_step_seconds: float | None = None
         self.seconds_per_token: float | None = None
+        self.latest_seconds_per_token: float | None = None  # a growing prompt costs more per token each chunk
 
     def observe(self, num_decode_tokens: int, num_prefill_tokens: int, seconds: float) -> None:
         if num_prefill_tokens == 0 and num_decode_tokens > 0:
             self.decode_step_seconds = self._blend(self.decode_step_seconds, seconds)
-        elif num_prefill_tokens >= 16 and self.decode_step_seconds is not None and num_decode_tokens > 0:
+        elif num_prefill_tokens >= self.MIN_PREFILL_CHUNK and self.decode_step_seconds is not None and num_decode_tokens > 0:
             extra = (seconds - self.decode_step_seconds) / num_prefill_tokens
             if extra > 0:
                 self.seconds_per_token = self._blend(self.seconds_per_token, extra)
+                self.latest_seconds_per_token = extra
         elif num_prefill_tokens >= 16 and num_decode_tokens == 0:
             self.seconds_per_token = self._blend(self.seconds_per_token, seconds / num_prefill_tokens)
 
     def prefill_budget_while_decoding(self, budget: int) -> int:
         if self.decode_step_seconds is None or self.seconds_per_token is None:
             return min(budget, 16 * self.MIN_PREFILL_CHUNK)  # until measured: a modest chunk
-        allowed = (self.max_itl_stretch - 1.0) * self.decode_step_seconds / self.seconds_per_token
+        # The cost of a prefill token grows with its position (attention reads its whole context), so
+        # the latest chunk's cost, when higher, wins over the average: chunks shrink as a prompt goes on.
+        per_token = max(self.seconds_per_token, self.latest_seconds_per_token or 0.0)
+        allowed = (self.max_itl_stretch - 1.0) * self.decode_step_seconds / per_token
         return max(self.MIN_PREFILL_CHUNK, min(budget, int(allowed)))
 
     def _blend(self, average: float | None, sample: float) -> float:
