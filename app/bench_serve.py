@@ -487,26 +487,33 @@ def write_plot(runs: dict[str, dict[str, Any]], path: str | Path, title: str | N
     except ImportError as exc:
         raise SystemExit("--plot needs matplotlib: pip install -e '.[bench]'") from exc
 
+    from matplotlib.lines import Line2D
+
     fig, (ax_lat, ax_tput) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=90)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    show_p50 = len(runs) == 1  # with several servers, p50 lines would bury the p99s
     for i, (label, report) in enumerate(runs.items()):
         color = colors[i % len(colors)]
         levels = sorted(report["levels"], key=lambda lv: lv["concurrency"])
         xs = [lv["concurrency"] for lv in levels]
-        prefix = f"{label}: " if len(runs) > 1 else ""
-        for metric, name, style in (("ttft_ms", "TTFT", "-"), ("itl_ms", "ITL", ":")):
-            ax_lat.plot(xs, [lv[metric]["p99"] for lv in levels], style, marker="o", color=color,
-                        label=f"{prefix}{name} p99")
-            ax_lat.plot(xs, [lv[metric]["p50"] for lv in levels], style, marker=".", color=color, alpha=0.45,
-                        label=f"{prefix}{name} p50")
-        ax_tput.plot(xs, [lv["output_throughput"] for lv in levels], marker="o", color=color,
-                     label=f"{prefix}output tokens/s")
+        for metric, style in (("ttft_ms", "-"), ("itl_ms", ":")):
+            ax_lat.plot(xs, [lv[metric]["p99"] for lv in levels], style, marker="o", color=color)
+            if show_p50:
+                ax_lat.plot(xs, [lv[metric]["p50"] for lv in levels], style, marker=".", color=color, alpha=0.4)
+        ax_tput.plot(xs, [lv["output_throughput"] for lv in levels], marker="o", color=color, label=label)
         knee = report["knee"]
         if knee["concurrency"] is not None:
             for ax in (ax_lat, ax_tput):
-                ax.axvline(knee["concurrency"], color=color, linestyle="--", alpha=0.6)
-            ax_tput.annotate(f"{prefix}knee", (knee["concurrency"], 0), xycoords=("data", "axes fraction"),
-                             xytext=(3, 4), textcoords="offset points", color=color, fontsize=8)
+                ax.axvline(knee["concurrency"], color=color, linestyle="--", alpha=0.5)
+            ax_tput.annotate(f"knee ({label})" if len(runs) > 1 else "knee", (knee["concurrency"], 0),
+                             xycoords=("data", "axes fraction"), xytext=(3, 4 + 11 * i), textcoords="offset points",
+                             color=color, fontsize=8)
+    styles = [Line2D([], [], color="0.3", linestyle="-", marker="o", label="TTFT p99"),
+              Line2D([], [], color="0.3", linestyle=":", marker="o", label="ITL p99")]
+    if show_p50:
+        styles += [Line2D([], [], color="0.3", alpha=0.4, linestyle="-", marker=".", label="TTFT p50"),
+                   Line2D([], [], color="0.3", alpha=0.4, linestyle=":", marker=".", label="ITL p50")]
+    ax_lat.legend(handles=styles, fontsize=8, loc="upper left")
     all_levels = sorted({lv["concurrency"] for report in runs.values() for lv in report["levels"]})
     for ax in (ax_lat, ax_tput):
         ax.set_xscale("log", base=2)
@@ -516,12 +523,11 @@ def write_plot(runs: dict[str, dict[str, Any]], path: str | Path, title: str | N
         ax.grid(True, which="both", alpha=0.3)
     ax_lat.set_yscale("log")
     ax_lat.set_ylabel("latency (ms, log)")
-    ax_lat.set_title("TTFT and inter-token latency")
-    ax_lat.legend(fontsize=7, ncol=2 if len(runs) > 1 else 1)
+    ax_lat.set_title("TTFT and inter-token latency (ITL)")
     ax_tput.set_ylabel("tokens/s")
     ax_tput.set_ylim(bottom=0)
-    ax_tput.set_title("output throughput")
-    ax_tput.legend(fontsize=8)
+    ax_tput.set_title("output throughput, all streams")
+    ax_tput.legend(fontsize=8, loc="upper left")
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()

@@ -139,6 +139,14 @@ def start(peer: Peer, argv: list[str], threads: int, timeout_s: float) -> tuple[
     raise RuntimeError(f"{peer.name} not ready after {timeout_s} s; log: {log_path}")
 
 
+def settle(max_load: float, timeout_s: float) -> float:
+    """Wait until the 1-minute load average is below `max_load` (or `timeout_s` passed); return it."""
+    deadline = time.monotonic() + timeout_s
+    while os.getloadavg()[0] >= max_load and time.monotonic() < deadline:
+        time.sleep(5)
+    return os.getloadavg()[0]
+
+
 def stop(process: subprocess.Popen[bytes]) -> None:
     process.terminate()
     try:
@@ -146,6 +154,13 @@ def stop(process: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+
+
+def _memory_gib() -> float:
+    try:
+        return int(Path("/proc/meminfo").read_text().split()[1]) / 2**20
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def level(report: dict[str, Any], concurrency: int) -> dict[str, Any] | None:
@@ -206,6 +221,10 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--start-timeout", type=float, default=600, help="s for a server to become ready")
+    parser.add_argument("--settle-load", type=float, default=1.0,
+                        help="before each server, wait until the 1-minute load average is below this "
+                             "(the previous server's load decays over a minute; default %(default)s)")
+    parser.add_argument("--settle-timeout", type=float, default=240, help="s to wait for --settle-load, then go on")
     parser.add_argument("--out", default="bench-results/side_by_side", help="JSON reports go here")
     parser.add_argument("--reuse", default="", help="comma-separated peers whose report is read from --out "
                                                     "(an earlier run) instead of measured again")
@@ -214,7 +233,6 @@ def main() -> int:
     args = parser.parse_args()
 
     concurrency = sorted({int(c) for c in args.concurrency.split(",")})
-    load_before = os.getloadavg()[0]
     gguf, _ = resolve_model_path(MODEL)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -236,6 +254,7 @@ def main() -> int:
         env_words = [f"{k}={v}" for k, v in peer.env(args.threads).items()]
         commands[peer.name] = " ".join([*env_words, shlex.join(argv)]).replace(str(REPO) + "/", "")
         print(f"== {peer.name}: {commands[peer.name].strip()}", file=sys.stderr)
+        load_before = settle(args.settle_load, args.settle_timeout)
         try:
             process, base_url, _log = start(peer, argv, args.threads, args.start_timeout)
         except RuntimeError as exc:
@@ -253,6 +272,7 @@ def main() -> int:
             stop(process)
         report["label"] = peer.name
         report["command"] = commands[peer.name].strip()
+        report["load_average"] = {"before": load_before, "after": os.getloadavg()[0]}
         reports[peer.name] = report
         (out / f"{peer.name}.json").write_text(json.dumps(report, indent=2) + "\n")
         print(f"\n{peer.name}\n{format_table(report)}\n", file=sys.stderr)
@@ -266,11 +286,17 @@ def main() -> int:
             f"{args.max_tokens} output tokens each (ignore_eos / min_tokens; transformers: min_new_tokens); "
             f"max(8, 2 × C) requests at each concurrency C in {concurrency}, after "
             f"{args.warmup} warm-up requests; temperature 0; one server at a time, {args.threads} threads each")
-    measured = (f"Measured {time.strftime('%Y-%m-%d')} on {machine['cpu']}, {machine['cores']} cores, "
-                f"Linux, Python {platform.python_version()}; 1-minute load average {load_before:.2f} before the "
-                f"run (the servers' own load is in it by the end: {os.getloadavg()[0]:.2f}).")
+    measured = (f"Measured {time.strftime('%Y-%m-%d')} on {machine['cpu']} ({platform.machine()}), "
+                f"{machine['cores']} cores, {_memory_gib():.0f} GiB, Linux {platform.release()}, Python "
+                f"{platform.python_version()}; a shared machine: the load average beside each server tells how "
+                f"quiet it was (the server and the client make about 2.5 themselves).")
     section = [measured, "", table, "", f"Load: {load}.", "", "Servers:", ""]
-    section += [f"- {name}: `{cmd}`" for name, cmd in commands.items() if name in reports]
+    for name, cmd in commands.items():
+        if name in reports:
+            load = reports[name].get("load_average", {})
+            during = (f" — 1-minute load average {load['before']:.2f} before, {load['after']:.2f} at the end"
+                      if load else "")
+            section.append(f"- {name}: `{cmd}`{during}")
     section += [f"- {name}: skipped — {why}" for name, why in skipped.items()]
     section += ["", f"Command: `{shlex.join(['.venv/bin/python', 'bench/side_by_side.py', *sys.argv[1:]])}`"]
     if args.plot:
