@@ -87,6 +87,7 @@ class SoakStats:
     statuses: Counter[int] = field(default_factory=Counter)
     problems: list[str] = field(default_factory=list)  # ill-formed streams and unexpected answers
     health_ms: list[float] = field(default_factory=list)
+    ttft_ms: list[float] = field(default_factory=list)  # request sent → first token's event (streams)
     num_health_failures: int = 0
     samples: list[dict[str, float]] = field(default_factory=list)  # /metrics over time
 
@@ -287,6 +288,8 @@ class SoakClient:
 
     async def stream(self, kind: str, path: str, body: dict[str, Any], include_usage: bool,
                      leave_after: int | None) -> None:
+        sent = time.perf_counter()
+        first_token_event = 2 if kind == "chat" else 1  # a chat stream opens with the role chunk
         async with self.http.stream("POST", path, json=body) as response:
             if not self._status(response, f"{kind} stream"):
                 await response.aread()
@@ -298,6 +301,8 @@ class SoakClient:
             async for line in response.aiter_lines():
                 if line.startswith("data: "):
                     events.append(line[6:])
+                    if len(events) == first_token_event:
+                        self.stats.ttft_ms.append((time.perf_counter() - sent) * 1000)
                 elif line and not line.startswith(":"):
                     self.stats.problem(f"not an SSE line: {line[:80]!r}")
                 if leave_after is not None and len(events) >= leave_after:
@@ -452,6 +457,7 @@ def report(cfg: SoakConfig, stats: SoakStats, before: dict[str, float], after_wa
         "open_fds_before": before["fds"], "open_fds_at_rest": after["fds"],
         "health_probes": len(stats.health_ms), "health_failures": stats.num_health_failures,
         "health_p50_ms": percentile(stats.health_ms, 50), "health_p99_ms": health_p99,
+        "ttft_p50_ms": percentile(stats.ttft_ms, 50), "ttft_p99_ms": percentile(stats.ttft_ms, 99),
         "health_max_ms": max(stats.health_ms, default=float("nan")), "traffic_seconds": traffic_seconds,
     }
     checks = [
@@ -494,6 +500,7 @@ def print_report(out: dict[str, Any]) -> None:
                        f"{r['rss_at_rest_mib']:.0f} at rest, {r['rss_peak_mib']:.0f} peak: "
                        f"{r['rss_growth_after_warm_up_mib']:+.1f} after warm-up, {r['rss_growth_mib']:+.1f} in all")),
         ("open fds", f"{r['open_fds_before']:.0f} before, {r['open_fds_at_rest']:.0f} at rest"),
+        ("first token (ms)", f"p50 {r['ttft_p50_ms']:.0f}, p99 {r['ttft_p99_ms']:.0f} (queueing included)"),
         ("/health (ms)", (f"p50 {r['health_p50_ms']:.1f}, p99 {r['health_p99_ms']:.1f}, "
                           f"max {r['health_max_ms']:.1f} over {r['health_probes']} probes, "
                           f"{r['health_failures']} failed")),
