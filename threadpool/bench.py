@@ -56,7 +56,6 @@ OP_KINDS = {"tiny": TINY_OP, "matvec": MATVEC_OP}
 PRANGE_LAYERS = {  # name: environment for the subprocess
     "workqueue": {"NUMBA_THREADING_LAYER": "workqueue"},
     "omp": {"NUMBA_THREADING_LAYER": "omp"},
-    "omp-pinned": {"NUMBA_THREADING_LAYER": "omp", "OMP_PROC_BIND": "close", "OMP_PLACES": "cores"},
     "omp-passive": {"NUMBA_THREADING_LAYER": "omp", "OMP_WAIT_POLICY": "PASSIVE"},
     "tbb": {"NUMBA_THREADING_LAYER": "tbb"},
 }
