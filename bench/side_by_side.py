@@ -11,8 +11,8 @@ the next one starts (so no two compete for the cores):
   * llama-cpp-python — `python -m llama_cpp.server --model GGUF --n_threads N --n_threads_batch N
                        --interrupt_requests False` (its default, True, ends a running stream as soon as
                        another request arrives; the server then serves one request at a time);
-  * transformers     — `transformers serve DIR:FILE.gguf --continuous-batching` from .venv-bench (torch
-                       on the CPU, the GGUF dequantized to float32 at load; OMP_NUM_THREADS=N).
+  * transformers     — `transformers serve DIR --continuous-batching` from .venv-bench (torch on the CPU;
+                       DIR holds the GGUF dequantized to float32 by transformers' loader; OMP_NUM_THREADS=N).
 A peer that is not installed is skipped with the reason printed.
 
 Load: `treadle bench serve` (app/bench_serve.py) over /v1/completions with stream: true, ~L-token
@@ -90,7 +90,9 @@ def _transformers(port: int, gguf: Path, threads: int) -> list[str] | None:
     if not (hf_dir / "config.json").exists():
         subprocess.run([str(python), str(REPO / "bench/gguf_to_hf.py"), str(gguf), str(hf_dir)], check=True)
     return [str(REPO / ".venv-bench/bin/transformers"), "serve", str(hf_dir), "--port", str(port),
-            "--host", "127.0.0.1", "--continuous-batching"]
+            "--host", "127.0.0.1", "--continuous-batching",
+            # Its KV cache defaults to most of memory (12 GiB here): 16 Ki tokens hold 32 streams of 192 easily.
+            "--cb-block-size", "32", "--cb-num-blocks", "512"]
 
 
 def _min_new_tokens(max_tokens: int) -> dict[str, Any]:
