@@ -87,6 +87,11 @@ def merge_outputs(outputs: list[RequestOutput]) -> list[RequestOutput]:
     return [merged[i] for i in sorted(merged)]
 
 
+def request_usage(outputs: list[RequestOutput]) -> Usage | None:
+    """The request's usage rides on its last delta, which may belong to any choice (n > 1)."""
+    return next((o.usage for o in outputs if o.usage is not None), None)
+
+
 def is_stream_error(output: RequestOutput) -> bool:
     """A choice that ended without finishing: an engine fault, or the engine stopped under it
     (shutdown). An abort without an error is the client's own, and nobody reads its stream."""
@@ -145,7 +150,7 @@ class ChatFormatter:
                     "logprobs": self.logprobs(o.logprobs), "finish_reason": o.finish_reason,
                     "stop_reason": o.stop_reason} for o in outputs]
         return {"id": self.header.id, "object": self.object_name, "created": self.header.created,
-                "model": self.header.model, "choices": choices, "usage": usage_body(outputs[-1].usage)}
+                "model": self.header.model, "choices": choices, "usage": usage_body(request_usage(outputs))}
 
     def logprobs(self, logprobs: list[TokenLogprobs]) -> dict[str, Any] | None:
         if not logprobs:
@@ -214,7 +219,7 @@ class CompletionFormatter:
     def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         return {"id": self.header.id, "object": "text_completion", "created": self.header.created,
                 "model": self.header.model, "choices": [self._choice(o) for o in outputs],
-                "usage": usage_body(outputs[-1].usage)}
+                "usage": usage_body(request_usage(outputs))}
 
     def logprobs(self, index: int, entries: list[TokenLogprobs | None]) -> dict[str, Any] | None:
         """OpenAI's legacy layout: parallel lists; the first prompt token has no logprob (nothing predicts it)."""

@@ -81,6 +81,15 @@ def test_a_failed_generation_streams_an_error_event():
                                                    "code": None}}]
 
 
+@pytest.mark.parametrize("formatter_class", [ChatFormatter, CompletionFormatter])
+def test_a_whole_answer_has_usage_whichever_choice_finished_last(formatter_class):
+    """Found by the soak: the usage rides on the request's last delta, here choice 0's (n=2)."""
+    extra = {"prompt_ids": [1], "echo_text": None} if formatter_class is CompletionFormatter else {}
+    formatter = formatter_class(ResponseHeader("c", "m", 1), FakeTokens(), n=2, include_usage=False, **extra)
+    response = formatter.response([output(0, "a", "stop", Usage(3, 4)), output(1, "b", "length")])
+    assert response["usage"]["completion_tokens"] == 4
+
+
 def test_completion_echo_prefixes_the_prompt_once_per_choice_with_its_logprobs():
     formatter = CompletionFormatter(ResponseHeader("cmpl-x", "m", 1), FakeTokens(), n=1, include_usage=False,
                                     prompt_ids=[7, 8], echo_text="<7><8>")
