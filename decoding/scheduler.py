@@ -7,9 +7,11 @@ over several steps instead of stalling every stream. When a decode needs a block
 most recently admitted sequence is preempted: its blocks are freed and it goes back to the front of
 the queue, to be recomputed (prefix caching often finds its blocks still there).
 
-While streams are decoding, prefill chunks are also held to a time budget: a step may take at most
-`max_itl_stretch` times as long as a decode-only step, so a long prompt arriving never stretches the
-running streams' inter-token gaps past that. The engine reports each step's duration; the scheduler
+While streams are decoding, chunks of *long* prompts (more than LONG_PREFILL_TOKENS still to compute)
+are also held to a time budget: a step may take at most `max_itl_stretch` times as long as a
+decode-only step, so a long prompt arriving never stretches the running streams' inter-token gaps past
+that. Short prompts are not throttled: admitting them quickly is what lets the batch grow (throttling
+them too kept a soak at 2–5 running requests while ~60 waited), as vLLM's long-prefill threshold does. The engine reports each step's duration; the scheduler
 keeps moving averages of a decode-only step and of the cost of one more token, and sizes the prefill
 share from them. (CPU steps are compute-bound: time grows linearly with the tokens in the step.)
 Chunk sizes never change any sequence's numbers (the kernels are batch-invariant), only its timing.
@@ -23,6 +25,28 @@ from dataclasses import dataclass, field
 from kvcache.manager import BlockCopy, KVCacheManager
 
 from .sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class _PrefillBudget:
+    """One step's prompt tokens: `tokens` for any prefill, `long_tokens` for chunks of long prompts."""
+
+    tokens: int
+    long_tokens: int | None = None  # None: long prompts are not held back this step
+
+    def share(self, num_uncomputed: int) -> int:
+        """How many of a prompt's remaining tokens this step can take (without taking them)."""
+        share = min(num_uncomputed, self.tokens)
+        if num_uncomputed > LONG_PREFILL_TOKENS and self.long_tokens is not None:
+            share = min(share, self.long_tokens)
+        return share
+
+    def take(self, num_uncomputed: int) -> int:
+        share = self.share(num_uncomputed)
+        self.tokens -= share
+        if num_uncomputed > LONG_PREFILL_TOKENS and self.long_tokens is not None:
+            self.long_tokens -= share
+        return share
 
 
 @dataclass(slots=True)
@@ -46,6 +70,9 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
+
+
+LONG_PREFILL_TOKENS = 512
 
 
 class StepCostModel:
@@ -122,11 +149,11 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         num_decodes = self._schedule_decodes(out)
-        budget = self.max_num_batched_tokens - num_decodes
-        if num_decodes and self.step_costs is not None:
-            budget = self.step_costs.prefill_budget_while_decoding(budget)
         out.num_decode_tokens = num_decodes
-        budget = self._schedule_prefills(out, budget)
+        budget = _PrefillBudget(self.max_num_batched_tokens - num_decodes)
+        if num_decodes and self.step_costs is not None:
+            budget.long_tokens = self.step_costs.prefill_budget_while_decoding(budget.tokens)
+        self._schedule_prefills(out, budget)
         if not out.preempted:  # admitting right after preempting would only trade one for another
             self._admit(out, budget)
         return out
@@ -153,24 +180,23 @@ class Scheduler:
             num_scheduled += 1
         return num_scheduled
 
-    def _schedule_prefills(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_prefills(self, out: SchedulerOutput, budget: _PrefillBudget) -> None:
         for seq in self.running:
-            if budget == 0:
+            if budget.tokens == 0:
                 break
             if seq.is_prefill_done and seq.num_uncomputed_tokens <= 1:
                 continue  # a decode, already scheduled (or preempted) above
-            num_tokens = min(seq.num_uncomputed_tokens, budget)
-            out.chunks.append(self._chunk(seq, num_tokens, out))
-            budget -= num_tokens
-        return budget
+            num_tokens = budget.take(seq.num_uncomputed_tokens)
+            if num_tokens:
+                out.chunks.append(self._chunk(seq, num_tokens, out))
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+    def _admit(self, out: SchedulerOutput, budget: _PrefillBudget) -> None:
+        while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             token_ids = seq.all_token_ids()
             # prompt logprobs need every prompt row's logits: nothing of the prompt may come from the cache
             use_cache = seq.params.prompt_logprobs is None or bool(seq.output_ids)
-            if not self.kv.can_allocate(token_ids, use_cache):
+            if not budget.share(len(token_ids)) or not self.kv.can_allocate(token_ids, use_cache):
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
             num_cached = self.kv.allocate(seq.seq_id, token_ids, use_cache)
@@ -179,9 +205,9 @@ class Scheduler:
                 seq.request.num_cached_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            num_tokens = min(seq.num_uncomputed_tokens, budget)
-            out.chunks.append(self._chunk(seq, num_tokens, out))
-            budget -= num_tokens
+            num_tokens = budget.take(seq.num_uncomputed_tokens)
+            if num_tokens:
+                out.chunks.append(self._chunk(seq, num_tokens, out))
 
     def _chunk(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> ScheduledChunk:
         begin = seq.num_computed_tokens

@@ -141,7 +141,21 @@ def test_a_long_prompt_arriving_during_decodes_gets_the_time_budgeted_chunk():
         scheduler.observe_step(out, 0.010)
         finish_step(scheduler, out)
     scheduler.step_costs.seconds_per_token = 0.001
-    long_prompt = make_seq(500, "long")
+    long_prompt = make_seq(800, "long")  # more than LONG_PREFILL_TOKENS: held to the time budget
     scheduler.add(long_prompt)
     out = scheduler.schedule()
     assert [c.num_tokens for c in out.chunks] == [1, 1, 1, 10]
+
+
+def test_short_prompts_arriving_during_decodes_are_not_throttled():
+    scheduler = Scheduler(KVCacheManager(256, 4, 2048, enable_prefix_caching=False), max_num_seqs=8,
+                          max_num_batched_tokens=256)
+    first = make_seq(4, "first")
+    scheduler.add(first)
+    finish_step(scheduler, scheduler.schedule())
+    scheduler.step_costs.decode_step_seconds = 0.010
+    scheduler.step_costs.seconds_per_token = 0.001  # a long prompt would get 10 tokens a step
+    short = make_seq(300, "short")
+    scheduler.add(short)
+    out = scheduler.schedule()
+    assert [(c.seq, c.num_tokens) for c in out.chunks] == [(first, 1), (short, 255)]
