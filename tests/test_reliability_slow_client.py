@@ -53,7 +53,9 @@ def test_a_client_that_never_reads_stalls_neither_the_engine_nor_other_streams(s
         num_tokens = sum(len(c["logprobs"]["content"]) for e in events[:-1] for c in json.loads(e)["choices"]
                          if c.get("logprobs"))
         assert num_tokens == BULKY["max_tokens"] * BULKY["n"]
-        assert len(received) > 8 << 20  # more than the kernel could hold: the relay did wait on the client
+        # ~10 MB (less when deltas merged), past the ~4.1 MB that kernel and asyncio buffers can hold:
+        # the relay did wait on the client while the engine finished
+        assert len(received) > 6 << 20
     finally:
         stuck.close()
 
