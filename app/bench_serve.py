@@ -382,6 +382,7 @@ class BenchConfig:
 
 
 async def run_bench(config: BenchConfig) -> dict[str, Any]:
+    started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     limits = httpx.Limits(max_connections=max(config.concurrency), max_keepalive_connections=max(config.concurrency))
     timeout = httpx.Timeout(config.timeout_s, connect=10.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
@@ -416,7 +417,8 @@ async def run_bench(config: BenchConfig) -> dict[str, Any]:
         "endpoint": spec.url.removeprefix(config.base_url.rstrip("/")),
         "config": {k: v for k, v in asdict(config).items() if k not in ("api_key", "progress")},
         "machine": machine_description(),
-        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "started_at": started_at,
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "levels": [asdict(level) for level in levels],
         "knee": asdict(knee),
     }

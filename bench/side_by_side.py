@@ -246,7 +246,7 @@ def main() -> int:
         peer = PEERS[name.strip()]
         if peer.name in reuse:
             reports[peer.name] = json.loads((out / f"{peer.name}.json").read_text())
-            commands[peer.name] = reports[peer.name]["command"] + f" (measured {reports[peer.name]['started_at']})"
+            commands[peer.name] = reports[peer.name]["command"]
             continue
         argv = peer.command(free_port(), gguf, args.threads)
         if argv is None:
@@ -295,10 +295,11 @@ def main() -> int:
     section = [measured, "", table, "", f"Load: {load}.", "", "Servers:", ""]
     for name, cmd in commands.items():
         if name in reports:
-            load = reports[name].get("load_average", {})
-            during = (f" — 1-minute load average {load['before']:.2f} before, {load['after']:.2f} at the end"
-                      if load else "")
-            section.append(f"- {name}: `{cmd}`{during}")
+            report = reports[name]
+            load = report.get("load_average", {})
+            when = report.get("finished_at") or report.get("started_at", "")
+            during = f"; 1-minute load average {load['before']:.2f} before, {load['after']:.2f} at the end" if load else ""
+            section.append(f"- {name}: `{cmd}` (finished {when.replace('T', ' ')[:16]}{during})")
     section += [f"- {name}: skipped — {why}" for name, why in skipped.items()]
     section += ["", f"Command: `{shlex.join(['.venv/bin/python', 'bench/side_by_side.py', *sys.argv[1:]])}`"]
     if args.plot:
