@@ -7,10 +7,11 @@
 #   examples/curl.sh --base-url http://host:8000      # or: BASE_URL=http://host:8000 examples/curl.sh
 #   examples/curl.sh "Write a haiku about looms."     # your own question
 #
-# Set OPENAI_API_KEY when the server was started with --api-key.
+# Set OPENAI_API_KEY when the server was started with --api-key; MAX_TOKENS caps each reply (64).
 set -euo pipefail
 
 BASE_URL="${BASE_URL:-http://127.0.0.1:8000}"
+MAX_TOKENS="${MAX_TOKENS:-64}"
 PROMPT="Explain in two sentences what a treadle does."
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -32,9 +33,9 @@ curl -sS -N --fail-with-body "$BASE_URL/v1/chat/completions" "${AUTH[@]}" \
   -H 'Content-Type: application/json' \
   -d '{"messages": [{"role": "system", "content": "You are a concise, helpful assistant."},
                     {"role": "user", "content": "'"$ESCAPED"'"}],
-       "max_tokens": 64, "stream": true, "stream_options": {"include_usage": true}}'
+       "max_tokens": '"$MAX_TOKENS"', "stream": true, "stream_options": {"include_usage": true}}'
 
 echo "# completions: POST $BASE_URL/v1/completions"
 curl -sS -N --fail-with-body "$BASE_URL/v1/completions" "${AUTH[@]}" \
   -H 'Content-Type: application/json' \
-  -d '{"prompt": "'"$ESCAPED"'", "max_tokens": 32, "stream": true}'
+  -d '{"prompt": "'"$ESCAPED"'", "max_tokens": '"$MAX_TOKENS"', "stream": true}'
