@@ -48,7 +48,8 @@ def test_a_client_that_never_reads_stalls_neither_the_engine_nor_other_streams(s
         # Read at last: every token arrived — deltas merged while nobody read, none lost.
         received = start + read_until(stuck, b"data: [DONE]", limit=256 << 20)
         text = dechunk(received.split(b"\r\n\r\n", 1)[1]).decode()
-        events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+        # split on "\n" only: str.splitlines also breaks at U+2028, \x1c.. that JSON leaves unescaped
+        events = [line[6:] for line in text.split("\n") if line.startswith("data: ")]
         assert check_sse_events(events, "chat", BULKY["n"], include_usage=False) == []
         num_tokens = sum(len(c["logprobs"]["content"]) for e in events[:-1] for c in json.loads(e)["choices"]
                          if c.get("logprobs"))
