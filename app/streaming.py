@@ -39,8 +39,18 @@ class Framing:
     end: bytes
 
 
-SSE_FRAMING = Framing(lambda c: b"data: " + json.dumps(c, ensure_ascii=False, separators=(",", ":")).encode()
-                      + b"\n\n", b"data: [DONE]\n\n")
+# SSE ends lines at CR or LF only, but line readers that split like str.splitlines (httpx's iter_lines,
+# many hand-written clients) also break at NEL, LINE and PARAGRAPH SEPARATOR, which JSON leaves
+# unescaped and models do emit: escaped, they cannot cut a `data:` line in two.
+_LINE_BREAKERS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def _sse_event(chunk: Chunk) -> bytes:
+    text = json.dumps(chunk, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKERS)
+    return b"data: " + text.encode() + b"\n\n"
+
+
+SSE_FRAMING = Framing(_sse_event, b"data: [DONE]\n\n")
 MSGPACK_FRAMING = Framing(msgpack.packb, msgpack.packb({"done": True}))
 
 

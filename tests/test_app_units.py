@@ -4,6 +4,7 @@ and an app whose engine is not warm yet."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from app.metrics import ServerMetrics
 from app.protocol import ChatFormatter, CompletionFormatter, ResponseHeader, TokenText
 from app.settings import parse_settings
-from app.streaming import run_until_disconnect
+from app.streaming import SSE_FRAMING, run_until_disconnect
 from decoding.outputs import RequestOutput, Usage
 from decoding.sampling import TokenLogprobs
 
@@ -88,6 +89,16 @@ def test_a_whole_answer_has_usage_whichever_choice_finished_last(formatter_class
     formatter = formatter_class(ResponseHeader("c", "m", 1), FakeTokens(), n=2, include_usage=False, **extra)
     response = formatter.response([output(0, "a", "stop", Usage(3, 4)), output(1, "b", "length")])
     assert response["usage"]["completion_tokens"] == 4
+
+
+def test_sse_events_never_carry_a_raw_unicode_line_separator():
+    """httpx's iter_lines (like str.splitlines) cuts lines at NEL, U+2028 and U+2029; JSON escapes keep them."""
+    text = "a\x85b\u2028c\u2029d é"
+    event = SSE_FRAMING.encode({"text": text})
+    assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+    line = event.decode().removesuffix("\n\n")
+    assert line.splitlines() == [line]
+    assert json.loads(event[6:])["text"] == text
 
 
 def test_completion_echo_prefixes_the_prompt_once_per_choice_with_its_logprobs():
