@@ -29,9 +29,11 @@ import argparse
 import asyncio
 import json
 import random
+import re
 import sys
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -219,6 +221,21 @@ def random_body(rng: random.Random, cfg: SoakConfig) -> tuple[str, str, dict[str
     return "completion", _COMPLETIONS, {**body, "prompt": words}
 
 
+_SSE_LINE_END = re.compile(r"\r\n|\r|\n")
+
+
+async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+    """Lines as SSE defines them: ended by CR, LF or CRLF only (httpx's aiter_lines also ends them at
+    U+2028 and friends, which are legal unescaped in a JSON string)."""
+    buffer = ""
+    async for text in response.aiter_text():
+        *lines, buffer = _SSE_LINE_END.split(buffer + text)
+        for line in lines:
+            yield line
+    if buffer:
+        yield buffer
+
+
 class SoakClient:
     def __init__(self, cfg: SoakConfig, http: httpx.AsyncClient, stats: SoakStats) -> None:
         self.cfg = cfg
@@ -298,7 +315,7 @@ class SoakClient:
                 self.stats.num_disconnects += 1
                 return
             events: list[str] = []
-            async for line in response.aiter_lines():
+            async for line in sse_lines(response):
                 if line.startswith("data: "):
                     events.append(line[6:])
                     if len(events) == first_token_event:
