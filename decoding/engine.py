@@ -323,7 +323,7 @@ class Engine:
             request.num_finished_choices += 1
         is_last = request.is_finished
         if is_last:
-            output.usage = usage_of(seq)
+            output.usage = usage_of(request)
             self._finish_request(request, output.finish_reason or "stop")
         request.stream.put(output, is_last=is_last)
 
@@ -331,17 +331,20 @@ class Engine:
         """End every unfinished choice of a request (abort, engine error, shutdown)."""
         if request.request_id not in self._requests:
             return
-        pending = [s for s in request.sequences if s.finish_reason is None]
-        for index in range(len(request.sequences), request.params.n):  # choices not forked yet
-            pending.append(Sequence(request, index, IncrementalDetokenizer(self.model.tokenizer), seed_generator(None, 0)))
-        for seq in pending:
-            if seq.status != SequenceStatus.FINISHED and seq in request.sequences:
-                self.scheduler.remove(seq)
-            output = finish_output(seq, reason, error=error, flush_text=False)
+        outputs = []
+        for seq in request.sequences:
+            if seq.finish_reason is None:
+                if seq.status != SequenceStatus.FINISHED:
+                    self.scheduler.remove(seq)
+                outputs.append(finish_output(seq, reason, error=error, flush_text=False))
+        # choices of n > 1 that were never forked (the prompt had not finished) end here too
+        outputs += [RequestOutput(request.request_id, index, finish_reason=reason, error=error)
+                    for index in range(len(request.sequences), request.params.n)]
+        for output in outputs:
             request.num_finished_choices += 1
             is_last = request.is_finished
             if is_last:
-                output.usage = usage_of(seq)
+                output.usage = usage_of(request)
                 self._finish_request(request, reason)
             request.stream.put(output, is_last=is_last)
 

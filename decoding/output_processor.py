@@ -6,7 +6,7 @@ import time
 
 from .outputs import RequestOutput, Usage
 from .sampling import TokenLogprobs
-from .sequence import Sequence, find_stop, partial_stop_suffix
+from .sequence import Request, Sequence, find_stop, partial_stop_suffix
 
 
 def finish_output(seq: Sequence, reason: str, stop_reason: str | int | None = None, error: str | None = None,
@@ -60,6 +60,5 @@ def process_token(seq: Sequence, token: int, logprobs: TokenLogprobs | None, eos
     return RequestOutput(request.request_id, seq.index, text=text, token_ids=[token], logprobs=logprob_list)
 
 
-def usage_of(seq: Sequence) -> Usage:
-    request = seq.request
+def usage_of(request: Request) -> Usage:
     return Usage(len(request.prompt_ids), request.num_completion_tokens, request.num_cached_tokens)
