@@ -15,7 +15,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -31,7 +31,7 @@ from .output_processor import finish_output, process_token, usage_of
 from .outputs import RequestOutput, RequestStream
 from .params import InvalidParams, SamplingParams
 from .runner import ModelRunner
-from .sampling import SampleRequest, Sampler, log_softmax, top_logprobs, TokenLogprobs
+from .sampling import Sampler, SampleRequest, TokenLogprobs, log_softmax, top_logprobs
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Request, Sequence, SequenceStatus, seed_generator
 from .step_batch import build_step_batch
