@@ -1,7 +1,10 @@
 """`treadle bench engine`: the engine in process on the default model — decode speed alone and batched,
 prefill speed, where a step's time goes, and the rooflines measured in the same run.
 
-    treadle bench engine [--concurrency 1,4,16,32,64] [--max-tokens 128] [--json PATH]
+    treadle bench engine [--concurrency 1,4,16,32,64] [--max-tokens 128] [--peers] [--json PATH]
+
+--peers then measures llama.cpp and transformers, each in its own process after treadle's figures are
+taken, on the same GGUF and thread count.
 """
 
 from __future__ import annotations
@@ -24,6 +27,14 @@ from .engine import Engine, EngineConfig
 from .model import Model
 from .params import SamplingParams
 from .registry import DEFAULT_MODEL, load_model
+
+REPO = Path(__file__).resolve().parent.parent
+# transformers lives in its own venv (`make bench`) so torch never enters .venv.
+BENCH_PYTHON = REPO / ".venv-bench" / "bin" / "python"
+# transformers' batched decode is taken at one size, treadle's 32-stream level: torch on two cores
+# needs a minute or more for each batch size.
+TRANSFORMERS_BATCH = 32
+PEER_TIMEOUT_S = 1800
 
 PROMPT = ("The history of weaving goes back thousands of years. Looms were among the first machines, and "
           "the treadle let a weaver lift the warp threads with a foot while both hands threw the shuttle.")
@@ -172,9 +183,31 @@ def measure_quality(model: Model, num_tokens: int) -> dict:
             "greedy_token_agreement": agreement(greedy["fast"], greedy["exact"])}
 
 
-def run_peers(model: Model, threads: int, quality: dict | None) -> dict:
+def peer_result(peer: str, returncode: int, stdout: str, stderr: str) -> dict:
+    """A peer script's report, the JSON on its last stdout line, or why there is none (the tail of its
+    stderr, where a traceback ends): a failed peer becomes a line of the report instead of losing the
+    treadle figures measured before it."""
+    lines = stdout.strip().splitlines()
+    if returncode != 0 or not lines:
+        return {"skipped": f"{peer} peer failed (exit {returncode}): {stderr.strip()[-300:]}"}
+    try:
+        return json.loads(lines[-1])
+    except json.JSONDecodeError:
+        return {"skipped": f"{peer} peer printed no JSON: {lines[-1][-300:]}"}
+
+
+def run_peer(peer: str, command: list[str]) -> dict:
+    """Runs a peer script to its end: the caller runs peers one after the other, never beside treadle."""
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=PEER_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        return {"skipped": f"{peer} peer ran past {PEER_TIMEOUT_S} s"}
+    return peer_result(peer, done.returncode, done.stdout, done.stderr)
+
+
+def run_llama_cpp(model: Model, threads: int, quality: dict | None) -> dict:
     """llama.cpp in its own process on the same GGUF file and thread count (bench/llama_cpp_peer.py)."""
-    script = Path(__file__).resolve().parent.parent / "bench" / "llama_cpp_peer.py"
+    script = REPO / "bench" / "llama_cpp_peer.py"
     if not script.exists() or model.path.suffix != ".gguf":
         return {"skipped": "needs a checkout with bench/ and a GGUF model"}
     command = [sys.executable, str(script), "--model", str(model.path), "--threads", str(threads)]
@@ -183,13 +216,34 @@ def run_peers(model: Model, threads: int, quality: dict | None) -> dict:
             json.dump(quality["chunks"], ids_file)
             ids_file.flush()
             command += ["--agreement-ids", ids_file.name]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
-    if done.returncode != 0:
-        return {"skipped": f"llama.cpp peer failed: {done.stderr.strip()[-300:]}"}
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+        result = run_peer("llama.cpp", command)
     if quality and "argmax" in result:
         result["top1_agreement_with_exact"] = agreement(result.pop("argmax"), quality["exact_top1"])
     return result
+
+
+def run_transformers(gguf: Path, model_name: str, threads: int, prompt_ids: list[int], max_tokens: int,
+                     prefill_tokens: int, python: Path = BENCH_PYTHON) -> dict:
+    """transformers (torch CPU, float32) in .venv-bench's Python on the same weights and thread count, the
+    same prompt ids and lengths as treadle's figures (bench/transformers_peer.py)."""
+    script = REPO / "bench" / "transformers_peer.py"
+    if not script.exists() or gguf.suffix != ".gguf":
+        return {"skipped": "needs a checkout with bench/ and a GGUF model"}
+    if not python.exists():
+        return {"skipped": f"not installed: {python} does not exist; run make bench"}
+    hf_dir = REPO / "bench-results" / f"hf-{model_name}"  # the directory bench/side_by_side.py serves
+    return run_peer("transformers", [
+        str(python), str(script), "--model", str(gguf), "--hf-dir", str(hf_dir), "--threads", str(threads),
+        "--prompt-ids", ",".join(map(str, prompt_ids)), "--max-new-tokens", str(max_tokens),
+        "--batch-sizes", str(TRANSFORMERS_BATCH), "--prefill-tokens", str(prefill_tokens)])
+
+
+def run_peers(model: Model, threads: int, quality: dict | None, prompt_ids: list[int], max_tokens: int,
+              prefill_tokens: int) -> dict[str, dict]:
+    """One peer after the other, so none shares the cores with another (or with treadle)."""
+    return {"llama_cpp": run_llama_cpp(model, threads, quality),
+            "transformers": run_transformers(model.path, model.name, threads, prompt_ids, max_tokens,
+                                             prefill_tokens)}
 
 
 def measure_prefill(engine: Engine, model: Model, num_tokens: int) -> float:
@@ -236,7 +290,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--quality-tokens", type=int, default=3000,
                         help="positions of real text for the fast-vs-exact agreement (0 skips it)")
     parser.add_argument("--peers", action="store_true",
-                        help="also measure llama.cpp (llama-cpp-python) on the same GGUF and thread count")
+                        help="also measure llama.cpp (llama-cpp-python, .venv) and transformers (torch CPU, "
+                             ".venv-bench) on the same GGUF and thread count")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -265,7 +320,8 @@ def main(argv: list[str]) -> int:
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before the probes below
     threads = engine.pool.n_threads
     quality = measure_quality(model, args.quality_tokens) if args.quality_tokens else None
-    peers = run_peers(model, threads, quality) if args.peers else None
+    peers = (run_peers(model, threads, quality, prompt_ids, args.max_tokens, args.prefill_tokens)
+             if args.peers else {})
     bandwidth = measure_read_bandwidth()
     gflops = measure_gemm_gflops()
     weight_bytes = model.weights.nbytes
@@ -277,7 +333,8 @@ def main(argv: list[str]) -> int:
         "model": model.name,
         "threads": threads,
         "quality": {k: v for k, v in quality.items() if k not in ("chunks", "exact_top1")} if quality else None,
-        "llama_cpp": peers,
+        "llama_cpp": peers.get("llama_cpp"),
+        "transformers": peers.get("transformers"),
         "prompt_tokens": len(prompt_ids),
         "max_tokens": args.max_tokens,
         "levels": [asdict(r) for r in results],
@@ -342,4 +399,32 @@ def print_table(r: dict) -> None:
             print(f"llama.cpp top-1 agrees with treadle's exact kernels at {100 * peer['top1_agreement_with_exact']:.1f}%")
     elif peer:
         print(f"llama.cpp: {peer['skipped']}")
+    if r["transformers"]:
+        print(format_transformers(r))
     print(f"peak RSS {r['peak_rss_mb']:.0f} MB (model file {r['model_file_mb']:.0f} MB, KV cache {r['kv_cache_mb']:.0f} MB)")
+
+
+def format_transformers(r: dict) -> str:
+    """treadle beside transformers: single-stream decode, aggregate decode at TRANSFORMERS_BATCH streams,
+    prompt processing, and treadle / transformers (above 1: treadle is faster). treadle's decode figures
+    are its levels', whose wall time includes their prompts' prefill; the peer's exclude it."""
+    peer = r["transformers"]
+    if "skipped" in peer:
+        return f"transformers: {peer['skipped']}"
+    level = next((lv for lv in r["levels"] if lv["concurrency"] == TRANSFORMERS_BATCH), None)
+    rows = [("single-stream decode", r["single_stream_tokens_per_second"], peer["decode_tokens_per_second"]),
+            (f"{TRANSFORMERS_BATCH} streams, aggregate", level["tokens_per_second"] if level else None,
+             peer["batched_tokens_per_second"].get(str(TRANSFORMERS_BATCH))),
+            (f"prompt, {r['prefill_prompt_tokens']} tokens", r["prefill_tokens_per_second"],
+             peer["prompt_tokens_per_second"])]
+    title = (f"transformers {peer['transformers_version']} (torch {peer['torch_version']}, {peer['dtype']}, "
+             f"{peer['threads']} threads, the same weights), tokens/s:")
+    lines = [title, f"{'':<26} {'treadle':>9} {'transformers':>13} {'treadle ×':>10}"]
+    for name, ours, theirs in rows:
+        ratio = f"{ours / theirs:.2f}×" if ours and theirs else "—"
+        lines.append(f"{name:<26} {_figure(ours):>9} {_figure(theirs):>13} {ratio:>10}")
+    return "\n".join(lines)
+
+
+def _figure(tokens_per_second: float | None) -> str:
+    return f"{tokens_per_second:.1f}" if tokens_per_second else "—"

@@ -1,0 +1,104 @@
+"""`treadle bench engine --peers`: reading a peer script's output, the reasons a peer is skipped, and the
+treadle / transformers table (no peer is measured here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from decoding.bench import TRANSFORMERS_BATCH, format_transformers, peer_result, run_transformers
+
+pytestmark = pytest.mark.timeout(60)
+
+PEER = {
+    "transformers_version": "5.24.0",
+    "torch_version": "2.13.0+cpu",
+    "dtype": "float32",
+    "threads": 2,
+    "decode_tokens_per_second": 25.0,
+    "batched_tokens_per_second": {str(TRANSFORMERS_BATCH): 200.0},
+    "prompt_tokens_per_second": 400.0,
+}
+
+
+def report(peer: dict, levels: tuple[int, ...] = (1, TRANSFORMERS_BATCH)) -> dict:
+    tokens_per_second = {1: 50.0, TRANSFORMERS_BATCH: 300.0}
+    return {
+        "single_stream_tokens_per_second": 50.0 if 1 in levels else None,
+        "levels": [{"concurrency": c, "tokens_per_second": tokens_per_second[c]} for c in levels],
+        "prefill_tokens_per_second": 200.0,
+        "prefill_prompt_tokens": 512,
+        "transformers": peer,
+    }
+
+
+def test_peer_result_reads_the_last_stdout_line() -> None:
+    assert peer_result("transformers", 0, 'loading\n{"decode_tokens_per_second": 25.0}\n', "") == {
+        "decode_tokens_per_second": 25.0
+    }
+
+
+TRACEBACK = "Traceback (most recent call last):\n  ...\nRuntimeError: boom\n"
+
+
+@pytest.mark.parametrize(
+    ("returncode", "stdout", "reason"),
+    [
+        (1, "", f"transformers peer failed (exit 1): {TRACEBACK.strip()}"),
+        (0, "", f"transformers peer failed (exit 0): {TRACEBACK.strip()}"),
+        (0, "not json\n", "transformers peer printed no JSON: not json"),
+    ],
+)
+def test_a_failed_peer_is_a_reason_not_an_exception(returncode: int, stdout: str, reason: str) -> None:
+    assert peer_result("transformers", returncode, stdout, TRACEBACK) == {"skipped": reason}
+
+
+def test_the_reason_keeps_the_end_of_a_long_traceback() -> None:
+    stderr = "x" * 1000 + "\nRuntimeError: boom"
+    reason = peer_result("transformers", 1, "", stderr)["skipped"]
+    assert reason.endswith("RuntimeError: boom") and len(reason) < 400
+
+
+def test_missing_bench_venv_says_how_to_install(tmp_path: Path) -> None:
+    result = run_transformers(tmp_path / "m.gguf", "m", 2, [1, 2, 3], 8, 16, python=tmp_path / "no-python")
+    assert result["skipped"].startswith("not installed:")
+    assert "make bench" in result["skipped"]
+
+
+def test_a_model_that_is_not_a_gguf_is_skipped(tmp_path: Path) -> None:
+    result = run_transformers(tmp_path / "model.safetensors", "m", 2, [1], 8, 16, python=Path(sys.executable))
+    assert result == {"skipped": "needs a checkout with bench/ and a GGUF model"}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is not None, reason="would measure for real")
+def test_peer_script_without_torch_reports_not_installed(tmp_path: Path) -> None:
+    # .venv never has torch: the real script, run by this Python, stops at its import and says so.
+    result = run_transformers(tmp_path / "m.gguf", "m", 2, [1, 2, 3], 8, 16, python=Path(sys.executable))
+    assert result["skipped"].startswith("not installed: No module named 'torch'")
+    assert result["skipped"].endswith("run make bench")
+
+
+def test_table_gives_treadle_over_transformers() -> None:
+    lines = format_transformers(report(PEER)).splitlines()
+    assert lines[0].startswith("transformers 5.24.0 (torch 2.13.0+cpu, float32, 2 threads")
+    rows = {line[:26].strip(): line[26:].split() for line in lines[2:]}
+    assert rows == {
+        "single-stream decode": ["50.0", "25.0", "2.00×"],
+        f"{TRANSFORMERS_BATCH} streams, aggregate": ["300.0", "200.0", "1.50×"],
+        "prompt, 512 tokens": ["200.0", "400.0", "0.50×"],
+    }
+
+
+def test_table_leaves_a_dash_where_treadle_has_no_matching_level() -> None:
+    lines = format_transformers(report(PEER, levels=(1,))).splitlines()
+    assert lines[3].split()[-3:] == ["—", "200.0", "—"]
+    lines = format_transformers(report(PEER, levels=(TRANSFORMERS_BATCH,))).splitlines()
+    assert lines[2].split()[-3:] == ["—", "25.0", "—"]
+
+
+def test_table_says_why_transformers_was_skipped() -> None:
+    reason = "not installed: No module named 'torch' in .venv-bench; run make bench"
+    assert format_transformers(report({"skipped": reason})) == f"transformers: {reason}"
