@@ -29,7 +29,7 @@ from .fast_kernels import matmul_groups, quantize_activation_row, swiglu_groups
 from .kernels import dequantize_row, matmul_rows, rmsnorm_row, rope_row, split_range, swiglu_rows
 from .reference import rope_tables
 from .repack import is_packable, repack
-from .weights import ModelWeights, WeightMatrix
+from .weights import ModelWeights, WeightMatrix, release_mapped_pages
 
 # order of a layer's matrices in KernelWeights.matrices
 WQ, WK, WV, WO, W_GATE, W_UP, W_DOWN = range(7)
@@ -39,9 +39,15 @@ _NOT_PACKED = np.zeros(0, dtype=np.uint8)
 
 
 def _packed(matrix: WeightMatrix, fast: bool) -> np.ndarray:
-    """The VNNI layout of a matrix, or an empty array where the float path must serve it."""
+    """The VNNI layout of a matrix, or an empty array where the float path must serve it.
+
+    Steps then read only the repacked copy, so the stored matrix's file pages are released as soon
+    as it is made: the process holds the model once, not twice (see `release_mapped_pages`).
+    """
     if fast and is_packable(matrix.qtype, matrix.n_rows):
-        return repack(matrix.data, matrix.qtype, matrix.n_rows, matrix.n_cols)
+        packed = repack(matrix.data, matrix.qtype, matrix.n_rows, matrix.n_cols)
+        release_mapped_pages(matrix.data)
+        return packed
     return _NOT_PACKED
 
 

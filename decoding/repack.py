@@ -20,6 +20,7 @@ from .quant import BLOCK_BYTES, QK, QType
 from .vnni import GROUP_ROWS
 
 PACKABLE = (QType.Q4_0, QType.Q4_1, QType.Q8_0)
+_GROUPS_PER_SLICE = 256  # 2048 rows: a few MB of temporaries at a time
 # activation byte i of a block holds weight ACTIVATION_ORDER[i]: step s = [4s..4s+3, 16+4s..16+4s+3]
 ACTIVATION_ORDER = np.array([4 * s + k for s in range(4) for k in (0, 1, 2, 3, 16, 17, 18, 19)], dtype=np.int64)
 
@@ -29,11 +30,28 @@ def is_packable(qtype: QType, n_rows: int) -> bool:
 
 
 def repack(data: np.ndarray, qtype: QType, n_rows: int, n_cols: int) -> np.ndarray:
-    """(n_rows, row_bytes) ggml blocks → flat uint8 stream of n_rows / 8 groups, same size."""
+    """(n_rows, row_bytes) ggml blocks → flat uint8 stream of n_rows / 8 groups, same size.
+
+    Groups are independent and laid out one after another, so they are repacked a slice at a time:
+    the numpy temporaries of a whole LM head (int16 widening, gathers, transposes) would otherwise
+    raise the process's peak memory by several times the matrix at start.
+    """
     if not is_packable(qtype, n_rows):
         raise ValueError(f"{qtype.name} with {n_rows} rows cannot be repacked")
-    n_groups, n_blocks = n_rows // GROUP_ROWS, n_cols // QK
-    blocks = np.asarray(data, dtype=np.uint8).reshape(n_groups, GROUP_ROWS, n_blocks, BLOCK_BYTES[qtype])
+    data = np.asarray(data, dtype=np.uint8).reshape(n_rows, -1)
+    n_groups = n_rows // GROUP_ROWS
+    group_bytes = data.shape[1] * GROUP_ROWS
+    out = np.empty(n_groups * group_bytes, dtype=np.uint8)
+    for first in range(0, n_groups, _GROUPS_PER_SLICE):
+        last = min(first + _GROUPS_PER_SLICE, n_groups)
+        rows = data[first * GROUP_ROWS : last * GROUP_ROWS]
+        out[first * group_bytes : last * group_bytes] = _repack_groups(rows, qtype, last - first, n_cols)
+    return out
+
+
+def _repack_groups(data: np.ndarray, qtype: QType, n_groups: int, n_cols: int) -> np.ndarray:
+    n_blocks = n_cols // QK
+    blocks = data.reshape(n_groups, GROUP_ROWS, n_blocks, BLOCK_BYTES[qtype])
     scales = blocks[..., 0:2].transpose(0, 2, 1, 3).reshape(n_groups, n_blocks, 16)
     if qtype == QType.Q8_0:
         weights = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
@@ -46,4 +64,4 @@ def repack(data: np.ndarray, qtype: QType, n_rows: int, n_cols: int) -> np.ndarr
         parts = [nibbles.transpose(0, 2, 3, 1, 4).reshape(n_groups, n_blocks, 128), scales]
         if qtype == QType.Q4_1:
             parts.append(blocks[..., 2:4].transpose(0, 2, 1, 3).reshape(n_groups, n_blocks, 16))
-    return np.ascontiguousarray(np.concatenate(parts, axis=-1)).reshape(-1)
+    return np.concatenate(parts, axis=-1).reshape(-1)

@@ -8,6 +8,8 @@ Conventions shared by every loader and kernel:
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,6 +70,40 @@ class ModelWeights:
         """Bytes read per decode step: every layer matrix plus the LM head once."""
         mats = [self.lm_head] + [m for layer in self.layers for m in _matrices(layer)]
         return sum(m.nbytes for m in mats)
+
+
+def release_mapped_pages(array: np.ndarray) -> bool:
+    """Drop this process's resident copy of the file pages under `array`; False if it is not file-mapped.
+
+    For a caller that has made its own copy of what it reads every step (the fast kernels' repacked
+    matrices): the stored matrix is then read only for a few embedding rows a step, yet repacking
+    touched all of it, and a touched file page counts in the process's RSS for as long as it stays
+    mapped. The pages stay in the page cache and a later read faults them back in, so nothing is
+    lost. Only read-only maps qualify: a copy-on-write or anonymous page would lose its contents.
+    Pages shared with a neighbouring array are kept (only whole pages inside `array` go).
+    """
+    if _backing_map(array) is None or not array.flags.c_contiguous:
+        return False
+    begin = -(-array.ctypes.data // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (array.ctypes.data + array.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > begin and _libc.madvise(ctypes.c_void_p(begin), ctypes.c_size_t(end - begin), mmap.MADV_DONTNEED):
+        raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed on a weight map")
+    return True
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+
+def _backing_map(array: np.ndarray) -> mmap.mmap | None:
+    """The read-only memory map an array views (through any chain of views), or None."""
+    base = array.base
+    while isinstance(base, np.ndarray):
+        base = base.base
+    if not isinstance(base, mmap.mmap):
+        return None
+    with memoryview(base) as view:
+        return base if view.readonly else None
 
 
 def _matrices(layer: LayerWeights) -> tuple[WeightMatrix, ...]:
