@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from decoding import DEFAULT_MODEL
-from decoding.engine import EngineConfig
+from decoding.engine import KV_CACHE_DTYPES, EngineConfig
 from decoding.forward import KERNEL_MODES
 
 ENV_PREFIX = "TREADLE_"
@@ -26,6 +26,7 @@ class ServerSettings:
     kv_cache_mb: float = _ENGINE_DEFAULTS.kv_cache_mb
     block_size: int = _ENGINE_DEFAULTS.block_size
     kernels: str = _ENGINE_DEFAULTS.kernels
+    kv_cache_dtype: str = _ENGINE_DEFAULTS.kv_cache_dtype
     max_queue: int = _ENGINE_DEFAULTS.max_queue  # running + waiting + being tokenized; more get 429
     api_key: str | None = None
     cors_origins: tuple[str, ...] = field(default_factory=tuple)
@@ -38,7 +39,7 @@ class ServerSettings:
     def engine_config(self) -> EngineConfig:
         return EngineConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                             kv_cache_mb=self.kv_cache_mb, block_size=self.block_size, max_queue=self.max_queue,
-                            n_threads=self.threads, kernels=self.kernels)
+                            n_threads=self.threads, kernels=self.kernels, kv_cache_dtype=self.kv_cache_dtype)
 
 
 def _positive_int(text: str) -> int:
@@ -72,6 +73,12 @@ def _non_negative_float(text: str) -> float:
 def _kernels(text: str) -> str:
     if text not in KERNEL_MODES:
         raise argparse.ArgumentTypeError(f"must be one of {', '.join(KERNEL_MODES)}, got {text!r}")
+    return text
+
+
+def _kv_cache_dtype(text: str) -> str:
+    if text not in KV_CACHE_DTYPES:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {text!r}")
     return text
 
 
@@ -119,6 +126,10 @@ def build_parser(prog: str = "treadle serve") -> argparse.ArgumentParser:
     option("--kernels", _kernels, defaults.kernels,
            "fast: int8 activations, VNNI dot products (llama.cpp-like numerics); exact: float32 activations, "
            "logits within 1e-3 of the reference (default %(default)s)")
+    option("--kv-cache-dtype", _kv_cache_dtype, defaults.kv_cache_dtype,
+           "stored type of the KV cache: float16 halves its bytes per token (twice the tokens per MiB, half "
+           "the reads per decode), float32 keeps exact attention inputs; auto: float16 with the fast kernels, "
+           "float32 with the exact ones (default %(default)s)")
     option("--max-queue", _positive_int, defaults.max_queue,
            "requests admitted at once (running + waiting); more are answered 429 (default %(default)s)")
     option("--api-key", str, None, "require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize")

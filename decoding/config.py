@@ -37,8 +37,3 @@ class ModelConfig:
     @property
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """float32 K and V of one token over every layer."""
-        return self.n_layers * 2 * self.kv_dim * 4

@@ -64,7 +64,22 @@ class EngineConfig:
     pin_threads: bool = True
     max_model_len: int | None = None  # None: the model's context
     kernels: str = "fast"  # "fast": int8 activations, VNNI dot products; "exact": float32 activations
+    # "auto": float16 with the fast kernels (llama.cpp's default KV type), float32 with the exact ones
+    # (their logits stay within 1e-3 of the reference); or "float16" / "float32" explicitly
+    kv_cache_dtype: str = "auto"
     max_itl_stretch: float | None = 2.0  # prefill chunks keep decode steps within this factor; None: no limit
+
+
+KV_CACHE_DTYPES = ("auto", "float16", "float32")
+
+
+def resolve_kv_cache_dtype(config: EngineConfig) -> str:
+    """The KV cache's stored type for a configuration ("auto" follows the kernel mode)."""
+    if config.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {config.kv_cache_dtype!r}")
+    if config.kv_cache_dtype == "auto":
+        return "float16" if config.kernels == "fast" else "float32"
+    return config.kv_cache_dtype
 
 
 class EngineObserver(Protocol):
@@ -95,7 +110,7 @@ class Engine:
         self.max_model_len = min(cfg.max_model_len or model.config.max_context, model.config.max_context)
         mc = model.config
         spec = KVCacheSpec(n_layers=mc.n_layers, n_kv_heads=mc.n_kv_heads, head_dim=mc.head_dim,
-                           block_size=cfg.block_size)
+                           block_size=cfg.block_size, dtype=resolve_kv_cache_dtype(cfg))
         num_blocks = cfg.num_kv_blocks or spec.num_blocks_for_mib(cfg.kv_cache_mb)
         self.storage = KVCacheStorage.allocate(spec, num_blocks)
         self.kv = KVCacheManager(num_blocks, cfg.block_size, self.max_model_len, cfg.enable_prefix_caching)

@@ -37,7 +37,7 @@ import math
 import numpy as np
 from numba import njit
 
-from kvcache.fastmath import exp_f32
+from kvcache.fastmath import as_f32, exp_f32, like
 
 # One query head's row of scratch: its scaled query, its output accumulator, one block's scores
 # (then softmax weights), and the running max and running sum of the online softmax.
@@ -63,8 +63,8 @@ def write_kv_rows(key, value, key_cache, value_cache, slot_mapping, tid, nthread
     """Store this step's K and V rows at their slots (slot = block_id * block_size + offset).
 
     key, value:   (num_tokens, n_kv_heads, head_dim) float32
-    key_cache:    (num_blocks, n_kv_heads, head_dim, block_size) float32, one layer
-    value_cache:  (num_blocks, n_kv_heads, block_size, head_dim) float32, one layer
+    key_cache:    (num_blocks, n_kv_heads, head_dim, block_size) float32, or uint16 half floats, one layer
+    value_cache:  (num_blocks, n_kv_heads, block_size, head_dim) like key_cache, one layer
     slot_mapping: (num_tokens,) int32
     Rows are split into contiguous ranges, one per thread; every slot is written by one thread.
     """
@@ -74,15 +74,16 @@ def write_kv_rows(key, value, key_cache, value_cache, slot_mapping, tid, nthread
     block_size = value_cache.shape[2]
     begin = num_tokens * tid // nthreads
     end = num_tokens * (tid + 1) // nthreads
+    element = key_cache[0, 0, 0, 0]  # its type picks the stored precision
     for token in range(begin, end):
         slot = slot_mapping[token]
         block_id = slot // block_size
         offset = slot - block_id * block_size
         for kv_head in range(n_kv_heads):
             for d in range(head_dim):
-                key_cache[block_id, kv_head, d, offset] = key[token, kv_head, d]
+                key_cache[block_id, kv_head, d, offset] = like(key[token, kv_head, d], element)
             for d in range(head_dim):
-                value_cache[block_id, kv_head, offset, d] = value[token, kv_head, d]
+                value_cache[block_id, kv_head, offset, d] = like(value[token, kv_head, d], element)
 
 
 @njit(nogil=True, cache=True, fastmath=False)
@@ -93,8 +94,9 @@ def paged_attention_rows(
 
     out, query:      (num_tokens, n_heads, head_dim) float32; query head h reads KV head
                      h // (n_heads // n_kv_heads); scale 1 / sqrt(head_dim)
-    key_cache:       (num_blocks, n_kv_heads, head_dim, block_size) float32, one layer
-    value_cache:     (num_blocks, n_kv_heads, block_size, head_dim) float32, one layer
+    key_cache:       (num_blocks, n_kv_heads, head_dim, block_size) float32, or uint16 half floats
+                     (read as float32: the arithmetic is the same for both), one layer
+    value_cache:     (num_blocks, n_kv_heads, block_size, head_dim) like key_cache, one layer
     block_tables:    (num_seqs, max_blocks_per_seq) int32; only the first ceil(context_len / block_size)
                      entries of a row are read
     context_lens:    (num_seqs,) int32, this step's rows included
@@ -187,15 +189,15 @@ def _block_scores(scores, keys, q_scaled, num_keys):
         k0, k1, k2, k3 = keys[d], keys[d + 1], keys[d + 2], keys[d + 3]
         k4, k5, k6, k7 = keys[d + 4], keys[d + 5], keys[d + 6], keys[d + 7]
         for t in range(num_keys):
-            scores[t] += ((q0 * k0[t] + q1 * k1[t]) + (q2 * k2[t] + q3 * k3[t])) + (
-                (q4 * k4[t] + q5 * k5[t]) + (q6 * k6[t] + q7 * k7[t])
-            )
+            scores[t] += (
+                (q0 * as_f32(k0[t]) + q1 * as_f32(k1[t])) + (q2 * as_f32(k2[t]) + q3 * as_f32(k3[t]))
+            ) + ((q4 * as_f32(k4[t]) + q5 * as_f32(k5[t])) + (q6 * as_f32(k6[t]) + q7 * as_f32(k7[t])))
         d += 8
     while d < head_dim:  # head_dim not a multiple of 8
         q_d = q_scaled[d]
         k_d = keys[d]
         for t in range(num_keys):
-            scores[t] += q_d * k_d[t]
+            scores[t] += q_d * as_f32(k_d[t])
         d += 1
 
 
@@ -230,11 +232,11 @@ def _accumulate_values(acc, values, weights, num_keys):
         w0, w1, w2, w3 = weights[t], weights[t + 1], weights[t + 2], weights[t + 3]
         v0, v1, v2, v3 = values[t], values[t + 1], values[t + 2], values[t + 3]
         for d in range(head_dim):
-            acc[d] += (w0 * v0[d] + w1 * v1[d]) + (w2 * v2[d] + w3 * v3[d])
+            acc[d] += (w0 * as_f32(v0[d]) + w1 * as_f32(v1[d])) + (w2 * as_f32(v2[d]) + w3 * as_f32(v3[d]))
         t += 4
     while t < num_keys:
         w = weights[t]
         v = values[t]
         for d in range(head_dim):
-            acc[d] += w * v[d]
+            acc[d] += w * as_f32(v[d])
         t += 1

@@ -6,7 +6,8 @@
    against one contiguous max-context buffer per sequence; and with a shared system prompt.
 2. Prefix cache: hit rate (prompt tokens found computed / prompt tokens) when multi-turn chats
    are replayed the way clients send them: the whole conversation again, one turn longer each time.
-3. Attention: time of one layer's `paged_attention_rows` for decode batches and prefill chunks.
+3. Attention: time of one layer's `paged_attention_rows` for decode batches and prefill chunks, over
+   a float32 and a float16 cache (`--kv-cache-dtype`).
 
 Lengths are drawn from seeded log-normal distributions, so every run prints the same figures
 for 1 and 2; only the timings of 3 vary with the machine.
@@ -18,13 +19,14 @@ import argparse
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
+from itertools import product
 from typing import Any
 
 import numpy as np
 
 from kvcache.attention import attention_scratch, paged_attention_rows
 from kvcache.manager import KVCacheManager
-from kvcache.storage import MIB, KVCacheSpec
+from kvcache.storage import KV_STORAGE_TYPES, MIB, KVCacheSpec
 
 SPEC = KVCacheSpec()  # SmolLM2-135M: 30 layers, 3 KV heads of 64, 16-token blocks
 N_HEADS = 9
@@ -118,10 +120,16 @@ def attention_times(
     """
     rows = []
     with ThreadPoolExecutor(num_threads) as executor:
-        for batch_size, context_len, query_len in PREFILL_SHAPES if prefill else DECODE_SHAPES:
-            seconds = _time_attention(rng, executor, num_threads, batch_size, context_len, query_len, repeats)
+        for (batch_size, context_len, query_len), dtype in product(
+            PREFILL_SHAPES if prefill else DECODE_SHAPES, KV_STORAGE_TYPES
+        ):
+            spec = KVCacheSpec(dtype=dtype)
+            seconds = _time_attention(
+                rng, executor, num_threads, batch_size, context_len, query_len, repeats, spec
+            )
             num_key_heads = batch_size * N_HEADS * sum(range(context_len - query_len + 1, context_len + 1))
             row = {
+                "kv": dtype,
                 "batch": batch_size,
                 "context": context_len,
                 "query_rows": query_len,
@@ -133,7 +141,7 @@ def attention_times(
             if prefill:
                 row["ms_per_token_30_layers"] = round(seconds * SPEC.n_layers / query_len * 1e3, 3)
             else:  # each decode reads its sequence's whole KV of the layer once
-                kv_bytes = batch_size * context_len * SPEC.bytes_per_token // SPEC.n_layers
+                kv_bytes = batch_size * context_len * spec.bytes_per_token // spec.n_layers
                 row["kv_read_gb_s"] = round(kv_bytes / seconds / 1e9, 1)
             rows.append(row)
     return rows
@@ -147,13 +155,18 @@ def _time_attention(
     context_len: int,
     query_len: int,
     repeats: int,
+    spec: KVCacheSpec,
 ) -> float:
     """Random K/V in randomly permuted blocks (the worst case for the memory prefetcher)."""
-    head_dim, block_size, n_kv_heads = SPEC.head_dim, SPEC.block_size, SPEC.n_kv_heads
+    head_dim, block_size, n_kv_heads = spec.head_dim, spec.block_size, spec.n_kv_heads
     blocks_per_seq = -(-context_len // block_size)
     num_blocks = batch_size * blocks_per_seq
-    key_cache = rng.standard_normal((num_blocks, n_kv_heads, head_dim, block_size), dtype=np.float32)
-    value_cache = rng.standard_normal((num_blocks, n_kv_heads, block_size, head_dim), dtype=np.float32)
+    key_cache = _stored(
+        rng.standard_normal((num_blocks, n_kv_heads, head_dim, block_size), dtype=np.float32), spec
+    )
+    value_cache = _stored(
+        rng.standard_normal((num_blocks, n_kv_heads, block_size, head_dim), dtype=np.float32), spec
+    )
     block_tables = rng.permutation(num_blocks).astype(np.int32).reshape(batch_size, blocks_per_seq)
     context_lens = np.full(batch_size, context_len, dtype=np.int32)
     query_start_loc = np.arange(0, batch_size * query_len + 1, query_len, dtype=np.int32)
@@ -179,6 +192,11 @@ def _time_attention(
         run_layer()
         times.append(time.perf_counter() - start)
     return min(times)
+
+
+def _stored(x: np.ndarray, spec: KVCacheSpec) -> np.ndarray:
+    """float32 values as the cache holds them (half floats as their bits)."""
+    return x.astype(np.float16).view(np.uint16) if spec.dtype == "float16" else x
 
 
 def print_table(title: str, rows: list[dict]) -> None:

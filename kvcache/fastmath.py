@@ -1,8 +1,13 @@
-"""Scalar math for nopython kernels that LLVM can vectorise: a float bit cast and expf.
+"""Scalar math for nopython kernels that LLVM can vectorise: float bit casts, half floats and expf.
 
 `math.exp` compiles to a libm call, which LLVM cannot vectorise without a vector math library;
 `exp_f32` is plain arithmetic (Cephes expf: range reduction and a degree-6 polynomial, ~1 ulp),
 so loops over it run 16 lanes wide, and it gives the same bits in every lane and every call.
+
+numba has no float16 arrays on the CPU, so a half-precision KV cache is stored as uint16 bit
+patterns and converted with LLVM's own `half` type: `fpext`/`fptrunc` are exact IEEE conversions
+(round to nearest even) that compile to `vcvtph2ps`/`vcvtps2ph`, 16 lanes at a time, in loops.
+`as_f32` and `like` let one kernel body serve float32 and float16 caches alike.
 """
 
 from __future__ import annotations
@@ -50,3 +55,31 @@ def exp_f32(x):  # type: ignore[no-untyped-def]
     p = p * r * r + r + np.float32(1.0)
     two_to_n = u32_bits_to_f32(np.uint32(np.int32(n) + 127) << 23)
     return p * two_to_n if x >= _EXP_MIN else np.float32(0.0)
+
+
+@intrinsic
+def as_f32(typingctx, value):  # type: ignore[no-untyped-def]
+    """A cache element as float32: a float32 as is, a uint16 as the half float its bits encode."""
+    if value == types.float32:
+        return types.float32(value), lambda context, builder, signature, args: args[0]
+    if value == types.uint16:
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+        return types.float32(value), codegen
+    return None
+
+
+@intrinsic
+def like(typingctx, value, sample):  # type: ignore[no-untyped-def]
+    """A float32 stored as `sample`'s type: unchanged for float32, half-float bits for uint16."""
+    if value != types.float32:
+        return None
+    if sample == types.float32:
+        return types.float32(value, sample), lambda context, builder, signature, args: args[0]
+    if sample == types.uint16:
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+        return types.uint16(value, sample), codegen
+    return None

@@ -7,8 +7,13 @@ sequence's blocks and, per block, computes `block_size` scores and then a weight
     key_cache:   (n_layers, num_blocks, n_kv_heads, head_dim, block_size)   K transposed per block
     value_cache: (n_layers, num_blocks, n_kv_heads, block_size, head_dim)
 
-- Both are float32 and C-contiguous; one layer's slice `key_cache[layer]` is what a kernel gets.
-- One (block, KV head) tile of either is contiguous (block_size * head_dim floats, 4 KiB at 16 x 64),
+- Both are C-contiguous, float32 or half floats (`KVCacheSpec.dtype`; numba has no float16 arrays on
+  the CPU, so half floats are stored as their uint16 bits and converted in the kernels, see
+  `kvcache.fastmath`); one layer's slice `key_cache[layer]` is what a kernel gets. Half floats halve
+  the bytes a decode reads per token of context and double the tokens a budget holds, as fp16 KV does
+  in llama.cpp (its default) and vLLM; attention's arithmetic stays float32 either way.
+- One (block, KV head) tile of either is contiguous (block_size * head_dim elements, 4 KiB in float32
+  at 16 x 64),
   so the kernel streams whole tiles and every query head of a GQA group reuses them from L1.
 - Keys are transposed within the tile so that the scores of a block are `block_size` independent
   sums: the loop over head_dim is outside, the loop over the block's keys inside and contiguous. It
@@ -28,8 +33,9 @@ import numpy as np
 
 from kvcache.errors import KVCacheError
 
-BYTES_PER_ELEMENT = 4  # float32
 MIB = 1 << 20
+# stored type of each KV cache dtype: half floats travel as their IEEE bit patterns
+KV_STORAGE_TYPES = {"float32": np.float32, "float16": np.uint16}
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,11 +46,21 @@ class KVCacheSpec:
     n_kv_heads: int = 3
     head_dim: int = 64
     block_size: int = 16
+    dtype: str = "float32"  # or "float16"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in KV_STORAGE_TYPES:
+            raise KVCacheError(f"KV cache dtype must be one of {', '.join(KV_STORAGE_TYPES)}, got {self.dtype!r}")
+
+    @property
+    def storage_type(self) -> type:
+        return KV_STORAGE_TYPES[self.dtype]
 
     @property
     def bytes_per_token(self) -> int:
-        """K and V of one token on every layer (46,080 B for the default model)."""
-        return self.n_layers * 2 * self.n_kv_heads * self.head_dim * BYTES_PER_ELEMENT
+        """K and V of one token on every layer (46,080 B for the default model in float32, half in float16)."""
+        element_bytes = np.dtype(self.storage_type).itemsize
+        return self.n_layers * 2 * self.n_kv_heads * self.head_dim * element_bytes
 
     @property
     def bytes_per_block(self) -> int:
@@ -65,21 +81,21 @@ class KVCacheStorage:
     """Every layer's K and V for `num_blocks` blocks."""
 
     spec: KVCacheSpec
-    key_cache: np.ndarray  # (n_layers, num_blocks, n_kv_heads, head_dim, block_size) float32
-    value_cache: np.ndarray  # (n_layers, num_blocks, n_kv_heads, block_size, head_dim) float32
+    key_cache: np.ndarray  # (n_layers, num_blocks, n_kv_heads, head_dim, block_size) spec.storage_type
+    value_cache: np.ndarray  # (n_layers, num_blocks, n_kv_heads, block_size, head_dim) spec.storage_type
 
     @classmethod
     def allocate(cls, spec: KVCacheSpec, num_blocks: int) -> KVCacheStorage:
         """Allocate and touch every page now, so that no step pays page faults and an over-large
         budget fails at start rather than when the cache fills up under load."""
         key_cache = np.empty(
-            (spec.n_layers, num_blocks, spec.n_kv_heads, spec.head_dim, spec.block_size), dtype=np.float32
+            (spec.n_layers, num_blocks, spec.n_kv_heads, spec.head_dim, spec.block_size), dtype=spec.storage_type
         )
         value_cache = np.empty(
-            (spec.n_layers, num_blocks, spec.n_kv_heads, spec.block_size, spec.head_dim), dtype=np.float32
+            (spec.n_layers, num_blocks, spec.n_kv_heads, spec.block_size, spec.head_dim), dtype=spec.storage_type
         )
-        key_cache.fill(0.0)
-        value_cache.fill(0.0)
+        key_cache.fill(0)  # +0.0 in either type
+        value_cache.fill(0)
         return cls(spec, key_cache, value_cache)
 
     @classmethod

@@ -13,6 +13,7 @@ from app.metrics import ServerMetrics
 from app.protocol import ChatFormatter, CompletionFormatter, ResponseHeader, TokenText
 from app.settings import parse_settings
 from app.streaming import SSE_FRAMING, run_until_disconnect
+from decoding.engine import resolve_kv_cache_dtype
 from decoding.outputs import RequestOutput, Usage
 from decoding.sampling import TokenLogprobs
 
@@ -26,10 +27,15 @@ def test_every_option_reads_its_environment_variable_and_a_flag_wins(monkeypatch
     assert settings.port == 9001 and settings.max_queue == 9 and settings.api_key == "k"
     assert settings.cors_origins == ("http://a.test", "http://b.test")
     assert settings.engine_config().max_queue == 9
+    monkeypatch.setenv("TREADLE_KV_CACHE_DTYPE", "float32")
+    assert resolve_kv_cache_dtype(parse_settings([]).engine_config()) == "float32"
+    assert resolve_kv_cache_dtype(parse_settings(["--kv-cache-dtype", "auto"]).engine_config()) == "float16"
+    assert resolve_kv_cache_dtype(parse_settings(["--kv-cache-dtype", "auto", "--kernels", "exact"]).engine_config()) \
+        == "float32"
 
 
 @pytest.mark.parametrize("argv", [["--port", "70000"], ["--max-queue", "0"], ["--kv-cache-mb", "-1"],
-                                  ["--log-level", "loud"]])
+                                  ["--log-level", "loud"], ["--kv-cache-dtype", "fp8"]])
 def test_bad_options_exit_with_usage(argv):
     with pytest.raises(SystemExit) as exc:
         parse_settings(argv)

@@ -18,8 +18,14 @@ class PagedCase:
     values: list[np.ndarray]  # per sequence (context_len, n_kv_heads, head_dim) float32
     queries: list[np.ndarray]  # per sequence (context_len, n_heads, head_dim) float32: one per position
     block_tables: np.ndarray  # (num_seqs, max_blocks) int32
-    key_cache: np.ndarray  # (num_blocks, n_kv_heads, head_dim, block_size) float32
-    value_cache: np.ndarray  # (num_blocks, n_kv_heads, block_size, head_dim) float32
+    key_cache: np.ndarray  # (num_blocks, n_kv_heads, head_dim, block_size) float32, or uint16 half floats
+    value_cache: np.ndarray  # (num_blocks, n_kv_heads, block_size, head_dim) like key_cache
+
+
+STORAGE = {
+    "float32": (np.float32, np.float32(np.nan)),
+    "float16": (np.uint16, np.float16(np.nan).view(np.uint16)),
+}
 
 
 def make_case(
@@ -29,7 +35,11 @@ def make_case(
     n_heads: int,
     n_kv_heads: int,
     head_dim: int,
+    storage: str = "float32",
 ) -> PagedCase:
+    """With half-float storage the case's keys and values are the half-rounded ones the cache holds, so a
+    dense reference over them sees exactly the kernel's inputs."""
+    stored_type, nan = STORAGE[storage]
     num_blocks_per_seq = [-(-n // block_size) for n in context_lens]
     num_blocks = sum(num_blocks_per_seq) + 3  # a few blocks nobody owns
     shuffled_ids = rng.permutation(num_blocks).astype(np.int32)
@@ -39,12 +49,16 @@ def make_case(
         block_tables[seq, :n] = shuffled_ids[taken : taken + n]
         taken += n
     # NaN everywhere the kernel must not read: unused slots, unused blocks.
-    key_cache = np.full((num_blocks, n_kv_heads, head_dim, block_size), np.nan, dtype=np.float32)
-    value_cache = np.full((num_blocks, n_kv_heads, block_size, head_dim), np.nan, dtype=np.float32)
+    key_cache = np.full((num_blocks, n_kv_heads, head_dim, block_size), nan, dtype=stored_type)
+    value_cache = np.full((num_blocks, n_kv_heads, block_size, head_dim), nan, dtype=stored_type)
     keys, values, queries = [], [], []
     for seq, context_len in enumerate(context_lens):
-        keys.append(rng.standard_normal((context_len, n_kv_heads, head_dim), dtype=np.float32))
-        values.append(rng.standard_normal((context_len, n_kv_heads, head_dim), dtype=np.float32))
+        keys.append(
+            _as_stored(rng.standard_normal((context_len, n_kv_heads, head_dim), dtype=np.float32), storage)
+        )
+        values.append(
+            _as_stored(rng.standard_normal((context_len, n_kv_heads, head_dim), dtype=np.float32), storage)
+        )
         queries.append(rng.standard_normal((context_len, n_heads, head_dim), dtype=np.float32))
         positions = np.arange(context_len)
         slots = (block_tables[seq, positions // block_size] * block_size + positions % block_size).astype(
@@ -52,6 +66,10 @@ def make_case(
         )
         write_kv_rows(keys[-1], values[-1], key_cache, value_cache, slots, 0, 1)
     return PagedCase(keys, values, queries, block_tables, key_cache, value_cache)
+
+
+def _as_stored(x: np.ndarray, storage: str) -> np.ndarray:
+    return x.astype(np.float16).astype(np.float32) if storage == "float16" else x
 
 
 def run_paged(
@@ -114,6 +132,7 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("storage", STORAGE)
 @pytest.mark.parametrize(
     ("context_lens", "query_lens", "block_size", "n_heads", "n_kv_heads", "head_dim"), CASES
 )
@@ -124,9 +143,10 @@ def test_paged_attention_equals_dense_causal_attention(
     n_heads: int,
     n_kv_heads: int,
     head_dim: int,
+    storage: str,
 ) -> None:
     rng = np.random.default_rng(sum(context_lens) * 7 + block_size)
-    case = make_case(rng, context_lens, block_size, n_heads, n_kv_heads, head_dim)
+    case = make_case(rng, context_lens, block_size, n_heads, n_kv_heads, head_dim, storage)
     seqs = list(range(len(context_lens)))
     out = run_paged(case, seqs, context_lens, query_lens, nthreads=2)
     expected = np.concatenate(
@@ -139,8 +159,9 @@ def dense(case: PagedCase, seq: int, query_len: int) -> np.ndarray:
     return dense_causal_attention(case.keys[seq], case.values[seq], case.queries[seq], query_len)
 
 
-def test_long_context_stays_accurate() -> None:
-    case = make_case(np.random.default_rng(1), [2500], 16, 9, 3, 64)
+@pytest.mark.parametrize("storage", STORAGE)
+def test_long_context_stays_accurate(storage: str) -> None:
+    case = make_case(np.random.default_rng(1), [2500], 16, 9, 3, 64, storage)
     out = run_paged(case, [0], [2500], [3])
     np.testing.assert_allclose(out, dense(case, 0, 3), rtol=1e-5, atol=1e-5)
 
@@ -153,10 +174,11 @@ def test_softmax_is_stable_for_large_scores() -> None:
     np.testing.assert_allclose(out, dense(case, 0, 40), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("storage", STORAGE)
 @pytest.mark.parametrize("nthreads", [2, 3, 5, 8])
-def test_output_is_bit_identical_for_any_thread_count(nthreads: int) -> None:
+def test_output_is_bit_identical_for_any_thread_count(nthreads: int, storage: str) -> None:
     context_lens, query_lens = [90, 1, 33, 64], [30, 1, 1, 64]
-    case = make_case(np.random.default_rng(3), context_lens, 16, 9, 3, 64)
+    case = make_case(np.random.default_rng(3), context_lens, 16, 9, 3, 64, storage)
     seqs = list(range(4))
     np.testing.assert_array_equal(
         run_paged(case, seqs, context_lens, query_lens, nthreads),
@@ -191,15 +213,17 @@ def test_each_output_is_written_by_exactly_one_thread(nthreads: int) -> None:
     assert all(w.any() for w in written)  # the work is shared, not all done by one thread
 
 
-def test_sequence_output_is_bit_identical_whatever_shares_its_batch() -> None:
-    case = make_case(np.random.default_rng(4), [57, 200, 13], 16, 9, 3, 64)
+@pytest.mark.parametrize("storage", STORAGE)
+def test_sequence_output_is_bit_identical_whatever_shares_its_batch(storage: str) -> None:
+    case = make_case(np.random.default_rng(4), [57, 200, 13], 16, 9, 3, 64, storage)
     alone = run_paged(case, [1], [200], [40], nthreads=2)
     among_others = run_paged(case, [2, 1, 0], [13, 200, 57], [13, 40, 9], nthreads=3)
     np.testing.assert_array_equal(among_others[13 : 13 + 40], alone)
 
 
-def test_position_output_is_bit_identical_however_the_prompt_is_chunked() -> None:
-    case = make_case(np.random.default_rng(5), [45], 8, 9, 3, 64)
+@pytest.mark.parametrize("storage", STORAGE)
+def test_position_output_is_bit_identical_however_the_prompt_is_chunked(storage: str) -> None:
+    case = make_case(np.random.default_rng(5), [45], 8, 9, 3, 64, storage)
     whole = run_paged(case, [0], [45], [45])
     chunks = [run_paged(case, [0], [end], [size]) for end, size in ((20, 20), (37, 17), (45, 8))]
     decodes = [run_paged(case, [0], [end], [1]) for end in range(1, 46)]
@@ -223,3 +247,22 @@ def test_write_kv_rows_stores_each_row_at_its_slot_for_any_thread_count() -> Non
             np.testing.assert_array_equal(key_cache[block_id, :, :, offset], key[token])
             np.testing.assert_array_equal(value_cache[block_id, :, offset, :], value[token])
         assert np.count_nonzero(value_cache) == value.size  # nothing written outside the slots
+
+
+def test_half_float_cache_stores_each_value_rounded_to_nearest_half() -> None:
+    rng = np.random.default_rng(9)
+    key = rng.standard_normal((6, 2, 16), dtype=np.float32) * np.float32(300.0)
+    key[0, 0, :4] = [0.0, -0.0, 1e-6, 70000.0]  # signed zero, a subnormal half, overflow to inf
+    value = -key
+    with np.errstate(over="ignore"):  # 70000 overflows to inf in numpy's reference conversion too
+        expected_keys, expected_values = key.astype(np.float16), value.astype(np.float16)
+    slot_mapping = np.array([5, 0, 11, 2, 7, 3], dtype=np.int32)
+    key_cache = np.zeros((3, 2, 16, 4), dtype=np.uint16)
+    value_cache = np.zeros((3, 2, 4, 16), dtype=np.uint16)
+    write_kv_rows(key, value, key_cache, value_cache, slot_mapping, 0, 1)
+    for token, slot in enumerate(slot_mapping):
+        block_id, offset = divmod(int(slot), 4)
+        np.testing.assert_array_equal(key_cache[block_id, :, :, offset], expected_keys[token].view(np.uint16))
+        np.testing.assert_array_equal(
+            value_cache[block_id, :, offset, :], expected_values[token].view(np.uint16)
+        )

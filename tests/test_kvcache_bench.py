@@ -34,8 +34,12 @@ def test_attention_timings_cover_every_shape(num_threads: int, monkeypatch: pyte
     monkeypatch.setattr(bench, "PREFILL_SHAPES", ((1, 30, 9),))
     rows = bench.attention_times(np.random.default_rng(2), num_threads, repeats=1)
     rows += bench.attention_times(np.random.default_rng(2), num_threads, prefill=True, repeats=1)
-    shapes = [(r["batch"], r["context"], r["query_rows"], r["threads"]) for r in rows]
-    assert shapes == [(2, 40, 1, num_threads), (1, 17, 1, num_threads), (1, 30, 9, num_threads)]
+    shapes = [(r["kv"], r["batch"], r["context"], r["query_rows"], r["threads"]) for r in rows]
+    assert shapes == [
+        (kv, *shape, num_threads)
+        for shape in ((2, 40, 1), (1, 17, 1), (1, 30, 9))
+        for kv in ("float32", "float16")
+    ]
     assert all(r["us_per_layer"] > 0 for r in rows)
 
 

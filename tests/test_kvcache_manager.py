@@ -345,6 +345,9 @@ def test_manager_storage_and_kernels_together_equal_dense_attention() -> None:
 def test_storage_is_sized_from_the_budget_and_copies_blocks_on_every_layer() -> None:
     spec = KVCacheSpec()  # the default model: 30 layers, 3 KV heads of 64, blocks of 16 tokens
     assert spec.bytes_per_token == 46_080
+    assert KVCacheSpec(dtype="float16").bytes_per_token == 23_040
+    with pytest.raises(KVCacheError, match="float16"):
+        KVCacheSpec(dtype="int8")
     assert spec.num_blocks_for_mib(1024) == 1456
     with pytest.raises(KVCacheError):
         spec.num_blocks_for_mib(0.5)
