@@ -7,6 +7,10 @@ time), every turn resending the conversation so far plus one user message, with 
 shared by several conversations. It reads the prefix-cache hit rate from the aggregated /metrics
 (`treadle_prefix_cache_hit_tokens_total` / `treadle_prompt_tokens_total`, summed over replicas) and
 time to first token as the client sees it.
+
+`saturated_prefix()` is the other side of affinity: one request puts a long system prompt on a replica,
+then a burst of requests with that same prompt arrives; affinity keeps them on that replica only until
+its queue is `imbalanced_threshold` requests longer than the other's, then they spill over.
 """
 
 from __future__ import annotations
@@ -146,6 +150,91 @@ def replay(base_url: str, conversations: int = 6, turns: int = 4, max_tokens: in
     return result
 
 
+SATURATION_SYSTEM_PROMPT = (
+    "You are the dispatcher of a weaving cooperative. Every order names a cloth, a width and a length; "
+    "answer with the loom to use, the warp to set up and the day it can start, in that order. "
+    "The cooperative's glossary, which you may use freely: "
+    + " ".join(f"{WORDS[i % len(WORDS)]}-{WORDS[(i * 3 + 1) % len(WORDS)]}" for i in range(60)) + ". ")
+
+
+@dataclass
+class BurstResult:
+    """One `saturated_prefix()` run. Times are seconds from the first request of the burst."""
+
+    seed_replica: str
+    replicas: list[str] = field(default_factory=list)  # each burst request's replica, in the order sent
+    spans: list[tuple[float, float]] = field(default_factory=list)  # each one's (sent, last byte read)
+    tokens: list[int] = field(default_factory=list)
+
+    def open_on(self, replica: str, at: float) -> int:
+        """Requests served by `replica` that were open (sent, not yet finished) at time `at`, client side:
+        an upper bound on what the router saw, since the client sends before it and reads after it."""
+        return sum(r == replica and sent < at < done for r, (sent, done) in zip(self.replicas, self.spans))
+
+    @property
+    def first_elsewhere(self) -> int | None:
+        """Index (in the order sent) of the first burst request not served by the seed's replica."""
+        return next((i for i, r in enumerate(self.replicas) if r != self.seed_replica), None)
+
+    def summary(self) -> dict[str, object]:
+        short = {r: r.rsplit("#", 1)[-1] for r in {self.seed_replica, *self.replicas}}
+        first = self.first_elsewhere
+        return {"requests": len(self.replicas),
+                "on_seed_replica": self.replicas.count(self.seed_replica),
+                "elsewhere": len(self.replicas) - self.replicas.count(self.seed_replica),
+                "order": "".join("R" if r == self.seed_replica else "o" for r in self.replicas),
+                "first_elsewhere": first,
+                "open_on_seed_replica_then": None if first is None
+                else self.open_on(self.seed_replica, self.spans[first][0]),
+                "seconds": round(max((d for _, d in self.spans), default=0.0), 2),
+                "replicas": {short[r]: self.replicas.count(r) for r in sorted(set(self.replicas))}}
+
+
+def saturated_prefix(base_url: str, requests: int = 12, max_tokens: int = 80, stagger_s: float = 0.04,
+                     system_prompt: str = SATURATION_SYSTEM_PROMPT) -> BurstResult:
+    """One request with `system_prompt` (its replica is the seed replica), then `requests` streams with the
+    same system prompt and each its own user turn, sent `stagger_s` apart (so their order is known; all of
+    them are open at once: `max_tokens` with `ignore_eos` lasts far longer than the burst takes to send)."""
+    def body(user: str, tokens: int) -> dict:
+        return {"messages": [{"role": "system", "content": system_prompt}, {"role": "user", "content": user}],
+                "max_tokens": tokens, "ignore_eos": True, "temperature": 0, "stream": True}
+
+    limits = httpx.Limits(max_connections=requests + 4, max_keepalive_connections=requests + 4)
+    with httpx.Client(limits=limits) as client:
+        with client.stream("POST", f"{base_url}/v1/chat/completions", json=body("Hello!", 4),
+                           timeout=120) as response:
+            response.raise_for_status()
+            seed = response.headers["x-treadle-replica"]
+            response.read()
+        time.sleep(0.5)  # the router's count of the seed's request drops back to 0 (a done callback)
+        result = BurstResult(seed_replica=seed, replicas=[""] * requests, spans=[(0.0, 0.0)] * requests,
+                             tokens=[0] * requests)
+        start = time.perf_counter() + 0.2
+
+        def one(i: int) -> None:
+            time.sleep(max(0.0, start + i * stagger_s - time.perf_counter()))
+            sent = time.perf_counter() - start
+            tokens = 0
+            with client.stream("POST", f"{base_url}/v1/chat/completions", timeout=300,
+                               json=body(f"Order {i}: {WORDS[i % len(WORDS)]} cloth, {i + 1} metres.",
+                                         max_tokens)) as response:
+                response.raise_for_status()
+                result.replicas[i] = response.headers["x-treadle-replica"]
+                for line in response.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        raise RuntimeError(f"burst request {i} failed: {event['error']}")
+                    tokens += any(c.get("delta", {}).get("content") for c in event.get("choices", []))
+            result.spans[i] = (sent, time.perf_counter() - start)
+            result.tokens[i] = tokens
+
+        with ThreadPoolExecutor(requests) as pool:
+            list(pool.map(one, range(requests)))
+    return result
+
+
 def throughput(base_url: str, requests: int = 12, concurrency: int = 4, max_tokens: int = 32) -> float:
     """Generated tokens per second over `requests` distinct prompts, `concurrency` at a time."""
     def one(i: int) -> int:
@@ -199,6 +288,8 @@ def main() -> int:
         for replicas, affinity in ((2, True), (2, False)):
             base = deploy(replicas, affinity, port)
             figures[f"replay {replicas} replicas, affinity {'on' if affinity else 'off'}"] = replay(base).summary()
+            if affinity:  # 12 same-prefix streams at once: how many stay on the replica holding the prefix
+                figures["saturated prefix, 2 replicas, affinity on"] = saturated_prefix(base).summary()
             serve.delete("treadle")
         for replicas in (1, 2):
             base = deploy(replicas, True, port)

@@ -368,6 +368,11 @@ def build_application(settings: ServerSettings, replicas: int = 2, threads_per_r
             else imbalanced_threshold})
     else:
         router = RequestRouterConfig()
+    # max_ongoing_requests is the engine's own bound (max_queue: running + waiting), not max_num_seqs: Ray's
+    # "queue length" of a replica is its ongoing requests, engine-waiting ones included, and the prefix
+    # router leaves a replica holding the prefix once that count is `imbalanced_threshold` above another's
+    # (tests/test_ray_serve.py: 5 of 12 same-prefix streams stay, the rest spill), so spilling over needs
+    # no small cap here (a replica at the cap gets nothing more: the router probes it and looks elsewhere).
     replica = TreadleReplica.options(num_replicas=replicas, ray_actor_options={"num_cpus": threads_per_replica},
                                      max_ongoing_requests=settings.max_queue,
                                      request_router_config=router).bind(settings)

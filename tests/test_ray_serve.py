@@ -1,6 +1,7 @@
 """`treadle serve --ray` on a local Ray cluster started here: 2 replicas x 1 thread behind Ray Serve's
 proxy, the `openai` client streaming through it, msgpack, aggregated /health and /metrics, prefix
-affinity on a multi-turn replay, and a replica killed mid-stream.
+affinity on a multi-turn replay, affinity yielding to load when a burst shares one prefix, and a replica
+killed mid-stream.
 
 Needs the `ray` extra (`make install` installs it). Every wait has a timeout; Ray is shut down in a
 finally, so a failure cannot leave the cluster (or the test) hanging.
@@ -19,7 +20,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="the ray extra: pip install -e '.[ray]'")
 serve = pytest.importorskip("ray.serve")
 
-from app.ray_replay import deploy, replay, stream_chat
+from app.ray_replay import deploy, replay, saturated_prefix, stream_chat
 from app.ray_serve import APP_NAME, routing_text
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -116,6 +117,31 @@ def test_prefix_affinity_keeps_conversations_on_their_replica(base_url: str) -> 
     # Sequential turns (no load imbalance): every later turn goes where its conversation's prefix is.
     assert result.sticky == result.later_turns == 8, result.summary()
     assert result.hit_rate > 0.5, result.summary()
+
+
+def test_saturated_replica_spills_same_prefix_requests_to_the_other(base_url: str) -> None:
+    """Affinity yields to load. One request puts a long system prompt on replica R; then 12 streams with that
+    prompt (each its own user turn, 80 tokens with ignore_eos) are sent 40 ms apart, so all are open at once.
+    The router sends them to R while R's queue (Ray's ongoing requests per replica, which counts the engine's
+    waiting requests too: max_ongoing_requests is the engine's max_queue, 256) is at most the threshold (4)
+    longer than the other's; past that, power of two choices sends them to the other replica."""
+    from app.ray_router import DEFAULT_IMBALANCED_THRESHOLD as threshold
+
+    result = saturated_prefix(base_url, requests=12, max_tokens=80, stagger_s=0.04)
+    summary = result.summary()
+    print("saturated prefix:", summary, "spans:", [(round(a, 2), round(b, 2)) for a, b in result.spans])
+    assert min(result.tokens) > 0, summary
+    # The burst overlapped (else no replica was ever loaded and there was nothing to fall back from).
+    assert result.spans[0][1] > result.spans[-1][0], f"the burst did not overlap: {result.spans}"
+    # Affinity while balanced: the first ones sent went to R. (Power of two choices alone sends the second
+    # one elsewhere: R has one open, the other none. Three, not threshold + 1, for slack in arrival order.)
+    assert result.replicas[:3] == [result.seed_replica] * 3, summary
+    assert summary["on_seed_replica"] >= threshold, summary
+    # Fallback: some went to the other replica (a router that always follows the prefix puts all 12 on R)...
+    assert summary["elsewhere"] >= 2, summary
+    # ... and only once R was loaded: when the first of them was sent, at least `threshold` were open on R
+    # (client-side spans, which hold the router's view: the client sends before it and reads after it).
+    assert summary["open_on_seed_replica_then"] >= threshold, summary
 
 
 def test_killed_replica_ends_its_stream_and_survivors_serve(base_url: str) -> None:
