@@ -38,6 +38,7 @@ import numpy as np
 from numba import njit
 
 from kvcache.fastmath import as_f32, exp_f32, like
+from kvcache.prefetch import prefetch_tile
 
 # One query head's row of scratch: its scaled query, its output accumulator, one block's scores
 # (then softmax weights), and the running max and running sum of the online softmax.
@@ -148,10 +149,15 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
         work_row[stats_begin] = -np.inf  # running max
         work_row[stats_begin + 1] = 0.0  # running sum of exp(score - running max)
 
-    for logical_block in range(position // block_size + 1):
+    last_block = position // block_size
+    for logical_block in range(last_block + 1):
         block_id = block_table[logical_block]
         keys = key_cache[block_id, kv_head]  # (head_dim, block_size)
         values = value_cache[block_id, kv_head]  # (block_size, head_dim)
+        if logical_block < last_block:  # the next tiles travel from DRAM while this block is computed
+            next_block_id = block_table[logical_block + 1]
+            prefetch_tile(key_cache[next_block_id, kv_head])
+            prefetch_tile(value_cache[next_block_id, kv_head])
         num_keys = min(block_size, position + 1 - logical_block * block_size)  # causal within the last block
         for g in range(group_size):
             work_row = work[g]

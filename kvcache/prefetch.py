@@ -1,0 +1,45 @@
+"""A software prefetch for nopython kernels: `llvm.prefetch`, which numba does not expose.
+
+Paged attention walks a sequence's blocks in block-table order, and the blocks of a cache shared by
+many sequences lie anywhere in it: each (block, KV head) tile starts at an address the hardware
+prefetcher cannot guess, so without help every tile begins with a full DRAM miss. Asking for the
+next tile while the current one is being computed hides that latency.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+CACHE_LINE_BYTES = 64
+
+
+@intrinsic
+def prefetch_element(typingctx, array, index):  # type: ignore[no-untyped-def]
+    """Hint the cache line holding element `index` of a C-contiguous array (flat index) into L1."""
+    if not (isinstance(array, types.Array) and array.layout == "C" and isinstance(index, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        offset = context.cast(builder, args[1], signature.args[1], types.intp)
+        address = builder.bitcast(builder.gep(data, [offset]), ir.IntType(8).as_pointer())
+        i32 = ir.IntType(32)
+        prefetch = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [address.type, i32, i32, i32]), "llvm.prefetch.p0"
+        )
+        # read (0), high temporal locality (3): kept in every level; data cache (1)
+        builder.call(prefetch, [address, i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return types.void(array, index), codegen
+
+
+@njit(nogil=True, cache=True, inline="always")
+def prefetch_tile(tile):  # type: ignore[no-untyped-def]
+    """Prefetch every cache line of a C-contiguous array (a KV tile of a few KiB)."""
+    step = max(1, CACHE_LINE_BYTES // tile.itemsize)
+    for index in range(0, tile.size, step):
+        prefetch_element(tile, index)
