@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from decoding.bench import TRANSFORMERS_BATCH, format_transformers, peer_result, run_transformers
+from decoding import load_model
+from decoding.bench import (
+    TRANSFORMERS_BATCH,
+    format_transformers,
+    measure_int8_gmacs,
+    peer_result,
+    run_transformers,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -102,3 +109,9 @@ def test_table_leaves_a_dash_where_treadle_has_no_matching_level() -> None:
 def test_table_says_why_transformers_was_skipped() -> None:
     reason = "not installed: No module named 'torch' in .venv-bench; run make bench"
     assert format_transformers(report({"skipped": reason})) == f"transformers: {reason}"
+
+
+def test_int8_compute_ceiling_is_measured_on_the_pool_and_skipped_for_float_weights(default_model, tiny_gguf):
+    one, two = measure_int8_gmacs(default_model, 1), measure_int8_gmacs(default_model, 2)
+    assert one > 1 and two > 1  # GMAC/s of real VNNI (or plain-vector) dot products
+    assert measure_int8_gmacs(load_model(tiny_gguf), 1) is None  # float32 weights: nothing to repack
