@@ -7,8 +7,8 @@ over several steps instead of stalling every stream. When a decode needs a block
 most recently admitted sequence is preempted: its blocks are freed and it goes back to the front of
 the queue, to be recomputed (prefix caching often finds its blocks still there).
 
-While streams are decoding, chunks of *long* prompts (more than LONG_PREFILL_TOKENS still to compute)
-are also held to a time budget: a step may take at most `max_itl_stretch` times as long as a
+While streams are decoding, chunks of *long* prompts (more than LONG_PREFILL_TOKENS to compute when
+admitted, prefix-cache hits aside; the whole prompt stays long to its last chunk) are also held to a time budget: a step may take at most `max_itl_stretch` times as long as a
 decode-only step, so a long prompt arriving never stretches the running streams' inter-token gaps past
 that. Short prompts are not throttled: admitting them quickly is what lets the batch grow (throttling
 them too kept a soak at 2–5 running requests while ~60 waited), as vLLM's long-prefill threshold does. The engine reports each step's duration; the scheduler
@@ -34,17 +34,21 @@ class _PrefillBudget:
     tokens: int
     long_tokens: int | None = None  # None: long prompts are not held back this step
 
-    def share(self, num_uncomputed: int) -> int:
-        """How many of a prompt's remaining tokens this step can take (without taking them)."""
+    def share(self, num_uncomputed: int, num_prefill_tokens: int) -> int:
+        """How many of a prompt's remaining tokens this step can take (without taking them).
+
+        Whether a prompt is long goes by its whole prefill (`num_prefill_tokens`, computed at admission),
+        not by what remains: the last chunk of a long prompt attends over all the rest, the dearest of all.
+        """
         share = min(num_uncomputed, self.tokens)
-        if num_uncomputed > LONG_PREFILL_TOKENS and self.long_tokens is not None:
+        if num_prefill_tokens > LONG_PREFILL_TOKENS and self.long_tokens is not None:
             share = min(share, self.long_tokens)
         return share
 
-    def take(self, num_uncomputed: int) -> int:
-        share = self.share(num_uncomputed)
+    def take(self, num_uncomputed: int, num_prefill_tokens: int) -> int:
+        share = self.share(num_uncomputed, num_prefill_tokens)
         self.tokens -= share
-        if num_uncomputed > LONG_PREFILL_TOKENS and self.long_tokens is not None:
+        if num_prefill_tokens > LONG_PREFILL_TOKENS and self.long_tokens is not None:
             self.long_tokens -= share
         return share
 
@@ -79,6 +83,11 @@ class StepCostModel:
     """Moving averages of a decode-only step's time and of one more token's cost in a step."""
 
     MIN_PREFILL_CHUNK = 4  # tokens: a long prompt always makes progress
+    # Chunks are planned to this share of the allowed extra time: a decode step's own time varies by
+    # ±20% on a busy machine and grows as the streams' contexts do, so planning to the full allowance
+    # put the largest gaps at ~2.7x the median before the prompt arrived (2000 tokens under 16 streams);
+    # at 0.8, ~2.3-2.6x (0.7 gained nothing more: the rest is the machine's jitter).
+    PLANNING_MARGIN = 0.8
     _SMOOTHING = 0.2
 
     def __init__(self, max_itl_stretch: float) -> None:
@@ -104,7 +113,7 @@ class StepCostModel:
         # The cost of a prefill token grows with its position (attention reads its whole context), so
         # the latest chunk's cost, when higher, wins over the average: chunks shrink as a prompt goes on.
         per_token = max(self.seconds_per_token, self.latest_seconds_per_token or 0.0)
-        allowed = (self.max_itl_stretch - 1.0) * self.decode_step_seconds / per_token
+        allowed = self.PLANNING_MARGIN * (self.max_itl_stretch - 1.0) * self.decode_step_seconds / per_token
         return max(self.MIN_PREFILL_CHUNK, min(budget, int(allowed)))
 
     def _blend(self, average: float | None, sample: float) -> float:
@@ -186,7 +195,7 @@ class Scheduler:
                 break
             if seq.is_prefill_done and seq.num_uncomputed_tokens <= 1:
                 continue  # a decode, already scheduled (or preempted) above
-            num_tokens = budget.take(seq.num_uncomputed_tokens)
+            num_tokens = budget.take(seq.num_uncomputed_tokens, seq.num_prefill_tokens)
             if num_tokens:
                 out.chunks.append(self._chunk(seq, num_tokens, out))
 
@@ -196,7 +205,7 @@ class Scheduler:
             token_ids = seq.all_token_ids()
             # prompt logprobs need every prompt row's logits: nothing of the prompt may come from the cache
             use_cache = seq.params.prompt_logprobs is None or bool(seq.output_ids)
-            if not budget.share(len(token_ids)) or not self.kv.can_allocate(token_ids, use_cache):
+            if not budget.share(len(token_ids), len(token_ids)) or not self.kv.can_allocate(token_ids, use_cache):
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
             num_cached = self.kv.allocate(seq.seq_id, token_ids, use_cache)
@@ -204,8 +213,9 @@ class Scheduler:
             if seq.request.num_cached_tokens == 0 and not seq.output_ids:
                 seq.request.num_cached_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
+            seq.num_prefill_tokens = seq.num_uncomputed_tokens
             self.running.append(seq)
-            num_tokens = budget.take(seq.num_uncomputed_tokens)
+            num_tokens = budget.take(seq.num_uncomputed_tokens, seq.num_prefill_tokens)
             if num_tokens:
                 out.chunks.append(self._chunk(seq, num_tokens, out))
 

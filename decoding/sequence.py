@@ -64,6 +64,7 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_prefill_tokens: int = 0  # tokens its current prefill had to compute when admitted (cache hits aside)
     status: SequenceStatus = SequenceStatus.WAITING
     held_text: str = ""  # decoded text not yet sent: it could be the start of a stop string
     sent_text_tail: str = ""  # the last characters sent, where a stop string may have begun

@@ -4,7 +4,7 @@ import numpy as np
 
 from decoding.outputs import RequestStream
 from decoding.params import SamplingParams
-from decoding.scheduler import Scheduler
+from decoding.scheduler import LONG_PREFILL_TOKENS, Scheduler
 from decoding.sequence import Request, Sequence, SequenceStatus
 from kvcache.manager import KVCacheManager
 
@@ -125,7 +125,8 @@ def test_prefill_chunks_while_decoding_are_sized_to_keep_the_step_within_the_str
     for _ in range(20):
         model.observe(num_decode_tokens=16, num_prefill_tokens=0, seconds=0.020)
         model.observe(num_decode_tokens=16, num_prefill_tokens=40, seconds=0.060)  # 1 ms per extra token
-    assert model.prefill_budget_while_decoding(256) == 20  # 20 ms more at 1 ms a token doubles the step
+    # 20 ms more at 1 ms a token would double the step; chunks are planned to 80% of that allowance
+    assert model.prefill_budget_while_decoding(256) == 16
     assert StepCostModel(max_itl_stretch=3.0).prefill_budget_while_decoding(8) == 8  # never above the budget
 
 
@@ -144,7 +145,26 @@ def test_a_long_prompt_arriving_during_decodes_gets_the_time_budgeted_chunk():
     long_prompt = make_seq(800, "long")  # more than LONG_PREFILL_TOKENS: held to the time budget
     scheduler.add(long_prompt)
     out = scheduler.schedule()
-    assert [c.num_tokens for c in out.chunks] == [1, 1, 1, 10]
+    assert [c.num_tokens for c in out.chunks] == [1, 1, 1, 8]  # 80% of the 10 ms a 2x step allows
+
+
+def test_a_long_prompt_stays_throttled_to_its_last_chunk():
+    """Its last chunks attend over the whole prompt: the dearest tokens of all, even with few left."""
+    scheduler = Scheduler(KVCacheManager(256, 4, 2048, enable_prefix_caching=False), max_num_seqs=8,
+                          max_num_batched_tokens=256)
+    stream = make_seq(4, "stream")
+    scheduler.add(stream)
+    finish_step(scheduler, scheduler.schedule())
+    scheduler.step_costs.decode_step_seconds = 0.010
+    scheduler.step_costs.seconds_per_token = 1e-6  # cheap for now: whole-budget chunks
+    long_prompt = make_seq(800, "long")
+    scheduler.add(long_prompt)
+    for _ in range(3):
+        finish_step(scheduler, scheduler.schedule())
+    assert 0 < long_prompt.num_uncomputed_tokens < LONG_PREFILL_TOKENS
+    scheduler.step_costs.seconds_per_token = scheduler.step_costs.latest_seconds_per_token = 0.001
+    out = scheduler.schedule()
+    assert [(c.seq, c.num_tokens) for c in out.chunks] == [(stream, 1), (long_prompt, 8)]
 
 
 def test_short_prompts_arriving_during_decodes_are_not_throttled():
