@@ -10,6 +10,7 @@ taken, on the same GGUF and thread count.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import itertools
 import json
@@ -368,6 +369,8 @@ def main(argv: list[str]) -> int:
     engine = Engine(model, config).start()
     try:
         engine.generate(prompt_ids, SamplingParams(max_tokens=4))  # warm-up: numba compiles or loads its cache
+        gc.collect()
+        gc.freeze()  # as `treadle serve` does once warm: long-lived objects stay out of full collections
         results = []
         for level in levels:
             result = run_level(engine, prompt_ids, level, args.max_tokens)

@@ -189,3 +189,22 @@ def test_before_warm_up_health_and_generation_answer_503(default_model):
         assert tokenized.status_code == 200  # the tokenizer needs no warm engine
     finally:
         engine.shutdown()
+
+
+def test_warm_up_freezes_what_lives_as_long_as_the_process(default_model):
+    import gc
+
+    from app.server import ServingState
+    from app.settings import ServerSettings
+    from decoding.engine import Engine, EngineConfig
+
+    engine = Engine(default_model, EngineConfig(num_kv_blocks=8, n_threads=1, pin_threads=False))
+    try:
+        state = ServingState(ServerSettings(), engine, None)
+        gc.unfreeze()
+        state.warm_up()
+        assert state.is_ready and state.startup_error is None
+        assert gc.get_freeze_count() > 0  # the model, tokenizer and app are out of later full collections
+    finally:
+        gc.unfreeze()  # the test process goes on collecting as before
+        engine.shutdown()
