@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from kvcache.fastmath import exp_f32
+
 from .quant import QType
 from .vnni import (
     BLOCK_STRIDE,
@@ -106,9 +108,17 @@ def matmul_groups(packed, qtype, n_cols, xq, xd, xsum, n_tokens, out, group_begi
             t += step
 
 
-@njit(nogil=True, cache=True)
-def swiglu_groups(gate, up, qtype_gate, qtype_up, n_cols, xq, xd, xsum, n_tokens, out, group_begin, group_end,
-                  tmp_gate, tmp_up):
+@njit(nogil=True, cache=True, error_model="numpy")
+def swiglu_groups(gate, up, qtype_gate, qtype_up, n_cols, xq, xd, xsum, n_tokens, out, up_out, group_begin,
+                  group_end, tmp_gate, tmp_up):  # fmt: skip
+    """out[t, r] = silu(gate_r · x[t]) · (up_r · x[t]) for the rows of groups [group_begin, group_end).
+
+    The dot products land first in `out` (gate) and `up_out` (up); the SiLU then runs as one
+    contiguous pass over the thread's own columns, where `exp_f32` vectorises (a libm expf per
+    element was a sixth of the feed-forward's time at 32 tokens). error_model="numpy": numba's
+    default checks every float division for zero to raise ZeroDivisionError, a branch that keeps
+    LLVM from vectorising the loop (20x slower); 1 + exp(-g) is never zero.
+    """
     n_blocks = n_cols // 32
     stride_gate = group_stride(qtype_gate, n_blocks)
     stride_up = group_stride(qtype_up, n_blocks)
@@ -120,6 +130,13 @@ def swiglu_groups(gate, up, qtype_gate, qtype_up, n_cols, xq, xd, xsum, n_tokens
             group_dot(up, qtype_up, g * stride_up, n_blocks, xq, xd, xsum, t, step, tmp_up)
             for k in range(step):
                 for i in range(8):
-                    g_val = tmp_gate[k, i]
-                    out[t + k, 8 * g + i] = g_val / (np.float32(1.0) + np.exp(-g_val)) * tmp_up[k, i]
+                    out[t + k, 8 * g + i] = tmp_gate[k, i]
+                    up_out[t + k, 8 * g + i] = tmp_up[k, i]
             t += step
+    for t in range(n_tokens):
+        # sliced, with a loop from 0: numba then proves the index non-negative and LLVM vectorises
+        # (a range(begin, end) index keeps a negative-index check in the loop and runs 16x slower)
+        gates, ups = out[t, 8 * group_begin : 8 * group_end], up_out[t, 8 * group_begin : 8 * group_end]
+        for j in range(gates.shape[0]):
+            g_val = gates[j]
+            gates[j] = g_val / (np.float32(1.0) + exp_f32(-g_val)) * ups[j]

@@ -103,6 +103,7 @@ class RunState:
     v: np.ndarray  # (max_tokens, n_kv_heads · head_dim)
     attn: np.ndarray  # (max_tokens, n_heads · head_dim) attention output
     hb: np.ndarray  # (max_tokens, hidden_dim) SwiGLU output
+    up: np.ndarray  # (max_tokens, hidden_dim) the up projection, before the fast kernels' SiLU pass
     final: np.ndarray  # (max_logit_rows, dim) final-normed rows that sample
     logits: np.ndarray  # (max_logit_rows, vocab)
     row_buffers: np.ndarray  # (n_threads, 2, max(dim, hidden_dim, q_dim)) dequantized weight rows
@@ -123,7 +124,7 @@ class RunState:
         return cls(
             zeros(max_tokens, cfg.dim), zeros(max_tokens, cfg.dim), zeros(max_tokens, cfg.q_dim),
             zeros(max_tokens, cfg.kv_dim), zeros(max_tokens, cfg.kv_dim), zeros(max_tokens, cfg.q_dim),
-            zeros(max_tokens, cfg.hidden_dim), zeros(max_logit_rows, cfg.dim),
+            zeros(max_tokens, cfg.hidden_dim), zeros(max_tokens, cfg.hidden_dim), zeros(max_logit_rows, cfg.dim),
             zeros(max_logit_rows, cfg.vocab_size), zeros(n_threads, 2, widest),
             attention_scratch(n_threads, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, block_size),
             np.zeros((rows, widest), dtype=np.int8), zeros(rows, widest // 32),
@@ -156,7 +157,7 @@ def model_step(
     token_ids, positions, slot_mapping, block_tables, context_lens, query_start_loc, logit_rows,
     matrices, packed, qtypes, norms, embedding, embedding_qtype, lm_head, lm_head_qtype, lm_head_packed,
     output_norm, rope_cos, rope_sin, n_heads, n_kv_heads, head_dim, rms_eps, key_cache, value_cache,
-    x, xb, q, k, v, attn, hb, final, logits, row_buffers, attn_scratch, xq, xd, xsum, group_out,
+    x, xb, q, k, v, attn, hb, up, final, logits, row_buffers, attn_scratch, xq, xd, xsum, group_out,
 ):  # fmt: skip
     n_tokens = token_ids.shape[0]
     n_layers = qtypes.shape[0]
@@ -220,7 +221,7 @@ def model_step(
         if fast and packed[w + 4].shape[0] > 0 and packed[w + 5].shape[0] > 0:  # SwiGLU
             g0, g1 = split_range(hidden_dim // 8, tid, nthreads)
             swiglu_groups(packed[w + 4], packed[w + 5], qtypes[layer, 4], qtypes[layer, 5], dim, xq, xd, xsum,
-                          n_tokens, hb, g0, g1, tmp[0], tmp[1])
+                          n_tokens, hb, up, g0, g1, tmp[0], tmp[1])
         else:
             r0, r1 = split_range(hidden_dim, tid, nthreads)
             swiglu_rows(matrices[w + 4], qtypes[layer, 4], matrices[w + 5], qtypes[layer, 5], dim, xb, n_tokens, hb,

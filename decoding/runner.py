@@ -60,7 +60,7 @@ class ModelRunner:
             w.lm_head_packed, w.output_norm, w.rope_cos, w.rope_sin,
             cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, np.float32(cfg.rms_eps),
             self.storage.key_cache, self.storage.value_cache,
-            s.x, s.xb, s.q, s.k, s.v, s.attn, s.hb, s.final, s.logits, s.row_buffers, s.attn_scratch,
+            s.x, s.xb, s.q, s.k, s.v, s.attn, s.hb, s.up, s.final, s.logits, s.row_buffers, s.attn_scratch,
             s.xq, s.xd, s.xsum, s.group_out,
         )  # fmt: skip
         return s.logits[: batch.logit_rows.shape[0]]

@@ -76,9 +76,9 @@ def test_accumulate_adds_to_the_residual_and_swiglu_combines_both_projections():
     matmul_groups(repack(gate, QType.Q8_0, rows, cols), int(QType.Q8_0), cols, xq, xd, xsum, tokens, out, 0, 2, True,
                   np.zeros((4, 8), np.float32))
     np.testing.assert_allclose(out, residual + x @ dequantize(gate, QType.Q8_0, cols).T, rtol=1e-4, atol=1e-4)
-    hidden = np.zeros((tokens, rows), np.float32)
+    hidden, up_scratch = np.zeros((tokens, rows), np.float32), np.zeros((tokens, rows), np.float32)
     swiglu_groups(repack(gate, QType.Q8_0, rows, cols), repack(up, QType.Q4_1, rows, cols), int(QType.Q8_0),
-                  int(QType.Q4_1), cols, xq, xd, xsum, tokens, hidden, 0, 2, np.zeros((4, 8), np.float32),
+                  int(QType.Q4_1), cols, xq, xd, xsum, tokens, hidden, up_scratch, 0, 2, np.zeros((4, 8), np.float32),
                   np.zeros((4, 8), np.float32))
     g = x @ dequantize(gate, QType.Q8_0, cols).T
     u = x @ dequantize(up, QType.Q4_1, cols).T
