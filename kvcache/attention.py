@@ -24,6 +24,10 @@ what lets the engine promise outputs independent of batching, chunking, preempti
 The softmax is online (flash-attention's running max and sum, rescaled per block), so no buffer
 scales with the context; per-thread scratch comes from `attention_scratch`, sized once.
 
+With 16-key blocks and head_dim 64 or 128 (the default shapes) each block is folded in by explicit
+vector IR (`kvcache.attention_simd`), ~1.6-1.9x faster than the loops below, which serve every
+other shape with the same semantics.
+
 fastmath stays off, so LLVM never reorders a sum. The kernels choose the order themselves: a score
 adds eight head_dim terms at a time as a fixed tree, the value sum four keys at a time. Short inner
 loops of one-term updates were 2x slower: numba leaves LLVM's SLP vectoriser off, fully unrolled
@@ -37,6 +41,7 @@ import math
 import numpy as np
 from numba import njit
 
+from kvcache.attention_simd import SIMD_BLOCK_SIZE, attend_block_64, attend_block_128
 from kvcache.fastmath import as_f32, exp_f32, like
 from kvcache.prefetch import prefetch_tile
 
@@ -161,6 +166,12 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
         num_keys = min(block_size, position + 1 - logical_block * block_size)  # causal within the last block
         for g in range(group_size):
             work_row = work[g]
+            if block_size == SIMD_BLOCK_SIZE and head_dim == 64:  # the default shapes: vector IR
+                attend_block_64(work_row, keys, values, num_keys)
+                continue
+            if block_size == SIMD_BLOCK_SIZE and head_dim == 128:
+                attend_block_128(work_row, keys, values, num_keys)
+                continue
             acc = work_row[acc_begin:weights_begin]
             weights = work_row[weights_begin:stats_begin]
             _block_scores(weights, keys, work_row[:acc_begin], num_keys)

@@ -129,6 +129,7 @@ CASES = [
     ([5, 129, 64], [5, 1, 17], 4, 2, 2, 16),  # no grouping (MHA), tiny blocks
     ([300], [7], 32, 6, 2, 8),  # long context, block larger than head_dim
     ([3, 17, 31, 50], [1, 16, 2, 50], 16, 8, 2, 64),  # mixed decode and prefill
+    ([40, 17], [3, 17], 16, 4, 2, 128),  # head_dim 128 (Llama-sized): the other vector-IR shape
 ]
 
 

@@ -1,0 +1,191 @@
+"""One block of paged attention for one query head, written as LLVM vector IR (a numba intrinsic).
+
+The numba kernel's loops run over a block's 16 keys, so LLVM vectorises each of them as one vector
+iteration wrapped in run-time alias checks and scalar remainders, many times per block; attention
+then cost ~10 ns per key and head. Here the block is explicit `<16 x float>` arithmetic: the 16
+scores are one vector accumulated over head_dim, the mask, max, exp and sum act on that vector, and
+the weighted sum of value rows updates head_dim / 16 accumulator vectors.
+
+The arithmetic is the numba kernel's (`attention._block_scores` etc.) in a fixed order of its own,
+which depends only on the block's keys: outputs stay independent of the batch, the thread count and
+the chunking. `exp` is `fastmath.exp_f32` (Cephes, plain arithmetic) on 16 lanes; keys past
+`num_keys` are masked to -inf before the max and never read from the value tile (unused slots of
+a block may hold anything).
+
+Specialised for 16-key blocks and head_dim 64 or 128 (`SIMD_HEAD_DIMS`); other shapes use the numba
+path.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from kvcache.fastmath import _EXP_MAX, _EXP_MIN, _LN2_HI, _LN2_LO, _LOG2E
+
+SIMD_BLOCK_SIZE = 16
+SIMD_HEAD_DIMS = (64, 128)
+_LANES = SIMD_BLOCK_SIZE
+_f32, _i32, _i64, _half = ir.FloatType(), ir.IntType(32), ir.IntType(64), ir.HalfType()
+_V = ir.VectorType(_f32, _LANES)
+_EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
+             5.0000001201e-1)
+
+
+def _splat(builder: ir.IRBuilder, scalar: ir.Value) -> ir.Value:
+    vector = builder.insert_element(ir.Constant(_V, ir.Undefined), scalar, ir.Constant(_i32, 0))
+    return builder.shuffle_vector(vector, ir.Constant(_V, ir.Undefined), ir.Constant(ir.VectorType(_i32, _LANES),
+                                                                                     [0] * _LANES))
+
+
+def _const(value: float) -> ir.Constant:
+    return ir.Constant(_V, [float(value)] * _LANES)
+
+
+def _intrinsic_fn(builder: ir.IRBuilder, name: str, num_args: int) -> ir.Function:
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V, [_V] * num_args), name)
+
+
+def _exp(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """exp_f32 on 16 lanes, operation for operation (0 below -87, so exp(-inf) = 0)."""
+    maxnum, minnum = _intrinsic_fn(builder, "llvm.maxnum.v16f32", 2), _intrinsic_fn(builder, "llvm.minnum.v16f32", 2)
+    floor = _intrinsic_fn(builder, "llvm.floor.v16f32", 1)
+    clamped = builder.call(minnum, [builder.call(maxnum, [x, _const(_EXP_MIN)]), _const(_EXP_MAX)])
+    n = builder.call(floor, [builder.fadd(builder.fmul(clamped, _const(_LOG2E)), _const(0.5))])
+    r = builder.fsub(builder.fsub(clamped, builder.fmul(n, _const(_LN2_HI))), builder.fmul(n, _const(_LN2_LO)))
+    p = _const(_EXP_POLY[0])
+    for coefficient in _EXP_POLY[1:]:
+        p = builder.fadd(builder.fmul(p, r), _const(coefficient))
+    p = builder.fadd(builder.fadd(builder.fmul(builder.fmul(p, r), r), r), _const(1.0))
+    exponent = builder.shl(builder.add(builder.fptosi(n, ir.VectorType(_i32, _LANES)),
+                                       ir.Constant(ir.VectorType(_i32, _LANES), [127] * _LANES)),
+                           ir.Constant(ir.VectorType(_i32, _LANES), [23] * _LANES))
+    scaled = builder.fmul(p, builder.bitcast(exponent, _V))
+    in_range = builder.fcmp_ordered(">=", x, _const(_EXP_MIN))
+    return builder.select(in_range, scaled, _const(0.0))
+
+
+def _reduce(builder: ir.IRBuilder, vector: ir.Value, combine) -> ir.Value:  # type: ignore[no-untyped-def]
+    """Halve the vector until one lane is left: a fixed tree (lane i with lane i + width / 2)."""
+    width = _LANES
+    while width > 1:
+        width //= 2
+        upper = builder.shuffle_vector(vector, ir.Constant(_V, ir.Undefined), ir.Constant(
+            ir.VectorType(_i32, _LANES), [i + width if i < width else i for i in range(_LANES)]))
+        vector = combine(vector, upper)
+    return builder.extract_element(vector, ir.Constant(_i32, 0))
+
+
+def _load_row(builder: ir.IRBuilder, base: ir.Value, element: ir.Type, index: ir.Value) -> ir.Value:
+    """16 consecutive elements from `base` + index elements, as float32 (half floats widened)."""
+    pointer = builder.gep(base, [index])
+    if element == _half:
+        raw = builder.load(builder.bitcast(pointer, ir.VectorType(ir.IntType(16), _LANES).as_pointer()), align=2)
+        return builder.fpext(builder.bitcast(raw, ir.VectorType(_half, _LANES)), _V)
+    return builder.load(builder.bitcast(pointer, _V.as_pointer()), align=4)
+
+
+def _make_attend_block(head_dim: int):  # type: ignore[no-untyped-def]
+    chunks = head_dim // _LANES
+
+    @intrinsic
+    def attend_block(typingctx, work_row, keys, values, num_keys):  # type: ignore[no-untyped-def]
+        """Fold one block into one query head's online softmax (`attention._attend_row_group`'s layout).
+
+        work_row: (≥ 2·head_dim + 18,) float32 = [scaled query | accumulator | 16 scratch | max, sum];
+        keys: (head_dim, 16) and values: (16, head_dim), C-contiguous, float32 or uint16 half floats;
+        num_keys: the block's keys to use (1..16).
+        """
+        if keys.dtype not in (types.float32, types.uint16) or values.dtype != keys.dtype:
+            return None
+        sig = types.void(work_row, keys, values, num_keys)
+
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            work_value, keys_value, values_value, count = args
+            element = _half if signature.args[1].dtype == types.uint16 else _f32
+            work = context.make_array(signature.args[0])(context, builder, work_value).data
+            key_base = builder.bitcast(context.make_array(signature.args[1])(context, builder, keys_value).data,
+                                       element.as_pointer())
+            value_base = builder.bitcast(context.make_array(signature.args[2])(context, builder, values_value).data,
+                                         element.as_pointer())
+            count = context.cast(builder, count, signature.args[3], types.int64)
+
+            # scores[t] = Σ_d q[d]·K[d, t]: four partial sums over d (d mod 4), then (s0 + s1) + (s2 + s3)
+            partial = [_const(0.0)] * 4
+            for d in range(head_dim):
+                q_d = builder.load(builder.gep(work, [ir.Constant(_i64, d)]))
+                k_d = _load_row(builder, key_base, element, ir.Constant(_i64, d * _LANES))
+                partial[d % 4] = builder.fadd(partial[d % 4], builder.fmul(_splat(builder, q_d), k_d))
+            scores = builder.fadd(builder.fadd(partial[0], partial[1]), builder.fadd(partial[2], partial[3]))
+            lane = ir.Constant(ir.VectorType(_i64, _LANES), list(range(_LANES)))
+            count_splat = builder.shuffle_vector(
+                builder.insert_element(ir.Constant(ir.VectorType(_i64, _LANES), ir.Undefined), count,
+                                       ir.Constant(_i32, 0)),
+                ir.Constant(ir.VectorType(_i64, _LANES), ir.Undefined),
+                ir.Constant(ir.VectorType(_i32, _LANES), [0] * _LANES))
+            valid = builder.icmp_signed("<", lane, count_splat)
+            scores = builder.select(valid, scores, _const(float("-inf")))
+
+            maxnum = _intrinsic_fn(builder, "llvm.maxnum.v16f32", 2)
+            block_max = _reduce(builder, scores, lambda a, b: builder.call(maxnum, [a, b]))
+            stats = builder.gep(work, [ir.Constant(_i64, 2 * head_dim + _LANES)])
+            old_max = builder.load(stats)
+            old_sum = builder.load(builder.gep(stats, [ir.Constant(_i64, 1)]))
+            new_max = builder.select(builder.fcmp_ordered(">", block_max, old_max), block_max, old_max)
+            correction = builder.extract_element(_exp(builder, _splat(builder, builder.fsub(old_max, new_max))),
+                                                 ir.Constant(_i32, 0))
+            weights = _exp(builder, builder.fsub(scores, _splat(builder, new_max)))
+            block_sum = _reduce(builder, weights, builder.fadd)
+            builder.store(new_max, stats)
+            builder.store(builder.fadd(builder.fmul(old_sum, correction), block_sum),
+                          builder.gep(stats, [ir.Constant(_i64, 1)]))
+
+            # acc = acc · correction + Σ_{t < count} weights[t] · V[t]
+            acc_base = builder.gep(work, [ir.Constant(_i64, head_dim)])
+            correction_splat = _splat(builder, correction)
+            accs = [builder.fmul(builder.load(builder.bitcast(builder.gep(acc_base, [ir.Constant(_i64, i * _LANES)]),
+                                                              _V.as_pointer()), align=4), correction_splat)
+                    for i in range(chunks)]
+            entry = builder.block
+            loop = builder.append_basic_block("keys")
+            done = builder.append_basic_block("keys_done")
+            builder.cbranch(builder.icmp_signed(">", count, ir.Constant(_i64, 0)), loop, done)
+            builder.position_at_end(loop)
+            t = builder.phi(_i64)
+            t.add_incoming(ir.Constant(_i64, 0), entry)
+            phis = []
+            for acc in accs:
+                phi = builder.phi(_V)
+                phi.add_incoming(acc, entry)
+                phis.append(phi)
+            weight = _splat(builder, builder.extract_element(weights, t))
+            row_start = builder.mul(t, ir.Constant(_i64, head_dim))
+            updated = [builder.fadd(phi, builder.fmul(weight, _load_row(
+                builder, value_base, element, builder.add(row_start, ir.Constant(_i64, i * _LANES)))))
+                for i, phi in enumerate(phis)]
+            next_t = builder.add(t, ir.Constant(_i64, 1))
+            t.add_incoming(next_t, loop)
+            for phi, value in zip(phis, updated):
+                phi.add_incoming(value, loop)
+            builder.cbranch(builder.icmp_signed("<", next_t, count), loop, done)
+            builder.position_at_end(done)
+            finals = []
+            for i, acc in enumerate(accs):  # phis first: LLVM wants them at the top of the block
+                final = builder.phi(_V)
+                final.add_incoming(acc, entry)
+                final.add_incoming(updated[i], loop)
+                finals.append(final)
+            for i, final in enumerate(finals):
+                builder.store(final, builder.bitcast(builder.gep(acc_base, [ir.Constant(_i64, i * _LANES)]),
+                                                     _V.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return attend_block
+
+
+attend_block_64 = _make_attend_block(64)
+attend_block_128 = _make_attend_block(128)
