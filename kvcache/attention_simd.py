@@ -1,4 +1,4 @@
-"""One block of paged attention for one query head, written as LLVM vector IR (a numba intrinsic).
+"""One block of paged attention for a GQA group's query heads, as LLVM vector IR (a numba intrinsic).
 
 The numba kernel's loops run over a block's 16 keys, so LLVM vectorises each of them as one vector
 iteration wrapped in run-time alias checks and scalar remainders, many times per block; attention
@@ -13,7 +13,8 @@ the chunking. `exp` is `fastmath.exp_f32` (Cephes, plain arithmetic) on 16 lanes
 a block may hold anything).
 
 Specialised for 16-key blocks and head_dim 64 or 128 (`SIMD_HEAD_DIMS`); other shapes use the numba
-path.
+path. One call serves a whole GQA group (each K and V row is loaded and widened once for all its
+query heads) for the common group sizes; others are served a head at a time.
 """
 
 from __future__ import annotations
@@ -87,25 +88,31 @@ def _load_row(builder: ir.IRBuilder, base: ir.Value, element: ir.Type, index: ir
     return builder.load(builder.bitcast(pointer, _V.as_pointer()), align=4)
 
 
-def _make_attend_block(head_dim: int):  # type: ignore[no-untyped-def]
+def _make_attend_group(head_dim: int, group_size: int):  # type: ignore[no-untyped-def]
     chunks = head_dim // _LANES
 
     @intrinsic
-    def attend_block(typingctx, work_row, keys, values, num_keys):  # type: ignore[no-untyped-def]
-        """Fold one block into one query head's online softmax (`attention._attend_row_group`'s layout).
+    def attend_group(typingctx, work, keys, values, num_keys):  # type: ignore[no-untyped-def]
+        """Fold one block into the online softmax of each query head of a GQA group.
 
-        work_row: (≥ 2·head_dim + 18,) float32 = [scaled query | accumulator | 16 scratch | max, sum];
-        keys: (head_dim, 16) and values: (16, head_dim), C-contiguous, float32 or uint16 half floats;
-        num_keys: the block's keys to use (1..16).
+        work: (group_size, ≥ 2·head_dim + 18) float32, C-contiguous rows; row g =
+        [scaled query | accumulator | 16 scratch | max, sum] of the group's head g
+        (`attention._attend_row_group`'s layout); keys: (head_dim, 16) and values: (16, head_dim),
+        C-contiguous, float32 or uint16 half floats; num_keys: the block's keys to use (1..16).
+        Each K and V row is loaded (and widened) once for all the group's heads; each head's
+        arithmetic is the same as if it were alone.
         """
         if keys.dtype not in (types.float32, types.uint16) or values.dtype != keys.dtype:
             return None
-        sig = types.void(work_row, keys, values, num_keys)
+        sig = types.void(work, keys, values, num_keys)
 
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
             work_value, keys_value, values_value, count = args
             element = _half if signature.args[1].dtype == types.uint16 else _f32
-            work = context.make_array(signature.args[0])(context, builder, work_value).data
+            work_array = context.make_array(signature.args[0])(context, builder, work_value)
+            row_floats = builder.udiv(cgutils.unpack_tuple(builder, work_array.strides)[0], ir.Constant(_i64, 4))
+            rows = [builder.gep(work_array.data, [builder.mul(row_floats, ir.Constant(_i64, g))])
+                    for g in range(group_size)]
             key_base = builder.bitcast(context.make_array(signature.args[1])(context, builder, keys_value).data,
                                        element.as_pointer())
             value_base = builder.bitcast(context.make_array(signature.args[2])(context, builder, values_value).data,
@@ -113,12 +120,12 @@ def _make_attend_block(head_dim: int):  # type: ignore[no-untyped-def]
             count = context.cast(builder, count, signature.args[3], types.int64)
 
             # scores[t] = Σ_d q[d]·K[d, t]: four partial sums over d (d mod 4), then (s0 + s1) + (s2 + s3)
-            partial = [_const(0.0)] * 4
+            partial = [[_const(0.0)] * 4 for _ in range(group_size)]
             for d in range(head_dim):
-                q_d = builder.load(builder.gep(work, [ir.Constant(_i64, d)]))
                 k_d = _load_row(builder, key_base, element, ir.Constant(_i64, d * _LANES))
-                partial[d % 4] = builder.fadd(partial[d % 4], builder.fmul(_splat(builder, q_d), k_d))
-            scores = builder.fadd(builder.fadd(partial[0], partial[1]), builder.fadd(partial[2], partial[3]))
+                for g, row in enumerate(rows):
+                    q_d = builder.load(builder.gep(row, [ir.Constant(_i64, d)]))
+                    partial[g][d % 4] = builder.fadd(partial[g][d % 4], builder.fmul(_splat(builder, q_d), k_d))
             lane = ir.Constant(ir.VectorType(_i64, _LANES), list(range(_LANES)))
             count_splat = builder.shuffle_vector(
                 builder.insert_element(ir.Constant(ir.VectorType(_i64, _LANES), ir.Undefined), count,
@@ -126,28 +133,33 @@ def _make_attend_block(head_dim: int):  # type: ignore[no-untyped-def]
                 ir.Constant(ir.VectorType(_i64, _LANES), ir.Undefined),
                 ir.Constant(ir.VectorType(_i32, _LANES), [0] * _LANES))
             valid = builder.icmp_signed("<", lane, count_splat)
-            scores = builder.select(valid, scores, _const(float("-inf")))
-
             maxnum = _intrinsic_fn(builder, "llvm.maxnum.v16f32", 2)
-            block_max = _reduce(builder, scores, lambda a, b: builder.call(maxnum, [a, b]))
-            stats = builder.gep(work, [ir.Constant(_i64, 2 * head_dim + _LANES)])
-            old_max = builder.load(stats)
-            old_sum = builder.load(builder.gep(stats, [ir.Constant(_i64, 1)]))
-            new_max = builder.select(builder.fcmp_ordered(">", block_max, old_max), block_max, old_max)
-            correction = builder.extract_element(_exp(builder, _splat(builder, builder.fsub(old_max, new_max))),
-                                                 ir.Constant(_i32, 0))
-            weights = _exp(builder, builder.fsub(scores, _splat(builder, new_max)))
-            block_sum = _reduce(builder, weights, builder.fadd)
-            builder.store(new_max, stats)
-            builder.store(builder.fadd(builder.fmul(old_sum, correction), block_sum),
-                          builder.gep(stats, [ir.Constant(_i64, 1)]))
 
-            # acc = acc · correction + Σ_{t < count} weights[t] · V[t]
-            acc_base = builder.gep(work, [ir.Constant(_i64, head_dim)])
-            correction_splat = _splat(builder, correction)
-            accs = [builder.fmul(builder.load(builder.bitcast(builder.gep(acc_base, [ir.Constant(_i64, i * _LANES)]),
-                                                              _V.as_pointer()), align=4), correction_splat)
-                    for i in range(chunks)]
+            weights, accs = [], []
+            for g, row in enumerate(rows):
+                p = partial[g]
+                scores = builder.fadd(builder.fadd(p[0], p[1]), builder.fadd(p[2], p[3]))
+                scores = builder.select(valid, scores, _const(float("-inf")))
+                block_max = _reduce(builder, scores, lambda a, b: builder.call(maxnum, [a, b]))
+                stats = builder.gep(row, [ir.Constant(_i64, 2 * head_dim + _LANES)])
+                old_max = builder.load(stats)
+                old_sum = builder.load(builder.gep(stats, [ir.Constant(_i64, 1)]))
+                new_max = builder.select(builder.fcmp_ordered(">", block_max, old_max), block_max, old_max)
+                correction = builder.extract_element(
+                    _exp(builder, _splat(builder, builder.fsub(old_max, new_max))), ir.Constant(_i32, 0))
+                head_weights = _exp(builder, builder.fsub(scores, _splat(builder, new_max)))
+                block_sum = _reduce(builder, head_weights, builder.fadd)
+                builder.store(new_max, stats)
+                builder.store(builder.fadd(builder.fmul(old_sum, correction), block_sum),
+                              builder.gep(stats, [ir.Constant(_i64, 1)]))
+                weights.append(head_weights)
+                # acc = acc · correction, then + Σ_{t < count} weights[t] · V[t] below
+                acc_base = builder.gep(row, [ir.Constant(_i64, head_dim)])
+                correction_splat = _splat(builder, correction)
+                accs.append([builder.fmul(builder.load(builder.bitcast(
+                    builder.gep(acc_base, [ir.Constant(_i64, i * _LANES)]), _V.as_pointer()), align=4),
+                    correction_splat) for i in range(chunks)])
+
             entry = builder.block
             loop = builder.append_basic_block("keys")
             done = builder.append_basic_block("keys_done")
@@ -156,36 +168,55 @@ def _make_attend_block(head_dim: int):  # type: ignore[no-untyped-def]
             t = builder.phi(_i64)
             t.add_incoming(ir.Constant(_i64, 0), entry)
             phis = []
-            for acc in accs:
-                phi = builder.phi(_V)
-                phi.add_incoming(acc, entry)
-                phis.append(phi)
-            weight = _splat(builder, builder.extract_element(weights, t))
+            for head_accs in accs:
+                head_phis = []
+                for acc in head_accs:
+                    phi = builder.phi(_V)
+                    phi.add_incoming(acc, entry)
+                    head_phis.append(phi)
+                phis.append(head_phis)
             row_start = builder.mul(t, ir.Constant(_i64, head_dim))
-            updated = [builder.fadd(phi, builder.fmul(weight, _load_row(
-                builder, value_base, element, builder.add(row_start, ir.Constant(_i64, i * _LANES)))))
-                for i, phi in enumerate(phis)]
+            value_rows = [_load_row(builder, value_base, element, builder.add(row_start, ir.Constant(_i64, i * _LANES)))
+                          for i in range(chunks)]
+            updated = []
+            for g in range(group_size):
+                weight = _splat(builder, builder.extract_element(weights[g], t))
+                updated.append([builder.fadd(phi, builder.fmul(weight, value_rows[i]))
+                                for i, phi in enumerate(phis[g])])
             next_t = builder.add(t, ir.Constant(_i64, 1))
             t.add_incoming(next_t, loop)
-            for phi, value in zip(phis, updated):
-                phi.add_incoming(value, loop)
+            for head_phis, head_updated in zip(phis, updated):
+                for phi, value in zip(head_phis, head_updated):
+                    phi.add_incoming(value, loop)
             builder.cbranch(builder.icmp_signed("<", next_t, count), loop, done)
             builder.position_at_end(done)
             finals = []
-            for i, acc in enumerate(accs):  # phis first: LLVM wants them at the top of the block
-                final = builder.phi(_V)
-                final.add_incoming(acc, entry)
-                final.add_incoming(updated[i], loop)
-                finals.append(final)
-            for i, final in enumerate(finals):
-                builder.store(final, builder.bitcast(builder.gep(acc_base, [ir.Constant(_i64, i * _LANES)]),
-                                                     _V.as_pointer()), align=4)
+            for g in range(group_size):  # phis first: LLVM wants them at the top of the block
+                head_finals = []
+                for i in range(chunks):
+                    final = builder.phi(_V)
+                    final.add_incoming(accs[g][i], entry)
+                    final.add_incoming(updated[g][i], loop)
+                    head_finals.append(final)
+                finals.append(head_finals)
+            for g, row in enumerate(rows):
+                acc_base = builder.gep(row, [ir.Constant(_i64, head_dim)])
+                for i, final in enumerate(finals[g]):
+                    builder.store(final, builder.bitcast(builder.gep(acc_base, [ir.Constant(_i64, i * _LANES)]),
+                                                         _V.as_pointer()), align=4)
             return context.get_dummy_value()
 
         return sig, codegen
 
-    return attend_block
+    return attend_group
 
 
-attend_block_64 = _make_attend_block(64)
-attend_block_128 = _make_attend_block(128)
+# (head_dim, GQA group size) → intrinsic; `attention._attend_row_group` picks one or calls the group
+# size 1 version once per head
+attend_group_64_1 = _make_attend_group(64, 1)
+attend_group_64_2 = _make_attend_group(64, 2)
+attend_group_64_3 = _make_attend_group(64, 3)
+attend_group_64_4 = _make_attend_group(64, 4)
+attend_group_128_1 = _make_attend_group(128, 1)
+attend_group_128_2 = _make_attend_group(128, 2)
+attend_group_128_4 = _make_attend_group(128, 4)

@@ -129,7 +129,10 @@ CASES = [
     ([5, 129, 64], [5, 1, 17], 4, 2, 2, 16),  # no grouping (MHA), tiny blocks
     ([300], [7], 32, 6, 2, 8),  # long context, block larger than head_dim
     ([3, 17, 31, 50], [1, 16, 2, 50], 16, 8, 2, 64),  # mixed decode and prefill
-    ([40, 17], [3, 17], 16, 4, 2, 128),  # head_dim 128 (Llama-sized): the other vector-IR shape
+    ([40, 17], [3, 17], 16, 4, 2, 128),  # head_dim 128 (Llama-sized): the other vector-IR shape, groups of 2
+    ([33, 5], [33, 1], 16, 8, 2, 128),  # groups of 4
+    ([21, 40], [4, 1], 16, 5, 1, 64),  # a group size without its own vector-IR version: a head at a time
+    ([30], [30], 16, 4, 4, 64),  # groups of 1 (no GQA)
 ]
 
 
