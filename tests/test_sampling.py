@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from decoding.params import InvalidParams, SamplingParams
-from decoding.sampling import SampleRequest, Sampler, apply_penalties, log_softmax
+from decoding.sampling import Sampler, SampleRequest, apply_penalties, log_softmax
 
 VOCAB = 6
 LOGITS = np.log(np.array([0.5, 0.3, 0.15, 0.05, 1e-9, 1e-9], dtype=np.float32))
@@ -131,3 +131,18 @@ def test_blocked_inverse_cdf_draws_the_same_tokens_as_a_plain_one():
         # float32 exponentials against float64 ones: the drawn position may only move across a
         # boundary that lies within rounding of the target
         assert token == expected or abs(cdf[min(token, expected)] - u * cdf[-1]) < 1e-5 * cdf[-1]
+
+
+def test_draws_shared_among_pool_threads_equal_the_single_threaded_ones():
+    from decoding.sampling import draw_full_vocabulary
+    from threadpool import SpinPool
+
+    rng = np.random.default_rng(11)
+    z = (rng.standard_normal((7, 5000)) * 2).astype(np.float32)
+    rows, temperatures, uniforms = np.array([6, 1, 3, 0, 5]), np.full(5, 0.7, np.float32), rng.random(5)
+    alone = draw_full_vocabulary(z, rows, temperatures, uniforms)
+    with SpinPool(2, pin=False) as pool:
+        shared = draw_full_vocabulary(z, rows, temperatures, uniforms, pool)
+        single_row = draw_full_vocabulary(z, rows[:1], temperatures[:1], uniforms[:1], pool)
+    np.testing.assert_array_equal(shared, alone)
+    assert single_row[0] == alone[0]
