@@ -117,7 +117,8 @@ def draw_full_vocabulary(logits: np.ndarray, rows: np.ndarray, temperatures: np.
 
 
 @njit(nogil=True, cache=True)
-def _draw_rows_shared(tid, nthreads, barrier, logits, rows, temperatures, uniforms, tokens, weights):  # type: ignore[no-untyped-def]
+def _draw_rows_shared(tid, nthreads, barrier, logits, rows, temperatures, uniforms, tokens,  # type: ignore[no-untyped-def]
+                      weights):
     begin, end = split_range(rows.shape[0], tid, nthreads)
     _draw_rows(logits, rows[begin:end], temperatures[begin:end], uniforms[begin:end], tokens[begin:end],
                weights[tid])
