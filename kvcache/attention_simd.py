@@ -12,7 +12,7 @@ the chunking. `exp` is `fastmath.exp_f32` (Cephes, plain arithmetic) on 16 lanes
 `num_keys` are masked to -inf before the max and never read from the value tile (unused slots of
 a block may hold anything).
 
-Specialised for 16-key blocks and head_dim 64 or 128 (`SIMD_HEAD_DIMS`); other shapes use the numba
+Specialised for 16-key blocks and head_dim 64 or 128; other shapes use the numba
 path. One call serves a whole GQA group (each K and V row is loaded and widened once for all its
 query heads) for the common group sizes; others are served a head at a time.
 """
@@ -24,15 +24,12 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kvcache.fastmath import _EXP_MAX, _EXP_MIN, _LN2_HI, _LN2_LO, _LOG2E
+from kvcache.fastmath import EXP_MAX, EXP_MIN, EXP_POLYNOMIAL, LN2_HI, LN2_LO, LOG2E
 
 SIMD_BLOCK_SIZE = 16
-SIMD_HEAD_DIMS = (64, 128)
 _LANES = SIMD_BLOCK_SIZE
 _f32, _i32, _i64, _half = ir.FloatType(), ir.IntType(32), ir.IntType(64), ir.HalfType()
 _V = ir.VectorType(_f32, _LANES)
-_EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
-             5.0000001201e-1)
 
 
 def _splat(builder: ir.IRBuilder, scalar: ir.Value) -> ir.Value:
@@ -53,18 +50,18 @@ def _exp(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
     """exp_f32 on 16 lanes, operation for operation (0 below -87, so exp(-inf) = 0)."""
     maxnum, minnum = _intrinsic_fn(builder, "llvm.maxnum.v16f32", 2), _intrinsic_fn(builder, "llvm.minnum.v16f32", 2)
     floor = _intrinsic_fn(builder, "llvm.floor.v16f32", 1)
-    clamped = builder.call(minnum, [builder.call(maxnum, [x, _const(_EXP_MIN)]), _const(_EXP_MAX)])
-    n = builder.call(floor, [builder.fadd(builder.fmul(clamped, _const(_LOG2E)), _const(0.5))])
-    r = builder.fsub(builder.fsub(clamped, builder.fmul(n, _const(_LN2_HI))), builder.fmul(n, _const(_LN2_LO)))
-    p = _const(_EXP_POLY[0])
-    for coefficient in _EXP_POLY[1:]:
+    clamped = builder.call(minnum, [builder.call(maxnum, [x, _const(EXP_MIN)]), _const(EXP_MAX)])
+    n = builder.call(floor, [builder.fadd(builder.fmul(clamped, _const(LOG2E)), _const(0.5))])
+    r = builder.fsub(builder.fsub(clamped, builder.fmul(n, _const(LN2_HI))), builder.fmul(n, _const(LN2_LO)))
+    p = _const(EXP_POLYNOMIAL[0])
+    for coefficient in EXP_POLYNOMIAL[1:]:
         p = builder.fadd(builder.fmul(p, r), _const(coefficient))
     p = builder.fadd(builder.fadd(builder.fmul(builder.fmul(p, r), r), r), _const(1.0))
     exponent = builder.shl(builder.add(builder.fptosi(n, ir.VectorType(_i32, _LANES)),
                                        ir.Constant(ir.VectorType(_i32, _LANES), [127] * _LANES)),
                            ir.Constant(ir.VectorType(_i32, _LANES), [23] * _LANES))
     scaled = builder.fmul(p, builder.bitcast(exponent, _V))
-    in_range = builder.fcmp_ordered(">=", x, _const(_EXP_MIN))
+    in_range = builder.fcmp_ordered(">=", x, _const(EXP_MIN))
     return builder.select(in_range, scaled, _const(0.0))
 
 

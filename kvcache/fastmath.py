@@ -17,11 +17,14 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-_LOG2E = np.float32(1.4426950408889634)
-_LN2_HI = np.float32(0.693359375)  # ln 2 split in two: n · _LN2_HI is exact for |n| < 2^9
-_LN2_LO = np.float32(-2.12194440e-4)
-_EXP_MIN = np.float32(-87.0)  # expf underflows below this; exp_f32 returns exactly 0 there
-_EXP_MAX = np.float32(88.0)
+LOG2E = np.float32(1.4426950408889634)
+LN2_HI = np.float32(0.693359375)  # ln 2 split in two: n · LN2_HI is exact for |n| < 2^9
+LN2_LO = np.float32(-2.12194440e-4)
+EXP_MIN = np.float32(-87.0)  # expf underflows below this; exp_f32 returns exactly 0 there
+EXP_MAX = np.float32(88.0)
+# Cephes expf's polynomial in r, highest power first (exp_f32 below; kvcache.attention_simd's vector copy)
+EXP_POLYNOMIAL = tuple(np.float32(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
+                                               1.6666665459e-1, 5.0000001201e-1))
 
 
 @intrinsic
@@ -43,18 +46,18 @@ def u32_bits_to_f32(typingctx, bits):  # type: ignore[no-untyped-def]
 @njit(nogil=True, cache=True, fastmath=False, inline="always")
 def exp_f32(x):  # type: ignore[no-untyped-def]
     """e**x for float32 x; exactly 0 below -87 (so exp(-inf) = 0, as a running maximum's start needs)."""
-    clamped = min(max(x, _EXP_MIN), _EXP_MAX)
-    n = np.floor(clamped * _LOG2E + np.float32(0.5))
-    r = clamped - n * _LN2_HI - n * _LN2_LO
-    p = np.float32(1.9875691500e-4)
-    p = p * r + np.float32(1.3981999507e-3)
-    p = p * r + np.float32(8.3334519073e-3)
-    p = p * r + np.float32(4.1665795894e-2)
-    p = p * r + np.float32(1.6666665459e-1)
-    p = p * r + np.float32(5.0000001201e-1)
+    clamped = min(max(x, EXP_MIN), EXP_MAX)
+    n = np.floor(clamped * LOG2E + np.float32(0.5))
+    r = clamped - n * LN2_HI - n * LN2_LO
+    p = EXP_POLYNOMIAL[0]
+    p = p * r + EXP_POLYNOMIAL[1]
+    p = p * r + EXP_POLYNOMIAL[2]
+    p = p * r + EXP_POLYNOMIAL[3]
+    p = p * r + EXP_POLYNOMIAL[4]
+    p = p * r + EXP_POLYNOMIAL[5]
     p = p * r * r + r + np.float32(1.0)
     two_to_n = u32_bits_to_f32(np.uint32(np.int32(n) + 127) << 23)
-    return p * two_to_n if x >= _EXP_MIN else np.float32(0.0)
+    return p * two_to_n if x >= EXP_MIN else np.float32(0.0)
 
 
 @intrinsic
