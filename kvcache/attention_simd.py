@@ -12,9 +12,9 @@ the chunking. `exp` is `fastmath.exp_f32` (Cephes, plain arithmetic) on 16 lanes
 `num_keys` are masked to -inf before the max and never read from the value tile (unused slots of
 a block may hold anything).
 
-Specialised for 16-key blocks and head_dim 64 or 128; other shapes use the numba
-path. One call serves a whole GQA group (each K and V row is loaded and widened once for all its
-query heads) for the common group sizes; others are served a head at a time.
+Specialised for 16-key blocks and head_dim 64 or 128; other shapes use the numba path. One call
+serves a whole GQA group (each K and V row is loaded and widened once for all its query heads) for
+group sizes 1-4; other group sizes are served a head at a time.
 """
 
 from __future__ import annotations
