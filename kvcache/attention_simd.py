@@ -14,7 +14,8 @@ a block may hold anything).
 
 Specialised for 16-key blocks and head_dim 64 or 128; other shapes use the numba path. One call
 serves a whole GQA group (each K and V row is loaded and widened once for all its query heads) for
-group sizes 1-4; other group sizes are served a head at a time.
+group sizes 1-4 at head_dim 64 and 1, 2, 4 at 128 (Llama-family shapes); other group sizes are
+served a head at a time.
 """
 
 from __future__ import annotations
