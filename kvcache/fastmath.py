@@ -60,16 +60,32 @@ def exp_f32(x):  # type: ignore[no-untyped-def]
     return p * two_to_n if x >= EXP_MIN else np.float32(0.0)
 
 
+def _half_bits_to_float(builder: ir.IRBuilder, bits: ir.Value, bitwidth: int) -> ir.Value:
+    """fp16 bits (the low 16 of an integer) → float32: `fpext` from LLVM's half, i.e. vcvtph2ps."""
+    as_i16 = builder.trunc(bits, ir.IntType(16)) if bitwidth > 16 else bits
+    return builder.fpext(builder.bitcast(as_i16, ir.HalfType()), ir.FloatType())
+
+
+@intrinsic
+def f16_bits_to_f32(typingctx, bits):  # type: ignore[no-untyped-def]
+    """An fp16 bit pattern held in an integer → float32."""
+    if not isinstance(bits, types.Integer) or bits.bitwidth < 16:
+        return None
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return _half_bits_to_float(builder, args[0], bits.bitwidth)
+
+    return types.float32(bits), codegen
+
+
 @intrinsic
 def as_f32(typingctx, value):  # type: ignore[no-untyped-def]
     """A cache element as float32: a float32 as is, a uint16 as the half float its bits encode."""
     if value == types.float32:
         return types.float32(value), lambda context, builder, signature, args: args[0]
     if value == types.uint16:
-        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-
-        return types.float32(value), codegen
+        return types.float32(value), lambda context, builder, signature, args: _half_bits_to_float(
+            builder, args[0], 16)
     return None
 
 
