@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import hmac
 import logging
@@ -66,7 +67,8 @@ class ServingState:
             bos = self.model.tokenizer.bos_token_id
             prompt = [bos if bos is not None else 0]
             for params in WARM_UP_PARAMS:
-                self.engine.generate(prompt, params)
+                n = min(params.n, self.engine.config.max_num_seqs)  # n > max_num_seqs is refused
+                self.engine.generate(prompt, dataclasses.replace(params, n=n))
             self.metrics.attach(self.engine)  # after the warm-up, which is nobody's request
             # Everything alive now (model, tokenizer, compiled kernels, the app) lives as long as the
             # process: keep it out of the collector, so that a full collection while streams run walks

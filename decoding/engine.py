@@ -47,6 +47,10 @@ class EngineShuttingDown(RuntimeError):
     """The engine stopped admitting requests (HTTP 503)."""
 
 
+class EngineFailed(RuntimeError):
+    """The engine thread ended on an error it could not contain: nothing more is served (HTTP 503)."""
+
+
 class RequestTooLarge(ValueError):
     """The request can never be served: longer than the context, or larger than the whole KV cache."""
 
@@ -131,6 +135,7 @@ class Engine:
         self.num_running_requests = 0  # requests with a sequence in the running queue, after the last step
         self._ids = itertools.count()
         self._stopping = False
+        self.failure: str | None = None  # why the engine thread ended, if it did on an error
         self._thread: threading.Thread | None = None
 
     # ---- any thread -------------------------------------------------------------------------------
@@ -148,6 +153,8 @@ class Engine:
         request_id = request_id or f"req-{next(self._ids)}"
         stream = RequestStream(request_id, loop)
         with self._wakeup:
+            if self.failure is not None:
+                raise EngineFailed(f"the engine failed and serves nothing more: {self.failure}")
             if self._stopping:
                 raise EngineShuttingDown("the engine is shutting down")
             if self._num_unfinished >= self.config.max_queue:
@@ -167,6 +174,9 @@ class Engine:
         vocab = self.model.config.vocab_size
         if not prompt_ids:
             raise InvalidParams("prompt", "the prompt is empty")
+        if params.n > self.config.max_num_seqs:
+            raise InvalidParams("n", f"n = {params.n} choices cannot run together: this server runs at most "
+                                     f"{self.config.max_num_seqs} sequences at once (max_num_seqs)")
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise InvalidParams("prompt", f"token ids must lie in [0, {vocab})")
         if any(not 0 <= t < vocab for t in params.logit_bias):
@@ -203,14 +213,42 @@ class Engine:
 
     # ---- engine thread ----------------------------------------------------------------------------
 
+    @property
+    def is_failed(self) -> bool:
+        """The engine thread ended on an error (or died): nothing it holds will ever finish."""
+        return self.failure is not None or (self._thread is not None and not self._thread.is_alive()
+                                            and not self._stopping)
+
     def _loop(self) -> None:
-        while True:
+        failure: BaseException | None = None
+        try:
+            while self._wait_for_work():
+                try:
+                    self.step()
+                except Exception as exc:  # outside the model step: which requests it concerns is unknown
+                    log.exception("engine loop failed")
+                    self._fail_everything(f"internal error in the engine: {type(exc).__name__}")
+        except BaseException as exc:
+            failure = exc
+            raise
+        finally:
+            self._close(failure)
+
+    def _wait_for_work(self) -> bool:
+        with self._wakeup:
+            while not self._inbox and not self.scheduler.has_work and not self._stopping:
+                self._wakeup.wait()
+            return not self._stopping
+
+    def _close(self, failure: BaseException | None) -> None:
+        """The thread's last act: end every request it holds or will never take from the inbox."""
+        if failure is not None:
+            log.critical("the engine thread died: %s: %s", type(failure).__name__, failure)
             with self._wakeup:
-                while not self._inbox and not self.scheduler.has_work and not self._stopping:
-                    self._wakeup.wait()
-                if self._stopping:
-                    break
-            self.step()
+                self.failure = f"{type(failure).__name__}: {failure}"
+                self._stopping = True  # submit() refuses from now on, so the inbox only shrinks
+            self._fail_everything(f"the engine failed: {type(failure).__name__}", include_inbox=True)
+            return
         self._drain_inbox()
         for request in list(self._requests.values()):
             self._fail_request(request, "abort", "the engine shut down")
@@ -237,7 +275,8 @@ class Engine:
         except Exception as exc:  # a failed step ends only the requests it touched
             log.exception("engine step failed")
             for request in {id(c.seq.request): c.seq.request for c in scheduled.chunks}.values():
-                self._fail_request(request, "error", f"internal error while generating: {type(exc).__name__}")
+                self._fail_request(request, "error", f"internal error while generating: {type(exc).__name__}",
+                                   latest_step_ran=False)
             return
         seconds = time.perf_counter() - started
         self.scheduler.observe_step(scheduled, seconds)
@@ -256,7 +295,7 @@ class Engine:
         for chunk, first_row in zip(scheduled.chunks, logit_row_of_chunk):
             seq = chunk.seq
             seq.num_computed_tokens += chunk.num_tokens
-            self.stats.num_prompt_tokens += chunk.num_tokens if not seq.output_ids else 0
+            self._count_prompt_tokens(seq)
             if seq.params.prompt_logprobs is not None and first_row >= 0 and not seq.output_ids:
                 self._record_prompt_logprobs(seq, chunk.token_ids, logits[first_row : first_row + chunk.num_tokens])
             if chunk.samples:
@@ -271,6 +310,16 @@ class Engine:
             for seq, token, lp in zip(seqs, tokens.tolist(), logprobs):
                 self._publish(seq, process_token(seq, token, lp, self.eos_token_ids, self.max_model_len))
         return kernel_seconds
+
+    def _count_prompt_tokens(self, seq: Sequence) -> None:
+        """Each prompt position counts once per request: recomputing it after a preemption is not new work
+        asked for, and positions found in the prefix cache at admission were never computed here."""
+        request = seq.request
+        computed = min(seq.num_computed_tokens, len(request.prompt_ids))
+        if computed > request.num_prompt_tokens_computed:
+            first_new = max(request.num_prompt_tokens_computed, request.num_cached_tokens)
+            self.stats.num_prompt_tokens += max(0, computed - first_new)
+            request.num_prompt_tokens_computed = computed
 
     def _fork_choices(self, seq: Sequence) -> list[Sequence]:
         """When a request with n > 1 finishes its prompt, its other choices fork from it here."""
@@ -295,6 +344,7 @@ class Engine:
         if request.prompt_logprobs is None:
             request.prompt_logprobs = [None]  # nothing predicts the first token
         begin = seq.num_computed_tokens - len(token_ids)
+        del request.prompt_logprobs[begin + 1 :]  # a prompt preempted mid-prefill records its rows again
         logprobs = log_softmax(logits)
         k = request.params.prompt_logprobs or 0
         for i in range(len(token_ids)):
@@ -310,10 +360,19 @@ class Engine:
                 if not self._inbox:
                     return
                 command, payload = self._inbox.popleft()
-            if command == "add":
-                self._add_request(payload)
-            elif command == "abort" and payload in self._requests:
-                self._fail_request(self._requests[payload], "abort", None)
+            try:
+                if command == "add":
+                    self._add_request(payload)
+                elif command == "abort" and payload in self._requests:
+                    self._fail_request(self._requests[payload], "abort", None)
+            except Exception as exc:  # it concerns this one request: end it, serve the others
+                log.exception("engine failed to apply %r", command)
+                request = payload if command == "add" else self._requests.get(payload)
+                error = f"internal error in the engine: {type(exc).__name__}"
+                if request is not None and request.request_id in self._requests:
+                    self._fail_request(request, "error", error, latest_step_ran=False)
+                elif request is not None and not request.stream.is_finished:
+                    self._end_stream(request, "error", error)
 
     def _add_request(self, request: Request) -> None:
         self._requests[request.request_id] = request
@@ -342,15 +401,19 @@ class Engine:
             self._finish_request(request, output.finish_reason or "stop")
         request.stream.put(output, is_last=is_last)
 
-    def _fail_request(self, request: Request, reason: str, error: str | None) -> None:
-        """End every unfinished choice of a request (abort, engine error, shutdown)."""
+    def _fail_request(self, request: Request, reason: str, error: str | None, latest_step_ran: bool = True) -> None:
+        """End every unfinished choice of a request (abort, engine error, shutdown).
+
+        `latest_step_ran=False` when a step holding it failed: the KV that step was to write is
+        never published to the prefix cache.
+        """
         if request.request_id not in self._requests:
             return
         outputs = []
         for seq in request.sequences:
             if seq.finish_reason is None:
                 if seq.status != SequenceStatus.FINISHED:
-                    self.scheduler.remove(seq)
+                    self.scheduler.remove(seq, latest_step_ran)
                 outputs.append(finish_output(seq, reason, error=error, flush_text=False))
         # choices of n > 1 that were never forked (the prompt had not finished) end here too
         outputs += [RequestOutput(request.request_id, index, finish_reason=reason, error=error)
@@ -361,6 +424,41 @@ class Engine:
             if is_last:
                 output.usage = usage_of(request)
                 self._finish_request(request, reason)
+            request.stream.put(output, is_last=is_last)
+
+    def _fail_everything(self, error: str, include_inbox: bool = False) -> None:
+        """After an error whose scope is unknown: end every request the engine holds with an error
+        event and start the queues and the KV cache afresh (their state may be half-updated),
+        publishing nothing. Requests still in the inbox were untouched and are served after, unless
+        `include_inbox` (the thread is ending)."""
+        requests = list(self._requests.values())
+        if include_inbox:
+            with self._wakeup:
+                pending, self._inbox = list(self._inbox), deque()
+            requests += [payload for command, payload in pending if command == "add"]
+        for request in requests:
+            try:
+                self._end_stream(request, "error", error)
+            except Exception:  # noqa: BLE001 - one stream must not keep the others open
+                log.exception("could not end request %s", request.request_id)
+        self._requests.clear()
+        self.num_running_requests = 0
+        self.scheduler.running.clear()
+        self.scheduler.waiting.clear()
+        self.kv.free_all(latest_step_ran=False)
+
+    def _end_stream(self, request: Request, reason: str, error: str | None) -> None:
+        """Put the last output of every choice not yet finished, without touching engine state."""
+        finished = {seq.index for seq in request.sequences if seq.finish_reason is not None}
+        unfinished = [i for i in range(request.params.n) if i not in finished]
+        for position, index in enumerate(unfinished):
+            is_last = position == len(unfinished) - 1
+            output = RequestOutput(request.request_id, index, finish_reason=reason, error=error)
+            if is_last:
+                output.usage = usage_of(request)
+                with self._wakeup:
+                    self._num_unfinished -= 1
+                self._notify("on_request_finished", request, reason)
             request.stream.put(output, is_last=is_last)
 
     def _finish_request(self, request: Request, reason: str) -> None:

@@ -146,11 +146,17 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
-    def remove(self, seq: Sequence) -> None:
-        """Take a finished or aborted sequence out of the queues and release its blocks."""
+    @property
+    def num_reserved_seqs(self) -> int:
+        """Running sequences, counting the choices each unforked request will add (of `max_num_seqs`)."""
+        return sum(_num_seqs_reserved_by(seq) for seq in self.running)
+
+    def remove(self, seq: Sequence, latest_step_ran: bool = True) -> None:
+        """Take a finished or aborted sequence out of the queues and release its blocks (publishing the
+        KV its latest step computed only if that step ran: see `KVCacheManager.free`)."""
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
-            self.kv.free(seq.seq_id)
+            self.kv.free(seq.seq_id, latest_step_ran)
         elif seq.status == SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
@@ -178,6 +184,9 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status != SequenceStatus.RUNNING or not (seq.is_prefill_done and seq.num_uncomputed_tokens == 1):
                 continue
+            if num_scheduled == self.max_num_batched_tokens:  # only if forks outgrew admission's count
+                self._preempt(seq, out)  # the loop goes oldest first: the newest give way
+                continue
             while not self.kv.can_append(seq.seq_id, 1):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -200,8 +209,11 @@ class Scheduler:
                 out.chunks.append(self._chunk(seq, num_tokens, out))
 
     def _admit(self, out: SchedulerOutput, budget: _PrefillBudget) -> None:
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        num_reserved = self.num_reserved_seqs
+        while self.waiting:
             seq = self.waiting[0]
+            if num_reserved + _num_seqs_reserved_by(seq) > self.max_num_seqs:
+                break
             token_ids = seq.all_token_ids()
             # prompt logprobs need every prompt row's logits: nothing of the prompt may come from the cache
             use_cache = seq.params.prompt_logprobs is None or bool(seq.output_ids)
@@ -210,11 +222,12 @@ class Scheduler:
             self.waiting.popleft()
             num_cached = self.kv.allocate(seq.seq_id, token_ids, use_cache)
             seq.num_computed_tokens = num_cached
-            if seq.request.num_cached_tokens == 0 and not seq.output_ids:
+            if seq.index == 0 and seq.num_preemptions == 0:  # a recompute finds its own blocks: not a hit
                 seq.request.num_cached_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
             seq.num_prefill_tokens = seq.num_uncomputed_tokens
             self.running.append(seq)
+            num_reserved += _num_seqs_reserved_by(seq)
             num_tokens = budget.take(seq.num_uncomputed_tokens, seq.num_prefill_tokens)
             if num_tokens:
                 out.chunks.append(self._chunk(seq, num_tokens, out))
@@ -234,3 +247,12 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)  # older victims are preempted later, so they end up first
         out.preempted.append(seq)
+
+
+def _num_seqs_reserved_by(seq: Sequence) -> int:
+    """Running slots a sequence stands for: a request's first sequence, until its prompt is done and
+    the other choices fork from it, holds room for all n, so forks never exceed `max_num_seqs`."""
+    request = seq.request
+    if seq.output_ids or len(request.sequences) >= request.params.n:
+        return 1
+    return request.params.n - len(request.sequences) + 1

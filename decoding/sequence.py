@@ -33,7 +33,8 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     last_token_time: float | None = None
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache held at its first admission
+    num_prompt_tokens_computed: int = 0  # leading prompt positions computed at least once (recomputes aside)
     num_finished_choices: int = 0
     sequences: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -9,6 +9,7 @@ The life of a sequence (one engine step per line; `kv` is a `KVCacheManager`):
     if kv.can_append(seq_id):                            # else preempt someone (kv.free) and retry
         copies = kv.append_slots(seq_id, [last_sampled_token_id])                     # decode
     kv.free(seq_id)                                      # finished, aborted or preempted
+    kv.free(seq_id, latest_step_ran=False)               # its step failed: publish none of its KV
 
 `allocate` reserves blocks for the whole prompt, so a half-prefilled sequence never stalls for want
 of memory and two long prompts cannot each hold half the cache. `append_slots` is told the tokens
@@ -52,6 +53,7 @@ class _SequenceBlocks:
     block_table: np.ndarray  # (max_blocks_per_seq,) int32: physical block of each logical block
     num_blocks: int  # logical blocks held; block_table[num_blocks:] is stale
     num_tokens: int  # positions with a slot: computed, or being computed by the latest step
+    num_latest_tokens: int  # of those, the ones the latest append_slots gave: unwritten until its step runs
     num_published_blocks: int  # leading full blocks already offered to the prefix index
     last_published_hash: BlockHash  # hash of block num_published_blocks - 1 (ROOT_HASH if none)
     unpublished_token_ids: list[int]  # tokens at positions [num_published_blocks * block_size, num_tokens)
@@ -133,7 +135,7 @@ class KVCacheManager:
             block_table[logical_block] = self.pool.allocate()
         num_hit_tokens = len(hit_block_ids) * self.block_size
         self._seqs[seq_id] = _SequenceBlocks(
-            block_table, num_blocks, num_hit_tokens, len(hit_block_ids), last_hit_hash, []
+            block_table, num_blocks, num_hit_tokens, 0, len(hit_block_ids), last_hit_hash, []
         )
         self.stats.num_requests += 1
         self.stats.num_query_tokens += len(prompt_ids)
@@ -166,6 +168,7 @@ class KVCacheManager:
             seq.block_table[logical_block] = self.pool.allocate()
             seq.num_blocks += 1
         seq.num_tokens += num_new_tokens
+        seq.num_latest_tokens = num_new_tokens
         return copies
 
     def fork(self, parent_id: int, child_id: int) -> None:
@@ -179,24 +182,33 @@ class KVCacheManager:
             parent.block_table.copy(),
             parent.num_blocks,
             parent.num_tokens,
+            parent.num_latest_tokens,
             parent.num_published_blocks,
             parent.last_published_hash,
             list(parent.unpublished_token_ids),
         )
 
-    def free(self, seq_id: int) -> None:
+    def free(self, seq_id: int, latest_step_ran: bool = True) -> None:
         """Release every block of the sequence; full blocks stay cached for later prefixes until evicted.
 
-        Publishes the blocks its latest `append_slots` filled, as computed: call it after the step
-        that computed them ran (finished, aborted, or preempted before the next step's append) and
-        never between an `append_slots` and that step's forward pass.
+        Publishes the blocks its latest `append_slots` filled, as computed, unless `latest_step_ran`
+        is False: a step that failed (or was never run) left them unwritten, and a prefix lookup
+        must never find them. Never call it with True between an `append_slots` and that step's
+        forward pass.
         """
         seq = self._seqs.pop(seq_id)
         if self.enable_prefix_caching:
+            if not latest_step_ran:
+                seq.num_tokens -= seq.num_latest_tokens
             self._publish_full_blocks(seq)
         # Tail first, so least-recently-used eviction takes a prefix's tail before the blocks it extends.
         for block_id in reversed(seq.block_table[: seq.num_blocks].tolist()):
             self.pool.release(block_id)
+
+    def free_all(self, latest_step_ran: bool = True) -> None:
+        """Free every sequence (the engine starting afresh after an error it cannot place)."""
+        for seq_id in list(self._seqs):
+            self.free(seq_id, latest_step_ran)
 
     def check_fits(self, num_tokens: int) -> None:
         """Raise if a sequence of this many tokens could never be held, however long it waited."""

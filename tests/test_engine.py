@@ -6,7 +6,7 @@ import time
 import numpy as np
 import pytest
 
-from decoding.engine import Engine, EngineConfig, QueueFull, RequestTooLarge
+from decoding.engine import Engine, EngineConfig, EngineFailed, QueueFull, RequestTooLarge
 from decoding.params import InvalidParams, SamplingParams
 from decoding.reference import forward_logits
 from decoding.sampling import log_softmax
@@ -149,25 +149,29 @@ def test_a_full_queue_refuses_new_requests(default_model):
         eng.shutdown()
 
 
-def test_a_failing_step_ends_only_its_requests_and_the_engine_keeps_serving(default_model):
+def test_a_failing_step_ends_exactly_the_requests_it_held_and_the_engine_keeps_serving(default_model):
     eng = Engine(default_model, EngineConfig(max_num_seqs=4, kv_cache_mb=64, kernels="exact")).start()
     try:
         ids = default_model.tokenizer.encode(CAPITAL)
-        survivor = eng.submit(ids, greedy(40, ignore_eos=True), request_id="survivor")
-        first = next(iter(survivor))  # the survivor is decoding before the poisoned request arrives
+        in_failed_step: set[str] = set()
 
         def poison(scheduled):
             if any(c.seq.request.request_id == "poisoned" for c in scheduled.chunks):
+                in_failed_step.update(c.seq.request.request_id for c in scheduled.chunks)
                 raise RuntimeError("injected fault")
 
         eng.fault_hook = poison
+        # "early" decodes alone until "poisoned" arrives: both are in the step that fails; "late"
+        # arrives after it and never meets the fault.
+        early = eng.submit(ids, greedy(40, ignore_eos=True), request_id="early")
+        next(iter(early))
         failed = eng.generate(ids + [13], greedy(5), request_id="poisoned")
+        late = eng.generate(ids, greedy(4), request_id="late")[0]
         eng.fault_hook = None
         assert failed[0].finish_reason == "error" and "RuntimeError" in failed[0].error
-        rest = [o for o in survivor]
-        assert first.text and rest[-1].finish_reason in ("error", "length")
-        after = eng.generate(ids, greedy(4))[0]
-        assert after.finish_reason == "length" and after.text == " Paris.\n\n"
+        assert in_failed_step == {"early", "poisoned"}  # a failure cannot be pinned on one of them
+        assert list(early)[-1].finish_reason == "error"
+        assert late.finish_reason == "length" and late.text == " Paris.\n\n"
         assert eng.num_kv_blocks_used == 0
     finally:
         eng.shutdown()
@@ -200,3 +204,131 @@ def test_an_idle_engine_parks_and_burns_no_cpu(engine):
     time.sleep(1.0)
     assert time.process_time() - before < 0.2  # a spinning thread would use ~1 s of CPU here
     assert any(t.name == "treadle-engine" for t in threading.enumerate())
+
+
+def run_until_done(eng: Engine, streams) -> None:
+    """Turn a stopped engine's loop by hand (deterministic: no thread decides when a step runs)."""
+    for _ in range(10_000):
+        if all(s.is_finished for s in streams):
+            return
+        eng.step()
+    raise AssertionError("the requests did not finish")
+
+
+def merged(stream) -> list:
+    outputs = {}
+    for out in stream:
+        if out.index in outputs:
+            outputs[out.index].merge(out)
+        else:
+            outputs[out.index] = out
+    return [outputs[i] for i in sorted(outputs)]
+
+
+@pytest.mark.parametrize("prompt_logprobs", [1, None], ids=["echo-logprobs", "plain"])
+def test_a_prompt_preempted_mid_prefill_answers_as_if_it_never_was(default_model, prompt_logprobs):
+    # 17 blocks of 16: two decoders with 70-token prompts hold 10 (10 tokens of room each), the
+    # 100-token prompt takes the other 7 and prefills 6 tokens a step, so the decoders' first new
+    # blocks must preempt it mid-prefill; it is recomputed once they are done.
+    config = EngineConfig(num_kv_blocks=17, max_num_seqs=3, max_num_batched_tokens=8, kernels="exact", n_threads=1)
+    prompt = [int(t) for t in np.random.default_rng(3).integers(1000, 30000, 100)]
+    params = greedy(1, logprobs=1, prompt_logprobs=prompt_logprobs)
+    eng = Engine(default_model, config)  # never started: this test turns the loop itself
+    try:
+        decoders = [eng.submit(list(range(2000 + 100 * i, 2070 + 100 * i)), greedy(30, ignore_eos=True))
+                    for i in range(2)]
+        while not all(s.output_ids for s in eng.scheduler.running):
+            eng.step()
+        contended = eng.submit(prompt, params, request_id="contended")
+        eng.step()
+        seq = eng._requests["contended"].sequences[0]
+        run_until_done(eng, [*decoders, contended])
+        assert seq.num_preemptions > 0 and eng.scheduler.num_preemptions > 0
+        alone = eng.submit(prompt, params)
+        run_until_done(eng, [alone])
+        got, want = merged(contended)[0], merged(alone)[0]
+        assert got.token_ids == want.token_ids
+        assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(prompt), 1)
+        if prompt_logprobs:
+            assert len(got.prompt_logprobs) == len(prompt) == len(want.prompt_logprobs)
+            assert got.prompt_logprobs == want.prompt_logprobs
+        assert got.usage.cached_tokens == 0  # nothing of it was cached when it arrived
+        # prompt tokens count once per request, however often a preemption made them run again
+        assert eng.stats.num_prompt_tokens == 2 * 70 + 2 * len(prompt) - want.usage.cached_tokens
+    finally:
+        eng.shutdown()
+
+
+class _Fatal(BaseException):
+    """Not an Exception: what the engine loop cannot contain (as a KeyboardInterrupt would be)."""
+
+
+def fail_once(exc: BaseException, real):
+    def failing(*args, **kwargs):
+        failing.calls += 1
+        if failing.calls == 1:
+            raise exc
+        return real(*args, **kwargs)
+
+    failing.calls = 0
+    return failing
+
+
+def test_an_error_in_the_scheduler_fails_what_it_held_and_the_engine_serves_on(default_model):
+    eng = Engine(default_model, EngineConfig(max_num_seqs=4, kv_cache_mb=32, kernels="exact", n_threads=1))
+    ids = default_model.tokenizer.encode(CAPITAL)
+    try:
+        held = [eng.submit(ids + [13] * i, greedy(20, ignore_eos=True)) for i in range(2)]
+        eng.step()  # both admitted and prefilled: their blocks hold computed KV
+        eng.scheduler.schedule = fail_once(RuntimeError("injected scheduler fault"), eng.scheduler.schedule)
+        eng.start()
+        for stream in held:
+            last = list(stream)[-1]
+            assert last.finish_reason == "error" and "RuntimeError" in last.error
+        after = eng.generate(ids, greedy(4))[0]
+        assert after.finish_reason == "length" and after.text == " Paris.\n\n"
+        assert eng.num_kv_blocks_used == 0 and eng.num_unfinished == 0 and not eng.is_failed
+    finally:
+        eng.shutdown()
+
+
+def test_an_error_applying_one_request_from_the_inbox_fails_only_that_request(default_model):
+    eng = Engine(default_model, EngineConfig(max_num_seqs=4, kv_cache_mb=32, kernels="exact", n_threads=1))
+    ids = default_model.tokenizer.encode(CAPITAL)
+    real_add = eng.scheduler.add
+
+    def add(seq):
+        if seq.request.request_id == "broken":
+            raise RuntimeError("injected inbox fault")
+        real_add(seq)
+
+    eng.scheduler.add = add
+    try:
+        broken = eng.submit(ids, greedy(4), request_id="broken")
+        healthy = eng.submit(ids, greedy(4), request_id="healthy")
+        eng.start()
+        assert [o.finish_reason for o in broken] == ["error"]
+        assert "".join(o.text for o in healthy) == " Paris.\n\n"
+        assert eng.num_unfinished == 0 and eng.num_kv_blocks_used == 0
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread's death, expected
+def test_when_the_engine_thread_dies_every_stream_ends_and_new_requests_are_refused(default_model):
+    eng = Engine(default_model, EngineConfig(max_num_seqs=4, kv_cache_mb=32, kernels="exact", n_threads=1))
+    ids = default_model.tokenizer.encode(CAPITAL)
+    try:
+        running = eng.submit(ids, greedy(20, ignore_eos=True))
+        eng.step()
+        eng.scheduler.schedule = fail_once(_Fatal("injected"), eng.scheduler.schedule)
+        eng.start()
+        last = list(running)[-1]
+        assert last.finish_reason == "error" and "_Fatal" in last.error
+        eng._thread.join(10)
+        assert eng.is_failed and "_Fatal" in eng.failure
+        with pytest.raises(EngineFailed):
+            eng.submit(ids, greedy(4))
+        assert eng.num_unfinished == 0
+    finally:
+        eng.shutdown()

@@ -358,3 +358,27 @@ def test_storage_is_sized_from_the_budget_and_copies_blocks_on_every_layer() -> 
     storage.copy_blocks([(1, 2)])
     assert (storage.key_cache[:, 2] == 5.0).all() and (storage.value_cache[:, 2] == 6.0).all()
     assert (storage.key_cache[:, 0] == 0.0).all()
+
+
+def test_a_failed_step_publishes_none_of_the_blocks_it_was_to_fill() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=BLOCK_SIZE, max_model_len=64)
+    prompt = list(range(100, 113))  # three full blocks and one token
+    kv.allocate(1, prompt)
+    kv.append_slots(1, prompt[:8])  # step 1 ran: its two blocks are proven once step 2 appends
+    kv.append_slots(1, prompt[8:])  # step 2 fails before writing its KV
+    kv.free(1, latest_step_ran=False)
+    # Only step 1's blocks are reusable; the block step 2 was to fill holds whatever was there before.
+    assert num_indexed_prefix_blocks(kv, prompt) == 2
+    assert kv.allocate(2, prompt) == 8
+    assert kv.num_used_blocks == 4
+
+
+def test_a_sequence_failing_in_its_first_step_leaves_nothing_in_the_prefix_index() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=BLOCK_SIZE, max_model_len=64)
+    prompt = list(range(100, 113))
+    kv.allocate(1, prompt)
+    kv.append_slots(1, prompt)
+    kv.free(1, latest_step_ran=False)
+    assert num_indexed_prefix_blocks(kv, prompt) == 0
+    assert (kv.num_used_blocks, kv.num_cached_blocks) == (0, 0)
+    assert kv.allocate(2, prompt) == 0

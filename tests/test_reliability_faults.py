@@ -52,6 +52,31 @@ def test_a_failing_step_ends_only_its_request_and_the_server_serves_on():
         assert "Traceback" in server.log() and "InjectedFault" in server.log()  # logged for the operator
 
 
+PASSAGE = ("The weaver sat at the loom before dawn, counting threads by the light of a small lamp. "
+           "Each row of the cloth took her a minute, and each minute the pattern grew a little longer.")
+
+
+def greedy_completion(server_url: str, **fields: object) -> StreamReader:
+    return StreamReader(server_url, COMPLETIONS, {"prompt": PASSAGE, "max_tokens": 24, "temperature": 0,
+                                                   "ignore_eos": True, **fields})
+
+
+@pytest.mark.slow
+def test_the_retry_after_a_failed_step_streams_what_a_fresh_server_streams():
+    # The failed step had reserved and hashed the prompt's blocks but never wrote them: had they been
+    # published, the retry (the openai package retries a 500 by itself) would attend over garbage.
+    with running_server(["--max-num-seqs", "2"], env={SEED: str(FAULT_SEED)}) as server:
+        failed = greedy_completion(server.base_url, seed=FAULT_SEED).finish()
+        assert "InjectedFault" in json.loads(failed[-2])["error"]["message"]
+        retried = greedy_completion(server.base_url)
+        assert check_sse_events(retried.finish(), "completion", 1, include_usage=False) == []
+        server.wait_for_metrics(lambda m: m["treadle_kv_blocks_used"] == 0)
+    with running_server(["--max-num-seqs", "2"]) as fresh:
+        expected = greedy_completion(fresh.base_url)
+        expected.finish()
+    assert retried.text() == expected.text() and len(expected.text()) > 20
+
+
 # ---- the hook itself, without a server -----------------------------------------------------------
 
 

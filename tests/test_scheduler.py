@@ -179,3 +179,45 @@ def test_short_prompts_arriving_during_decodes_are_not_throttled():
     scheduler.add(short)
     out = scheduler.schedule()
     assert [(c.seq, c.num_tokens) for c in out.chunks] == [(first, 1), (short, 255)]
+
+
+def make_request_seq(prompt_len: int, n: int, name: str) -> Sequence:
+    request = Request(name, list(range(100, 100 + prompt_len)), SamplingParams(max_tokens=64, n=n),
+                      RequestStream(name))
+    seq = Sequence(request, 0, detokenizer=None, rng=np.random.default_rng(0))
+    request.sequences.append(seq)
+    return seq
+
+
+def test_admission_counts_every_choice_a_request_will_fork_against_max_num_seqs():
+    scheduler = Scheduler(KVCacheManager(256, 4, 512, enable_prefix_caching=False), max_num_seqs=8,
+                          max_num_batched_tokens=64)
+    wide = [make_request_seq(3, 4, f"wide{i}") for i in range(3)]
+    for s in wide:
+        scheduler.add(s)
+    out = scheduler.schedule()
+    # two requests of 4 choices fill 8 slots although only two sequences run before they fork
+    assert [c.seq for c in out.chunks] == wide[:2] and list(scheduler.waiting) == wide[2:]
+    assert scheduler.num_reserved_seqs == 8
+
+
+def test_decodes_beyond_the_token_budget_preempt_the_newest():
+    scheduler = Scheduler(KVCacheManager(256, 4, 512, enable_prefix_caching=False), max_num_seqs=6,
+                          max_num_batched_tokens=6)
+    seqs = [make_seq(2, f"r{i}") for i in range(6)]
+    for s in seqs:
+        scheduler.add(s)
+    for _ in range(10):
+        if all(s.output_ids for s in seqs):
+            break
+        finish_step(scheduler, scheduler.schedule())
+    assert all(s.output_ids for s in seqs)
+    # A seventh running sequence (as a fork adds one) must not push the step past its token budget.
+    extra = make_seq(2, "extra")
+    scheduler.kv.fork(seqs[0].seq_id, extra.seq_id)
+    extra.num_computed_tokens, extra.output_ids = seqs[0].num_computed_tokens, list(seqs[0].output_ids)
+    scheduler.add_running(extra)
+    out = scheduler.schedule()
+    assert out.num_tokens == 6 and {c.seq for c in out.chunks} == set(seqs)
+    assert out.preempted == [extra] and list(scheduler.waiting) == [extra]
+    assert extra.status == SequenceStatus.WAITING and extra.num_computed_tokens == 0
