@@ -16,7 +16,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from decoding import TemplateError
-from decoding.engine import Engine, EngineShuttingDown, QueueFull, RequestTooLarge
+from decoding.engine import Engine, EngineFailed, EngineShuttingDown, QueueFull, RequestTooLarge
 from decoding.params import InvalidParams, SamplingParams
 
 from .body import read_body
@@ -131,6 +131,8 @@ def _submit(state: ServingState, engine: Engine, prompt_ids: list[int], params: 
         raise APIError(400, str(exc), exc.param, code="invalid_value") from None
     except EngineShuttingDown as exc:
         raise APIError(503, str(exc), code="shutting_down") from None
+    except EngineFailed as exc:
+        raise APIError(503, str(exc), code="engine_failed") from None
     return Generation(engine, stream, formatter, TokenGapTimer(state.metrics.inter_token_latency))
 
 
@@ -174,6 +176,8 @@ async def models(request: Request) -> Response:
 
 async def health(request: Request) -> Response:
     state = serving(request)
+    if state.engine.is_failed:  # nothing will be served any more: a supervisor should restart us
+        return JSONResponse({"status": "failed"}, 503)
     if state.is_draining:
         return JSONResponse({"status": "draining"}, 503)
     if state.is_ready:

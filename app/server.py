@@ -96,6 +96,9 @@ class ServingState:
             # `Connection: close` sends a keep-alive client (or a balancer) to reconnect, elsewhere.
             raise APIError(503, "the server is shutting down; retry on another instance", code="shutting_down",
                            headers={"Retry-After": RETRY_AFTER_SECONDS, "Connection": "close"})
+        if self.engine.is_failed:
+            raise APIError(503, f"the engine failed and serves nothing more: {self.engine.failure}",
+                           code="engine_failed")
         if not self.is_ready:
             raise APIError(503, "the model is still loading" if self.startup_error is None else "startup failed",
                            code="not_ready", headers={"Retry-After": RETRY_AFTER_SECONDS})

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from app.bench_soak import check_sse_events
-from app.faults import EVERY_N_STEPS, SEED, InjectedFault, StepFaults, install_from_env
+from app.faults import EVERY_N_STEPS, FATAL_SEED, SEED, InjectedFault, StepFaults, install_from_env
 from decoding.scheduler import SchedulerOutput
 
 from .reliability import StreamReader, running_server
@@ -75,6 +75,22 @@ def test_the_retry_after_a_failed_step_streams_what_a_fresh_server_streams():
         expected = greedy_completion(fresh.base_url)
         expected.finish()
     assert retried.text() == expected.text() and len(expected.text()) > 20
+
+
+@pytest.mark.slow
+def test_when_the_engine_thread_dies_health_says_failed_and_nothing_hangs():
+    with running_server(["--max-num-seqs", "4"], env={FATAL_SEED: str(FAULT_SEED)}) as server:
+        assert httpx.get(f"{server.base_url}/health").json() == {"status": "ok"}
+        bystander = StreamReader(server.base_url, CHAT, chat("Tell me about looms.", max_tokens=2000)).wait_events(2)
+        fatal = StreamReader(server.base_url, CHAT, chat("Hi", temperature=0.7, seed=FAULT_SEED))
+        for stream in (bystander, fatal):  # every open stream ends, with an error event and [DONE]
+            events = stream.finish(timeout=60)
+            assert events[-1] == "[DONE]" and "InjectedFatalFault" in json.loads(events[-2])["error"]["message"]
+        health = httpx.get(f"{server.base_url}/health")
+        assert health.status_code == 503 and health.json() == {"status": "failed"}
+        refused = httpx.post(f"{server.base_url}{CHAT}", json=chat("Anyone there?"), timeout=30)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_failed"
+        assert "the engine thread died" in server.log()
 
 
 # ---- the hook itself, without a server -----------------------------------------------------------
