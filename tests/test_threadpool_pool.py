@@ -5,6 +5,10 @@ from __future__ import annotations
 import gc
 import os
 import resource
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -13,12 +17,13 @@ import pytest
 from numba import njit
 
 from threadpool import BarrierAborted, SpinPool, barrier_wait, make_barrier
-from threadpool.atomics import WORDS_PER_CACHE_LINE, load_acquire
+from threadpool.atomics import WORDS_PER_CACHE_LINE, cache_aligned_zeros, cpu_pause, fetch_add, load_acquire
 from threadpool.handoff import NUM_PARKED
 
 pytestmark = pytest.mark.timeout(120)
 
-TWO_CORES = len(os.sched_getaffinity(0)) >= 2
+NUM_CORES = len(os.sched_getaffinity(0))
+TWO_CORES = NUM_CORES >= 2
 
 
 def worker_threads() -> list[threading.Thread]:
@@ -110,6 +115,19 @@ def do_nothing(tid: int, nthreads: int, barrier: np.ndarray) -> None:
     pass
 
 
+_RELEASE, _NUM_EXITED = 0, 8  # words of workers_wait_for_release, on separate cache lines
+
+
+@njit(nogil=True, cache=True)
+def workers_wait_for_release(tid: int, nthreads: int, barrier: np.ndarray, words: np.ndarray) -> None:
+    """Thread 0 returns at once; workers spin until words[_RELEASE] != 0, then count their exit in
+    words[_NUM_EXITED]. words: int64 (16,), cache-aligned."""
+    if tid != 0:
+        while load_acquire(words, _RELEASE) == 0:  # acquire: re-read every spin
+            cpu_pause()
+        fetch_add(words, _NUM_EXITED, 1)  # acq_rel RMW: the exit count is exact
+
+
 # ---- the barrier ---------------------------------------------------------------------------------
 
 
@@ -125,10 +143,10 @@ def test_make_barrier_gives_each_thread_its_own_aligned_cache_line() -> None:
 @pytest.mark.parametrize("num_threads", [1, 2, 3])
 def test_barrier_stress_every_thread_sees_every_write_of_the_episode(num_threads: int) -> None:
     # 3 threads spinning on 2 cores is slow (a time slice per episode), so fewer episodes.
-    episodes = 5_000 if num_threads <= len(os.sched_getaffinity(0)) else 50
+    episodes = 5_000 if num_threads <= NUM_CORES else 50
     slots = np.zeros(num_threads * 8, dtype=np.int64)
     num_wrong = np.zeros(num_threads, dtype=np.int64)
-    with SpinPool(num_threads) as pool:
+    with SpinPool(num_threads, oversubscribe=num_threads > NUM_CORES) as pool:
         pool.run(exchange_through_barrier, slots, episodes, num_wrong)
     assert num_wrong.tolist() == [0] * num_threads
     assert slots[::8].tolist() == [episodes * 1000 + tid for tid in range(num_threads)]
@@ -263,6 +281,135 @@ def test_run_from_inside_a_kernel_fails_clearly() -> None:
             pool.run(nested)
 
 
+class Interrupted(Exception):
+    """What the test's signal handler raises in thread 0, like a KeyboardInterrupt from SIGINT."""
+
+
+@pytest.mark.parametrize("num_signals", [1, 2])
+def test_an_interrupt_while_thread_zero_waits_returns_only_after_every_worker_left_the_kernel(
+    num_signals: int,
+) -> None:
+    """A signal handler raising in thread 0 (SIGINT's KeyboardInterrupt does the same) while it
+    waits for workers must not return from run with workers still in the kernel, writing the
+    caller's arrays; a second signal during that wait must not be a way out either."""
+    words = cache_aligned_zeros(16)
+    main_thread = threading.get_ident()
+
+    def raise_interrupted(signum: int, frame: object) -> None:
+        raise Interrupted(f"signal {signum}")
+
+    previous_handler = signal.signal(signal.SIGUSR1, raise_interrupted)
+    timers = [threading.Timer(0.2 * (k + 1), signal.pthread_kill, (main_thread, signal.SIGUSR1))
+              for k in range(num_signals)]
+    timers.append(threading.Timer(1.0, words.__setitem__, (_RELEASE, 1)))  # workers may leave
+    try:
+        with SpinPool(2) as pool:
+            pool.run(do_nothing)  # compiled and loaded before the clock starts
+            for timer in timers:
+                timer.start()
+            started = time.monotonic()
+            with pytest.raises(Interrupted, match="signal") as raised:
+                pool.run(workers_wait_for_release, words)
+            num_exited_at_return = int(words[_NUM_EXITED])
+            waited_s = time.monotonic() - started
+            assert num_exited_at_return == 1, f"run returned after {waited_s:.2f} s with a worker in the kernel"
+            num_ignored = sum("arrived while waiting for the workers" in note
+                              for note in getattr(raised.value, "__notes__", []))
+            assert num_ignored == num_signals - 1
+            pool.run(workers_wait_for_release, words)  # the pool is still usable (the release stays set)
+            assert words[_NUM_EXITED] == 2
+    finally:
+        for timer in timers:
+            timer.join()
+        signal.signal(signal.SIGUSR1, previous_handler)
+
+
+# A pool whose worker died must make run() raise, not spin forever. Run in a subprocess, where a
+# hang is a timeout rather than a stuck test session (thread 0 spins in nopython code, which no
+# signal reaches) and where a vanished OS thread cannot upset the rest of the suite.
+DEAD_WORKER_SCRIPT = textwrap.dedent(
+    """
+    import ctypes, os, sys
+    import numpy as np
+    from threadpool import SpinPool
+    from tests.test_threadpool_pool import add_tid_plus_one, do_nothing, wait_until_parked, worker_threads
+
+    class WorkerKilled(Exception):
+        pass
+
+    libc_syscall = ctypes.cast(ctypes.CDLL(None).syscall, ctypes.c_void_p).value
+    exit_this_thread = ctypes.CFUNCTYPE(ctypes.c_long, ctypes.c_long, ctypes.c_long)(libc_syscall)
+    SYS_EXIT = 60  # x86-64: ends the calling OS thread only (exit_group ends the process)
+
+    from numba import njit
+
+    @njit(nogil=True)
+    def worker_os_thread_exits(tid, nthreads, barrier):
+        if tid != 0:
+            exit_this_thread(SYS_EXIT, 0)
+
+    how = sys.argv[1]
+    pool = SpinPool(2, spin_us=0)
+    totals = np.zeros(2, dtype=np.int64)
+    pool.run(add_tid_plus_one, totals)
+    if how == "exception":  # raised in the parked worker when it wakes, outside any kernel
+        assert wait_until_parked(pool, 1)
+        (worker,) = worker_threads()
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(worker.ident), ctypes.py_object(WorkerKilled))
+        kernel = add_tid_plus_one  # thread 0 waits for the dead worker at the kernel's barrier
+        args = (totals,)
+    else:
+        worker_os_thread_exits(0, 1, None)  # compile before the run
+        kernel = worker_os_thread_exits  # thread 0 waits for the worker to report the run finished
+        args = ()
+    for attempt in ("first", "next"):
+        try:
+            pool.run(kernel, *args)
+            print(attempt, "run returned", flush=True)
+        except Exception as exc:
+            print(attempt, "run raised", type(exc).__name__, exc, flush=True)
+    pool.close()
+    print("closed", flush=True)
+    os._exit(0)
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["exception", "os_thread_exit"])
+def test_a_dead_worker_makes_run_raise_instead_of_spinning_forever(how: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A worker ended by an exception outside its kernel, or whose OS thread vanished mid-kernel:
+    run raises BrokenPool naming the worker, later runs are refused, close still returns."""
+    if how == "os_thread_exit" and os.uname().machine != "x86_64":
+        pytest.skip("the test's SYS_exit number is x86-64's")
+    output = tmp_path / "stdout"
+    with output.open("w") as stdout:
+        try:
+            result = subprocess.run([sys.executable, "-c", DEAD_WORKER_SCRIPT, how], stdout=stdout,
+                                    stderr=subprocess.PIPE, text=True, timeout=60, check=False,
+                                    cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"run or close hung with a dead worker; its output: {output.read_text()!r}")
+    lines = output.read_text().splitlines()
+    assert result.returncode == 0, result.stderr
+    assert len(lines) == 3, lines + [result.stderr]
+    assert lines[0].startswith("first run raised BrokenPool") and "worker thread 1" in lines[0]
+    assert lines[1].startswith("next run raised BrokenPool")
+    assert lines[2] == "closed"
+
+
+def test_more_threads_than_usable_cores_are_refused_unless_asked_for() -> None:
+    threads_before = set(threading.enumerate())
+    with pytest.raises(ValueError, match="time slice") as refused:
+        SpinPool(NUM_CORES + 1)
+    assert f"{NUM_CORES} usable core" in str(refused.value) and "oversubscribe=True" in str(refused.value)
+    with pytest.raises(ValueError, match="time slice"):
+        SpinPool(2, cores=[min(os.sched_getaffinity(0))] * 2)  # two threads pinned to one core
+    assert set(threading.enumerate()) == threads_before  # refused before starting any worker
+    with SpinPool(NUM_CORES + 1, pin=False, oversubscribe=True) as pool:
+        pool.run(add_tid_plus_one, totals := np.zeros(NUM_CORES + 1, dtype=np.int64))
+    assert totals.tolist() == list(range(1, NUM_CORES + 2))
+
+
 # ---- concurrency, lifetime ------------------------------------------------------------------------
 
 
@@ -287,7 +434,7 @@ def test_concurrent_runs_from_two_python_threads_are_serialised() -> None:
 
 def test_close_joins_every_worker_and_later_runs_fail() -> None:
     threads_before = set(threading.enumerate())
-    pool = SpinPool(3, pin=False)
+    pool = SpinPool(3, pin=False, oversubscribe=True)
     assert len(worker_threads()) == 2
     pool.close()
     pool.close()  # idempotent

@@ -16,6 +16,6 @@ Atomics for nopython code live in `threadpool.atomics`; the benchmark in `thread
 """
 
 from threadpool.barrier import BarrierAborted, barrier_wait, make_barrier
-from threadpool.pool import SpinPool
+from threadpool.pool import BrokenPool, SpinPool
 
-__all__ = ["BarrierAborted", "SpinPool", "barrier_wait", "make_barrier"]
+__all__ = ["BarrierAborted", "BrokenPool", "SpinPool", "barrier_wait", "make_barrier"]

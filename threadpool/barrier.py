@@ -100,6 +100,15 @@ def mark_departed(barrier: np.ndarray, tid: int) -> None:
 
 
 @njit(nogil=True, cache=True)
+def mark_gone(barrier: np.ndarray, tid: int) -> None:
+    """Record that thread `tid` died and will never arrive again: threads waiting for it abort.
+    A plain store, not `mark_departed`'s read-modify-write, so that the dying thread and thread 0
+    may both write it (the same value) without racing."""
+    # release: as in mark_departed; the count is dropped, the run fails anyway.
+    store_release(barrier, _arrival_word(tid), DEPARTED)
+
+
+@njit(nogil=True, cache=True)
 def arrival_counts(barrier: np.ndarray) -> np.ndarray:
     """How many barriers each thread reached since the last reset: int64 (num_threads,)."""
     num_threads = barrier[_NUM_THREADS_WORD]

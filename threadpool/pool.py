@@ -25,10 +25,20 @@ still waiting for it raise `BarrierAborted`. `run` waits for all threads, then r
 cause (the first exception that is not a `BarrierAborted`), or, if threads only disagreed on how
 many barriers to pass, a `BarrierAborted` naming the counts. The pool stays usable. A kernel that
 never returns still hangs `run`: nothing can stop a thread inside nopython code.
+
+`run` never returns, not even by an exception, while a worker may still be inside the kernel
+writing the caller's arrays (vLLM and ggml never hand buffers back early either): thread 0
+interrupted by a KeyboardInterrupt, or by whatever a signal handler raises, leaves the barrier
+(workers waiting for it abort), waits for every worker, then re-raises; interrupts that arrive
+meanwhile are noted on the first. A worker whose thread ended outside a kernel (an exception
+escaped its loop, or its OS thread vanished) breaks the pool: `run` raises `BrokenPool` instead
+of waiting for it forever, and so do later runs. (A worker that vanishes at the OS level while
+the others wait for it at a barrier still hangs them: nothing reaches a nopython spin.)
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import weakref
@@ -43,7 +53,14 @@ from numba.core.registry import CPUDispatcher
 
 from threadpool.affinity import pin_calling_thread, pin_thread, set_thread_affinity, usable_cores
 from threadpool.atomics import load_acquire, store_release
-from threadpool.barrier import BarrierAborted, arrival_counts, make_barrier, mark_departed, reset_barrier
+from threadpool.barrier import (
+    BarrierAborted,
+    arrival_counts,
+    make_barrier,
+    mark_departed,
+    mark_gone,
+    reset_barrier,
+)
 from threadpool.handoff import (
     EPOCH,
     SHUTDOWN,
@@ -64,10 +81,17 @@ from threadpool.handoff import (
 )
 
 DEFAULT_SPIN_US = 100.0
-# When workers are still busy after thread 0 spun for spin_us, it polls this often instead.
+# When workers are still busy after thread 0 spun for spin_us, it polls this often instead,
+# and looks for workers whose OS thread vanished every this many polls (~10 ms).
 _SLOW_WAIT_POLL_SECONDS = 50e-6
+_POLLS_PER_LIVENESS_CHECK = 128
 
 Kernel = Callable[..., Any]  # kernel(tid, nthreads, barrier, *args)
+
+
+class BrokenPool(RuntimeError):
+    """A worker thread died (an exception escaped its loop, outside any kernel, or its OS thread
+    vanished): the pool cannot run kernels any more. Close it and start a new one."""
 
 
 class _Task:
@@ -104,6 +128,7 @@ class _PoolState:
     __slots__ = (
         "barrier",
         "control",
+        "dead_workers",
         "epoch",
         "errors",
         "is_closed",
@@ -114,6 +139,7 @@ class _PoolState:
         "running_thread",
         "task",
         "worker_idents",
+        "worker_native_ids",
     )
 
     def __init__(self, num_threads: int, max_spins: int) -> None:
@@ -127,6 +153,9 @@ class _PoolState:
         self.run_lock = threading.Lock()
         self.running_thread: int | None = None
         self.worker_idents: set[int] = set()
+        self.worker_native_ids: dict[int, int] = {}  # tid -> kernel thread id, for /proc/self/task
+        # tid -> why it ended; written by the dying worker (or by thread 0 when the OS thread vanished)
+        self.dead_workers: dict[int, BaseException] = {}
         # Calling threads pinned by run(), with the cores to give back at close().
         self.pinned_callers: dict[threading.Thread, set[int] | None] = {}
         self.is_closed = False
@@ -135,7 +164,9 @@ class _PoolState:
 class SpinPool:
     """A fixed team of `n_threads` threads (the caller + n_threads - 1 workers) for SPMD kernels.
 
-    n_threads: default, the number of usable cores (`os.sched_getaffinity`).
+    n_threads: default, the number of usable cores (`os.sched_getaffinity`). More than the cores
+               is refused unless `oversubscribe=True`: spinning threads that share a core wait
+               out each other's time slices, so each barrier would cost milliseconds.
     pin:       pin worker tid to `cores[tid]`, and a thread calling `run` to `cores[0]` from its
                first run until `close()`, which restores its affinity. Unpinned, a loaded
                machine's scheduler may stack thread 0 and a worker on one core, where a spinning
@@ -143,6 +174,7 @@ class SpinPool:
                starts meanwhile inherit its pinning.)
     cores:     the cores to use, default the usable ones in ascending order.
     spin_us:   how long an idle worker spins before parking; 0 parks at once.
+    oversubscribe: allow more threads than cores (correctness tests; never fast).
     """
 
     def __init__(
@@ -151,11 +183,20 @@ class SpinPool:
         pin: bool = True,
         cores: Sequence[int] | None = None,
         spin_us: float = DEFAULT_SPIN_US,
+        oversubscribe: bool = False,
     ) -> None:
         cores = list(cores) if cores is not None else usable_cores()
         n_threads = len(cores) if n_threads is None else n_threads
         if n_threads < 1 or not cores:
             raise ValueError(f"need at least one thread and one core, got {n_threads=}, {cores=}")
+        num_cores = len(set(cores))
+        if n_threads > num_cores and not oversubscribe:
+            raise ValueError(
+                f"n_threads={n_threads} is more than the {num_cores} usable core(s) {sorted(set(cores))}: "
+                "threads that spin wait out each other's scheduler time slice when they share a core, so "
+                "every barrier would cost a time slice (milliseconds) instead of ~0.1 us. Use at most "
+                f"{num_cores} threads, or pass oversubscribe=True to accept that (e.g. in a correctness test)."
+            )
         if spin_us < 0:
             raise ValueError(f"spin_us must be >= 0, got {spin_us}")
         self.n_threads = n_threads
@@ -185,6 +226,8 @@ class SpinPool:
         with state.run_lock:
             if state.is_closed:
                 raise RuntimeError("SpinPool is closed")
+            if state.dead_workers:
+                raise _broken_pool_error(state)
             state.running_thread = threading.get_ident()
             if self._caller_core is not None:
                 _pin_caller(state, self._caller_core)
@@ -234,17 +277,41 @@ def _run_locked(state: _PoolState, kernel: Kernel, args: tuple[Any, ...]) -> Non
         return
     state.task = _task_for(state, kernel, args)
     state.errors = [None] * state.num_threads
-    state.epoch += 1
-    if start_run(state.barrier, state.control, state.task.task_id, state.epoch) > 0:
-        futex_wake_all(epoch_futex_address(state.control))
     try:
-        kernel(0, state.num_threads, state.barrier, *args)
-    except BaseException as exc:  # noqa: BLE001 - re-raised below, once the workers are done
-        _record_error(state, 0, exc)
-    _finish_run(state)
+        state.epoch += 1
+        if start_run(state.barrier, state.control, state.task.task_id, state.epoch) > 0:
+            futex_wake_all(epoch_futex_address(state.control))
+        if state.dead_workers:  # one died since run() looked, and start_run just reset its line
+            _bury_dead_workers(state)
+        try:
+            kernel(0, state.num_threads, state.barrier, *args)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, once the workers are done
+            _record_error(state, 0, exc)
+        _finish_run(state)
+    except BaseException as interrupt:  # a signal handler raised in thread 0 outside its kernel
+        _wait_out_workers(state, interrupt)
+        raise
+    if state.dead_workers:
+        raise _broken_pool_error(state)
     error = _root_cause(state.errors, state.barrier)
     if error is not None:
         raise error
+
+
+def _wait_out_workers(state: _PoolState, interrupt: BaseException) -> None:
+    """Thread 0 was interrupted between kick-off and the end of the run, so workers may still be
+    in the kernel, writing the caller's arrays. Leave the barrier (workers waiting for thread 0
+    abort), wake any parked worker, and wait for all of them; further interrupts meanwhile are
+    noted on the first, not a way out."""
+    while True:
+        try:
+            # The epoch the workers really saw: the interrupt may have come before the kick-off.
+            state.epoch = load_acquire_from_python(state.control, EPOCH)
+            futex_wake_all(epoch_futex_address(state.control))
+            _finish_run(state)
+            return
+        except BaseException as another:  # noqa: BLE001 - the first interrupt is re-raised
+            interrupt.add_note(f"SpinPool.run: {another!r} arrived while waiting for the workers; ignored")
 
 
 def _task_for(state: _PoolState, kernel: Kernel, args: tuple[Any, ...]) -> _Task:
@@ -278,12 +345,47 @@ def finish_share_and_wait(barrier: np.ndarray, control: np.ndarray, epoch: int, 
 
 def _finish_run(state: _PoolState) -> None:
     """Thread 0: leave the barrier and wait until every worker finished the current epoch; spin
-    for up to spin_us, then poll gently (a long, unbalanced kernel should not burn a core)."""
+    for up to spin_us, then poll gently (a long, unbalanced kernel should not burn a core),
+    counting dead workers as finished."""
     max_spins = max(state.max_spins, 1)
     if finish_share_and_wait(state.barrier, state.control, state.epoch, max_spins):
         return
+    num_polls = 0
     while not wait_for_workers(state.control, state.num_threads - 1, state.epoch, max_spins):
         time.sleep(_SLOW_WAIT_POLL_SECONDS)
+        num_polls += 1
+        if num_polls % _POLLS_PER_LIVENESS_CHECK == 0:
+            _find_vanished_workers(state)
+        if state.dead_workers:
+            _bury_dead_workers(state)
+
+
+def _find_vanished_workers(state: _PoolState) -> None:
+    """Workers whose OS thread is gone without a word (its Python code never ran to the end)."""
+    for tid, native_id in state.worker_native_ids.items():
+        if tid not in state.dead_workers and not _os_thread_exists(native_id):
+            state.dead_workers[tid] = RuntimeError(f"its OS thread {native_id} is gone")
+
+
+def _os_thread_exists(native_id: int) -> bool:
+    return os.path.exists(f"/proc/self/task/{native_id}")
+
+
+def _bury_dead_workers(state: _PoolState) -> None:
+    """Dead workers will never reach a barrier nor report: make threads waiting for them at a
+    barrier abort, and report the current epoch finished on their behalf (nothing else writes
+    their words any more)."""
+    for tid in list(state.dead_workers):
+        mark_gone(state.barrier, tid)
+        report_finished(state.control, tid - 1, state.epoch)
+
+
+def _broken_pool_error(state: _PoolState) -> BrokenPool:
+    tid, cause = next(iter(state.dead_workers.items()))
+    error = BrokenPool(f"SpinPool worker thread {tid} of {state.num_threads} died ({cause!r}): "
+                       "the pool cannot run kernels any more; close it and start a new one")
+    error.__cause__ = cause
+    return error
 
 
 def _record_error(state: _PoolState, tid: int, exc: BaseException) -> None:
@@ -357,7 +459,17 @@ def _serve(state: _PoolState, tid: int, epoch: int, previous_task_id: int) -> tu
 
 
 def _worker_main(state: _PoolState, tid: int) -> None:
-    """A worker's whole life: wait for an epoch, serve it, park when idle; until shutdown."""
+    """A worker's whole life; if it ends by an exception (kernels' are caught in `_serve`, so
+    this one came from outside any kernel), it says so rather than leave thread 0 waiting."""
+    try:
+        _serve_until_shutdown(state, tid)
+    except BaseException as exc:  # noqa: BLE001 - reported by every later run as BrokenPool
+        state.dead_workers[tid] = exc  # first, so that a run starting now sees it (see _run_locked)
+        mark_gone(state.barrier, tid)  # a thread 0 waiting at a barrier for this worker aborts
+
+
+def _serve_until_shutdown(state: _PoolState, tid: int) -> None:
+    """Wait for an epoch, serve it, park when idle; until shutdown."""
     epoch = wait_for_work(state.control, 0, state.max_spins)
     previous_task_id = 0
     while not load_acquire_from_python(state.control, SHUTDOWN):
@@ -373,10 +485,11 @@ def _start_workers(state: _PoolState) -> list[threading.Thread]:
         threading.Thread(target=_worker_main, args=(state, tid), name=f"SpinPool-worker-{tid}", daemon=True)
         for tid in range(1, state.num_threads)
     ]
-    for thread in threads:
+    for tid, thread in enumerate(threads, start=1):
         thread.start()
-        assert thread.ident is not None
+        assert thread.ident is not None and thread.native_id is not None
         state.worker_idents.add(thread.ident)
+        state.worker_native_ids[tid] = thread.native_id
     return threads
 
 
@@ -387,7 +500,9 @@ def _stop_workers(state: _PoolState, threads: list[threading.Thread]) -> None:
         state.is_closed = True
         request_shutdown(state.control, state.epoch + 1)
         _unpin_callers(state)
-    for thread in threads:
+    for tid, thread in enumerate(threads, start=1):
+        if tid in state.dead_workers and not _os_thread_exists(state.worker_native_ids[tid]):
+            continue  # its OS thread vanished: Python would wait for it forever
         if thread is not threading.current_thread():
             thread.join()
     state.task = None  # release the last run's arguments
@@ -401,6 +516,8 @@ def _compile_helpers() -> None:
     finish_share_and_spin(barrier, control, 1, 1, 1)
     finish_share_and_wait(barrier, control, 1, 1)
     arrival_counts(barrier)
+    mark_gone(barrier, 1)
+    report_finished(control, 0, 1)
     reset_barrier(barrier)
     wait_for_work(control, 0, 1)
     if announce_parking(control, 1):
