@@ -123,7 +123,7 @@ class Engine:
         max_logit_rows = max(cfg.max_num_batched_tokens, cfg.max_num_seqs)
         self.runner = ModelRunner(model, self.storage, self.pool, cfg.max_num_batched_tokens, max_logit_rows,
                                   cfg.kernels)
-        self.sampler = Sampler(mc.vocab_size, self.pool)
+        self.sampler = Sampler(mc.vocab_size, self.pool, mc.eos_token_ids)  # EOS is masked before min_tokens
         self.eos_token_ids = mc.eos_token_ids
         self.stats = EngineStats()
         self.observers: list[EngineObserver] = []

@@ -36,18 +36,24 @@ def process_token(seq: Sequence, token: int, logprobs: TokenLogprobs | None, eos
         out.token_ids, out.logprobs = [token], logprob_list
         return out
 
-    if token in eos_token_ids and not params.ignore_eos:
+    # vLLM's min_tokens: no stop condition ends a sequence before min_tokens tokens precede the one that
+    # ends it (the sampler masks EOS and the stop token ids until then; stop strings are not looked for).
+    can_stop = len(seq.output_ids) > params.min_tokens
+    if can_stop and token in eos_token_ids and not params.ignore_eos:
         return ended("stop")
-    if token in params.stop_token_ids:
+    if can_stop and token in params.stop_token_ids:
         return ended("stop", token)
+    num_held = len(seq.held_text)
     text = seq.held_text + seq.detokenizer.add(token)
     if params.stop:
-        match = find_stop(text, params.stop, 0)
+        # A match must take in this token's text: held text never holds a whole stop string, unless one
+        # that completed before min_tokens (and so does not count).
+        match = find_stop(text, params.stop, num_held) if can_stop else None
         if match is not None:
             start, stop = match
             seq.held_text = ""
             out = ended("stop", stop, flush=False)
-            out.text = text[:start]
+            out.text = text[: start + len(stop) if params.include_stop_str_in_output else start]
             return out
         hold = partial_stop_suffix(text, params.stop)
         text, seq.held_text = text[: len(text) - hold], text[len(text) - hold :]

@@ -9,6 +9,9 @@ MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM has no cap. A bound keeps per-tok
 MAX_STOP_STRING_CHARS = 256
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 MAX_N = 16
+# vLLM's _SAMPLING_EPS: below it a temperature is greedy, since 1/t would overflow (float32 from ~3e-39)
+# and the draw would return token 0 whatever the logits.
+GREEDY_TEMPERATURE = 1e-5
 
 
 class InvalidParams(ValueError):
@@ -22,7 +25,8 @@ class InvalidParams(ValueError):
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 = greedy
+    min_tokens: int = 0  # vLLM's: EOS, stop token ids and stop strings cannot end the first min_tokens tokens
+    temperature: float = 1.0  # below GREEDY_TEMPERATURE (0 included) = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1 = all tokens
     min_p: float = 0.0
@@ -32,6 +36,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False  # vLLM's: the matched stop string ends the text instead of being cut
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k ≥ 0: the sampled token's and the top k
@@ -47,6 +52,8 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             check(math.isfinite(getattr(self, name)), name, f"{name} must be a finite number")
         check(self.max_tokens >= 1, "max_tokens", "max_tokens must be at least 1")
+        check(0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+              f"min_tokens must be between 0 and max_tokens ({self.max_tokens})")
         check(0.0 <= self.temperature <= 100.0, "temperature", "temperature must be between 0 and 100")
         check(0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]")
         check(self.top_k == -1 or self.top_k >= 0, "top_k", "top_k must be -1, 0 (disabled) or positive")
@@ -67,7 +74,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:

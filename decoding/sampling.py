@@ -196,10 +196,20 @@ def _draw(ids: np.ndarray, scores: np.ndarray, uniform: float) -> int:
     return int(ids[min(index, ids.shape[0] - 1)])
 
 
+def stop_ids_to_mask(req: SampleRequest, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
+    """The ids a row may not draw yet: before min_tokens tokens, EOS (unless ignored) and its stop token ids
+    (vLLM's MinTokensLogitsProcessor). The row's own state only, so the batch cannot change its draw."""
+    p = req.params
+    if len(req.output_ids) >= p.min_tokens:
+        return ()
+    return p.stop_token_ids if p.ignore_eos else (*eos_token_ids, *p.stop_token_ids)
+
+
 class Sampler:
-    def __init__(self, vocab_size: int, pool: SpinPool | None = None) -> None:
+    def __init__(self, vocab_size: int, pool: SpinPool | None = None, eos_token_ids: tuple[int, ...] = ()) -> None:
         self.vocab_size = vocab_size
         self.pool = pool  # full-vocabulary draws are shared among its threads
+        self.eos_token_ids = eos_token_ids  # masked, with a request's stop token ids, before its min_tokens
         self._draw_scratch = np.empty((pool.n_threads if pool is not None else 1, vocab_size), dtype=np.float32)
 
     def sample(self, logits: np.ndarray, requests: list[SampleRequest]) -> tuple[np.ndarray, list[TokenLogprobs | None]]:
@@ -209,15 +219,18 @@ class Sampler:
         want_logprobs = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
         raw_logprobs = log_softmax(logits[want_logprobs]) if want_logprobs else None
 
-        adjusted = [i for i, r in enumerate(requests) if r.params.has_penalties or r.params.logit_bias]
+        masked = [stop_ids_to_mask(r, self.eos_token_ids) for r in requests]
+        adjusted = [i for i, r in enumerate(requests) if r.params.has_penalties or r.params.logit_bias or masked[i]]
         work = logits
         if adjusted:
+            # float64 for the adjusted rows; the others round-trip to float32 exactly, so they draw the same
             work = logits.astype(np.float64)
             for i in adjusted:
                 req = requests[i]
                 apply_penalties(work[i], req)
                 for token_id, bias in req.params.logit_bias.items():
                     work[i, token_id] += bias
+                work[i, list(masked[i])] = -np.inf  # exp(-inf) = 0: never drawn, whatever the bias
 
         uniforms: list[float] = []
         greedy = [i for i, r in enumerate(requests) if r.params.is_greedy]

@@ -107,12 +107,15 @@ def test_logprobs_are_the_models_log_probabilities_best_first():
     "params",
     [{"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -2}, {"min_p": 2}, {"max_tokens": 0},
      {"n": 0}, {"logprobs": 21}, {"presence_penalty": 3}, {"temperature": float("nan")},
-     {"stop": ("",)}, {"logit_bias": {1: 1000.0}}, {"repetition_penalty": 0}],
+     {"stop": ("",)}, {"logit_bias": {1: 1000.0}}, {"repetition_penalty": 0}, {"min_tokens": -1},
+     {"min_tokens": 17}, {"max_tokens": 4, "min_tokens": 5}],
 )
 def test_out_of_range_parameters_name_themselves(params):
     with pytest.raises(InvalidParams) as info:
         SamplingParams(**params)
     assert info.value.param in {*params, "temperature"}
+    if "min_tokens" in params:
+        assert info.value.param == "min_tokens"
 
 
 def test_blocked_inverse_cdf_draws_the_same_tokens_as_a_plain_one():
@@ -146,3 +149,52 @@ def test_draws_shared_among_pool_threads_equal_the_single_threaded_ones():
         single_row = draw_full_vocabulary(z, rows[:1], temperatures[:1], uniforms[:1], pool)
     np.testing.assert_array_equal(shared, alone)
     assert single_row[0] == alone[0]
+
+
+def test_min_tokens_masks_eos_and_the_stop_token_ids_until_reached():
+    """vLLM's MinTokensLogitsProcessor: while a sequence has fewer than min_tokens tokens, EOS (unless
+    ignore_eos) and its stop token ids get -inf logits, so neither can be drawn."""
+    sampler = Sampler(VOCAB, eos_token_ids=(0,))
+
+    def tokens(output_ids: list[int], count: int = 1, **params) -> set[int]:
+        req = SampleRequest(SamplingParams(max_tokens=8, **params), np.random.default_rng(1), [1, 2], output_ids)
+        return {int(sampler.sample(LOGITS[None], [req])[0][0]) for _ in range(count)}
+
+    assert tokens([3], temperature=0, min_tokens=2, stop_token_ids=(1,)) == {2}
+    assert tokens([3], 2000, min_tokens=2, stop_token_ids=(1,)) == {2, 3}  # 4 and 5 are 1e-9 likely
+    assert tokens([3], 200, top_k=3, min_tokens=2) == {1, 2, 3}
+    assert tokens([3, 3], temperature=0, min_tokens=2, stop_token_ids=(1,)) == {0}  # reached: nothing masked
+    assert tokens([3], temperature=0, min_tokens=2, ignore_eos=True) == {0}  # with ignore_eos EOS is no stop
+    assert tokens([], temperature=0, min_tokens=1, logit_bias={0: 100.0}) == {1}  # the mask wins over a bias
+
+
+def test_a_masked_row_and_its_neighbours_do_not_change_each_other():
+    sampler = Sampler(VOCAB, eos_token_ids=(0,))
+
+    def run(batch_of: list[list[SampleRequest]], index: int) -> list[int]:
+        drawn = []
+        for batch in batch_of:
+            tokens, _ = sampler.sample(np.repeat(LOGITS[None], len(batch), axis=0), batch)
+            drawn.append(int(tokens[index]))
+        return drawn
+
+    def masked(seed: int) -> SampleRequest:
+        return SampleRequest(SamplingParams(max_tokens=50, min_tokens=40), np.random.default_rng(seed), [1], [])
+
+    plain_alone, masked_alone = request(seed=9), masked(4)
+    plain_crowded, masked_crowded = request(seed=9), masked(4)
+    crowd = [masked(s) for s in range(3)]
+    assert run([[plain_alone]] * 30, 0) == run([[crowd[0], plain_crowded, crowd[1]]] * 30, 1)
+    assert run([[masked_alone]] * 30, 0) == run([[request(seed=2), masked_crowded, crowd[2]]] * 30, 1)
+
+
+@pytest.mark.parametrize("top_k", [0, 3])
+@pytest.mark.parametrize("temperature", [9e-6, 1e-9, 1e-40, 1e-310])
+def test_a_temperature_below_1e_5_is_greedy(temperature, top_k):
+    """As vLLM (_SAMPLING_EPS): 1/t would overflow float32 (or float64) and draw token 0 whatever the logits."""
+    assert SamplingParams(temperature=temperature).is_greedy and not SamplingParams(temperature=1e-4).is_greedy
+    logits = (np.random.default_rng(5).standard_normal((4, 500)) * 4).astype(np.float32)
+    requests = [SampleRequest(SamplingParams(temperature=temperature, top_k=top_k), np.random.default_rng(i), [1], [])
+                for i in range(4)]
+    tokens, _ = Sampler(500).sample(logits, requests)
+    assert tokens.tolist() == np.argmax(logits, axis=-1).tolist()
