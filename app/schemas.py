@@ -2,13 +2,15 @@
 
 `CompletionRequest` is what came over HTTP; `SamplingParams` is what the engine runs. Ranges are
 checked once, by `SamplingParams` (an `InvalidParams` becomes a 400 naming the field); the bounds
-repeated here only document the API in /openapi.json. Unknown fields (`user`, `metadata`, ...) are
-accepted and ignored, as vLLM does.
+repeated here only document the API in /openapi.json. A field that would change the output and is not
+implemented is refused by name (`NOT_IMPLEMENTED`); other unknown fields (`user`, `metadata`, ...)
+change nothing and are accepted and ignored, as vLLM does.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import json
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -45,6 +47,61 @@ Prompt = Annotated[NonEmptyStr | TokenIds, _one_of("must be a non-empty string o
 Stop = Annotated[str | list[str], _one_of("must be a string or a list of strings")]
 
 
+# Fields that would change the output and are not implemented, each with the values that change nothing.
+# Any other value is refused with 400 `unsupported_parameter` naming the field: never silently dropped.
+# Structured output (response_format, guided_*, structured_outputs) and tools are implemented by a later
+# issue, which moves them out of here. Fields that only describe the caller (user, metadata, store,
+# service_tier, ...) or only tune scheduling (priority, ...) are not listed: they are accepted and ignored.
+NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
+    # OpenAI's
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),  # "auto" and "required" need tools; OpenAI refuses them without
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "best_of": (None,),  # or equal to n, which is what n alone does (see `_refuse_not_implemented`)
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "web_search_options": (None,),
+    # vLLM's
+    "use_beam_search": (None, False),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "logits_processors": (None, []),
+    "prompt_logprobs": (None,),
+    "truncate_prompt_tokens": (None,),
+    "return_tokens_as_token_ids": (None, False),
+    "spaces_between_special_tokens": (None, True),
+}
+CHAT_NOT_IMPLEMENTED = {
+    **NOT_IMPLEMENTED,
+    "echo": (None, False),  # vLLM's chat echo; completions implement theirs
+    "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
+    "add_special_tokens": (None, False),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "documents": (None, []),
+}
+COMPLETION_NOT_IMPLEMENTED = {**NOT_IMPLEMENTED, "suffix": (None, ""), "add_special_tokens": (None, True)}
+MESSAGE_NOT_IMPLEMENTED = {"tool_calls": (None, []), "function_call": (None,)}  # an assistant's, in the history
+
+
+def _refuse_not_implemented(data: dict[str, Any], table: dict[str, tuple[Any, ...]], prefix: str = "") -> None:
+    for name, neutral in table.items():
+        value = data.get(name)
+        if value in neutral or (name == "best_of" and value == data.get("n", 1)):
+            continue
+        shown = " or ".join([json.dumps(v) for v in neutral] + (["n"] if name == "best_of" else []))
+        raise APIError(400, f"{name} is not supported: it would change the output and treadle does not implement "
+                            f"it yet (omit it, or send {shown})", prefix + name, code="unsupported_parameter")
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -59,8 +116,17 @@ Content = Annotated[str | list[TextPart], _one_of("must be a string or a list of
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Content | None = None
+    content: Content | None = Field(None, validate_default=True)
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_unless_assistant(cls, value: str | list[TextPart] | None, info: ValidationInfo) -> Any:
+        """As OpenAI: only an assistant message may go without content (it may have called a tool)."""
+        role = info.data.get("role")
+        if value is None and role is not None and role != "assistant":
+            raise ValueError(f"is required in a {role} message")
+        return value
 
     def as_template_input(self) -> dict[str, Any]:
         """What the chat template sees: content parts joined by newlines, as vLLM joins them."""
@@ -80,10 +146,13 @@ class StreamOptions(_Body):
 class _SamplingBody(_Body):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
+    not_implemented: ClassVar[dict[str, tuple[Any, ...]]] = NOT_IMPLEMENTED
+
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1)
+    min_tokens: int = Field(0, ge=0)  # vLLM's; at most max_tokens
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     n: int = Field(1, ge=1, le=MAX_N)
@@ -99,7 +168,22 @@ class _SamplingBody(_Body):
     repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_what_is_not_implemented(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            _refuse_not_implemented(data, cls.not_implemented)
+        return data
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("is only allowed with stream: true")  # as OpenAI and vLLM
+        return value
 
     @property
     def include_usage(self) -> bool:
@@ -110,7 +194,8 @@ class _SamplingBody(_Body):
             "temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty",
         ) if getattr(self, name) is not None}
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        return SamplingParams(max_tokens=max_tokens, n=self.n, seed=self.seed, stop=stop,
+        return SamplingParams(max_tokens=max_tokens, min_tokens=self.min_tokens, n=self.n, seed=self.seed, stop=stop,
+                              include_stop_str_in_output=self.include_stop_str_in_output,
                               stop_token_ids=tuple(self.stop_token_ids or ()), logit_bias=self._logit_bias(),
                               ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
                               logprobs=logprobs, prompt_logprobs=prompt_logprobs, **optional)
@@ -126,6 +211,8 @@ class _SamplingBody(_Body):
 
 
 class ChatCompletionRequest(_SamplingBody):
+    not_implemented = CHAT_NOT_IMPLEMENTED
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name; wins over max_tokens
     logprobs: bool = False
@@ -137,6 +224,15 @@ class ChatCompletionRequest(_SamplingBody):
         if value is not None and not info.data.get("logprobs"):
             raise ValueError("requires logprobs: true")
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_tool_calls_in_messages(cls, data: Any) -> Any:
+        messages = data.get("messages") if isinstance(data, dict) else None
+        for i, message in enumerate(messages if isinstance(messages, list) else []):
+            if isinstance(message, dict):
+                _refuse_not_implemented(message, MESSAGE_NOT_IMPLEMENTED, f"messages.{i}.")
+        return data
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -151,6 +247,8 @@ class ChatCompletionRequest(_SamplingBody):
 
 
 class CompletionRequest(_SamplingBody):
+    not_implemented = COMPLETION_NOT_IMPLEMENTED
+
     prompt: Prompt  # one prompt: text, or token ids
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # the top k alternatives per token
