@@ -9,6 +9,7 @@ from decoding import DEFAULT_MODEL, ModelLoadError, TemplateError, load_model
 from decoding.engine import Engine, EngineConfig, RequestTooLarge
 from decoding.forward import KERNEL_MODES
 from decoding.params import InvalidParams, SamplingParams
+from decoding.tokenizer import Tokenizer
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -32,20 +33,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def prompt_ids(tokenizer: Tokenizer, prompt: str, chat: bool, system: str | None) -> list[int]:
+    """The prompt as the server sends it to the engine: with --chat, rendered as /v1/chat/completions
+    renders messages (the template writes BOS); otherwise as /v1/completions encodes a prompt."""
+    if not chat:
+        return tokenizer.encode(prompt, add_special_tokens=True)
+    messages = [{"role": "system", "content": system}] if system else []
+    return tokenizer.encode_chat([*messages, {"role": "user", "content": prompt}])
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
         model = load_model(args.model)
-        tok = model.tokenizer
-        if args.chat:
-            messages = ([{"role": "system", "content": args.system}] if args.system else [])
-            text = tok.apply_chat_template([*messages, {"role": "user", "content": args.prompt}])
-        else:
-            text = args.prompt
+        ids = prompt_ids(model.tokenizer, args.prompt, args.chat, args.system)
     except (ModelLoadError, TemplateError) as exc:
         print(f"treadle: error: {exc}", file=sys.stderr)
         return 2
-    ids = tok.encode(text, add_special_tokens=True)
     engine = Engine(model, EngineConfig(max_num_seqs=1, n_threads=args.threads, kv_cache_mb=64,
                                         kernels=args.kernels)).start()
     try:

@@ -70,10 +70,16 @@ class ResponseHeader:
     id: str
     model: str
     created: int = field(default_factory=lambda: int(time.time()))
+    system_fingerprint: str | None = None  # OpenAI's; see server.system_fingerprint
 
     @classmethod
-    def new(cls, prefix: str, model: str) -> ResponseHeader:
-        return cls(f"{prefix}-{uuid.uuid4().hex}", model)
+    def new(cls, prefix: str, model: str, system_fingerprint: str | None = None) -> ResponseHeader:
+        return cls(f"{prefix}-{uuid.uuid4().hex}", model, system_fingerprint=system_fingerprint)
+
+    def fields(self, object_name: str) -> dict[str, Any]:
+        """What every chat or completion object (a chunk or a whole response) starts with."""
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
+                "system_fingerprint": self.system_fingerprint}
 
 
 def merge_outputs(outputs: list[RequestOutput]) -> list[RequestOutput]:
@@ -116,8 +122,7 @@ class ChatFormatter:
         self.usage: Usage | None = None
 
     def _chunk(self, choices: list[dict[str, Any]]) -> Chunk:
-        chunk = {"id": self.header.id, "object": "chat.completion.chunk", "created": self.header.created,
-                 "model": self.header.model, "choices": choices}
+        chunk = {**self.header.fields("chat.completion.chunk"), "choices": choices}
         if self.include_usage:
             chunk["usage"] = None  # as OpenAI: present on every chunk once asked for, set on the last
         return chunk
@@ -149,8 +154,8 @@ class ChatFormatter:
         choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
                     "logprobs": self.logprobs(o.logprobs), "finish_reason": o.finish_reason,
                     "stop_reason": o.stop_reason} for o in outputs]
-        return {"id": self.header.id, "object": self.object_name, "created": self.header.created,
-                "model": self.header.model, "choices": choices, "usage": usage_body(request_usage(outputs))}
+        return {**self.header.fields(self.object_name), "choices": choices,
+                "usage": usage_body(request_usage(outputs))}
 
     def logprobs(self, logprobs: list[TokenLogprobs]) -> dict[str, Any] | None:
         if not logprobs:
@@ -181,8 +186,7 @@ class CompletionFormatter:
         self._text_offset: dict[int, int] = {}  # characters sent so far, per choice
 
     def _chunk(self, choices: list[dict[str, Any]]) -> Chunk:
-        chunk = {"id": self.header.id, "object": "text_completion", "created": self.header.created,
-                 "model": self.header.model, "choices": choices}
+        chunk = {**self.header.fields("text_completion"), "choices": choices}
         if self.include_usage:
             chunk["usage"] = None
         return chunk
@@ -217,8 +221,7 @@ class CompletionFormatter:
         return [{**self._chunk([]), "usage": usage_body(self.usage)}]
 
     def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
-        return {"id": self.header.id, "object": "text_completion", "created": self.header.created,
-                "model": self.header.model, "choices": [self._choice(o) for o in outputs],
+        return {**self.header.fields("text_completion"), "choices": [self._choice(o) for o in outputs],
                 "usage": usage_body(request_usage(outputs))}
 
     def logprobs(self, index: int, entries: list[TokenLogprobs | None]) -> dict[str, Any] | None:

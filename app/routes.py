@@ -44,7 +44,7 @@ async def chat_completions(request: Request) -> Response:
         state.check_model(body.model)
         prompt_ids = await anyio.to_thread.run_sync(_chat_prompt_ids, state, body)
         params = _sampling_params(engine, body, len(prompt_ids), DEFAULT_CHAT_MAX_TOKENS, "messages")
-        header = ResponseHeader.new("chatcmpl", state.model_name)
+        header = ResponseHeader.new("chatcmpl", state.model_name, state.system_fingerprint)
         formatter = ChatFormatter(header, state.tokens, params.n, body.include_usage)
         generation = _submit(state, engine, prompt_ids, params, header.id, formatter)
     return await respond(request, generation, body.stream, state.settings.sse_ping_seconds)
@@ -63,7 +63,7 @@ async def completions(request: Request) -> Response:
         echo_text = None
         if body.echo:
             echo_text = body.prompt if isinstance(body.prompt, str) else state.model.tokenizer.decode(prompt_ids)
-        header = ResponseHeader.new("cmpl", state.model_name)
+        header = ResponseHeader.new("cmpl", state.model_name, state.system_fingerprint)
         formatter = CompletionFormatter(header, state.tokens, params.n, body.include_usage, prompt_ids, echo_text)
         generation = _submit(state, engine, prompt_ids, params, header.id, formatter)
     return await respond(request, generation, body.stream, state.settings.sse_ping_seconds)
@@ -71,10 +71,12 @@ async def completions(request: Request) -> Response:
 
 def _chat_prompt_ids(state: ServingState, body: ChatCompletionRequest) -> list[int]:
     try:
-        text = state.model.tokenizer.apply_chat_template(body.template_input(), add_generation_prompt=True)
+        ids = state.model.tokenizer.encode_chat(body.template_input())
     except TemplateError as exc:
         raise APIError(400, f"the chat template cannot render these messages: {exc}", "messages") from None
-    return _encode(state, text, False, "messages")  # the template already wrote the special tokens
+    if not ids:
+        raise APIError(400, "messages is empty", "messages", code="empty_prompt")
+    return ids
 
 
 def _checked_token_ids(state: ServingState, token_ids: list[int], param: str) -> list[int]:
@@ -169,9 +171,9 @@ async def detokenize(request: Request) -> Response:
 
 async def models(request: Request) -> Response:
     state = serving(request)
-    card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "treadle",
-            "max_model_len": state.engine.max_model_len}
-    return encoded_response(request, {"object": "list", "data": [card]})
+    cards = [{"id": name, "object": "model", "created": state.created, "owned_by": "treadle",
+              "max_model_len": state.engine.max_model_len} for name in state.served_model_names]
+    return encoded_response(request, {"object": "list", "data": cards})
 
 
 async def health(request: Request) -> Response:

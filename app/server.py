@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import hashlib
 import hmac
+import importlib.metadata
 import logging
 import math
 import threading
@@ -19,7 +21,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from decoding.engine import Engine
+from decoding.engine import Engine, resolve_kv_cache_dtype
 from decoding.params import SamplingParams
 
 from .errors import EXCEPTION_HANDLERS, APIError, encoded_response, error_body
@@ -39,6 +41,19 @@ WARM_UP_PARAMS = (
 )
 
 
+def system_fingerprint(engine: Engine) -> str:
+    """OpenAI's `system_fingerprint`: `fp_treadle_` and a hash of what decides the numbers — the model,
+    treadle's version, the kernels and the KV cache's type. It changes when one of them does, so a
+    client can tell why a seeded request stopped repeating itself; served names (aliases) leave it as is."""
+    try:
+        version = importlib.metadata.version("treadle")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        version = "unknown"
+    config = engine.config
+    identity = f"{engine.model.name}|{version}|{config.kernels}|{resolve_kv_cache_dtype(config)}"
+    return "fp_treadle_" + hashlib.sha256(identity.encode()).hexdigest()[:10]
+
+
 class ServingState:
     """What every route needs: the engine (once warm), the model's tokenizer, settings and metrics."""
 
@@ -47,7 +62,10 @@ class ServingState:
         self.settings = settings
         self.engine = engine
         self.model = engine.model
-        self.model_name = engine.model.name
+        # --served-model-name: the names a request may give; the first is the one responses report
+        self.served_model_names = settings.served_model_name or (engine.model.name,)
+        self.model_name = self.served_model_names[0]
+        self.system_fingerprint = system_fingerprint(engine)
         self.tokens = TokenText(engine.model.tokenizer)
         self.metrics = ServerMetrics()
         self.created = int(time.time())
@@ -143,8 +161,9 @@ class ServingState:
                         code="queue_full", headers={"Retry-After": RETRY_AFTER_SECONDS})
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+        if model is not None and model not in self.served_model_names:
+            served = ", ".join(repr(name) for name in self.served_model_names)
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {served}",
                            param="model", code="model_not_found")
 
 
@@ -161,17 +180,21 @@ class APIKeyMiddleware:
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._expected = api_key.encode()
+
+    def _is_authorized(self, header: bytes) -> bool:
+        # RFC 7235 §2.1: the scheme is case-insensitive ("bearer" and "BEARER" too), the key is compared exactly
+        scheme, _, key = header.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(key.lstrip(b" "), self._expected)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(self.PROTECTED_PREFIXES):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self._expected):
-                message = "a valid API key is required: Authorization: Bearer KEY"
-                response = encoded_response(Request(scope), error_body(401, message, code="invalid_api_key"), 401,
-                                            {"WWW-Authenticate": "Bearer"})
-                await response(scope, receive, send)
-                return
+        if (scope["type"] == "http" and scope["path"].startswith(self.PROTECTED_PREFIXES)
+                and not self._is_authorized(dict(scope["headers"]).get(b"authorization", b""))):
+            message = "a valid API key is required: Authorization: Bearer KEY"
+            response = encoded_response(Request(scope), error_body(401, message, code="invalid_api_key"), 401,
+                                        {"WWW-Authenticate": "Bearer"})
+            await response(scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
 

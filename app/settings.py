@@ -18,6 +18,7 @@ _ENGINE_DEFAULTS = EngineConfig()
 @dataclass(frozen=True, slots=True)
 class ServerSettings:
     model: str = DEFAULT_MODEL
+    served_model_name: tuple[str, ...] = ()  # names requests may give; the first is reported. (): the model's
     host: str = "127.0.0.1"
     port: int = 8000
     threads: int | None = None  # None: every usable core
@@ -115,6 +116,12 @@ def build_parser(prog: str = "treadle serve") -> argparse.ArgumentParser:
 
     option("--model", str, defaults.model, "registered model name, .gguf file or Hugging Face directory "
                                            "(default %(default)s)")
+    name = env_var("--served-model-name")
+    parser.add_argument("--served-model-name", nargs="+", metavar="NAME", type=str,
+                        default=tuple(os.environ.get(name, "").split()),
+                        help="the names requests may give in `model` (vLLM's option): /v1/models lists them and "
+                             "responses report the first; any other name gets 404 (default: the model's own "
+                             f"name) [{name}, space-separated]")
     option("--host", str, defaults.host, "address to listen on (default %(default)s)")
     option("--port", _port, defaults.port, "TCP port (default %(default)s)")
     option("--threads", _positive_int, None, "engine pool threads (default: every usable core)")
@@ -153,4 +160,5 @@ def parse_settings(argv: list[str]) -> ServerSettings:
     args = parser.parse_args(argv)
     if args.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
         parser.error(f"unknown --log-level {args.log_level!r}")
+    args.served_model_name = tuple(args.served_model_name)
     return ServerSettings(**{k: v for k, v in vars(args).items()})

@@ -138,6 +138,15 @@ def test_api_key_is_required_on_the_api_but_not_on_probes(guarded):
     assert client.models.list().data[0].id == MODEL
 
 
+def test_the_bearer_scheme_is_matched_case_insensitively(guarded):
+    """RFC 7235 §2.1: the auth scheme is a case-insensitive token; the key itself is compared exactly."""
+    url = f"{guarded.base_url}/v1/models"
+    for scheme in ("bearer", "BEARER", "BeArEr"):
+        assert httpx.get(url, headers={"Authorization": f"{scheme} {API_KEY}"}).status_code == 200, scheme
+    for header in (f"Bearer {API_KEY.upper()}", f"Basic {API_KEY}", f"Bearer{API_KEY}", f"Bearer {API_KEY}x"):
+        assert httpx.get(url, headers={"Authorization": header}).status_code == 401, header
+
+
 def test_cors_preflight_and_responses_allow_the_configured_origin_only(guarded):
     preflight = {"Origin": CORS_ORIGIN, "Access-Control-Request-Method": "POST",
                  "Access-Control-Request-Headers": "authorization, content-type"}

@@ -12,6 +12,8 @@ from decoding import DEFAULT_MODEL as MODEL
 
 from .conftest import GOLDEN
 from .conftest_server import TreadleServer, shared_server
+from .reliability import running_server, write_tiny_gguf
+from .tinymodel import CHAT_TEMPLATE as TINY_CHAT_TEMPLATE
 
 pytestmark = pytest.mark.slow
 
@@ -168,3 +170,85 @@ def test_streamed_choices_each_get_a_role_chunk_and_a_finish_chunk(client):
     for choices in by_index.values():
         assert choices[0].delta.role == "assistant"
         assert [c.finish_reason for c in choices].count("length") == 1 and choices[-1].finish_reason == "length"
+
+
+def test_min_tokens_holds_off_eos_and_stop_token_ids(client, default_model):
+    """vLLM's meaning: EOS and the stop token ids cannot be sampled before min_tokens tokens (their logits
+    are masked), so a reply pushed to end at once still has min_tokens tokens first."""
+    eos = default_model.config.eos_token_ids[0]
+    paris = default_model.tokenizer.encode(" Paris")[0]
+    to_eos = {"model": MODEL, "prompt": "I like", "max_tokens": 10, "temperature": 0, "logit_bias": {str(eos): 100}}
+    assert client.completions.create(**to_eos).usage.completion_tokens == 1  # the EOS token at once
+    response = client.completions.create(**to_eos, extra_body={"min_tokens": 4})
+    assert response.usage.completion_tokens == 5 and response.choices[0].finish_reason == "stop"
+    assert len(default_model.tokenizer.encode(response.choices[0].text)) == 4
+    to_paris = {"model": MODEL, "prompt": "I like", "max_tokens": 10, "temperature": 0,
+                "logit_bias": {str(paris): 100}}
+    response = client.completions.create(**to_paris, extra_body={"stop_token_ids": [paris], "min_tokens": 3})
+    choice = response.choices[0]
+    assert response.usage.completion_tokens == 4 and choice.finish_reason == "stop"
+    assert choice.model_extra["stop_reason"] == paris and "Paris" not in choice.text
+
+
+def test_min_tokens_lets_a_stop_string_end_the_text_only_after_min_tokens(client, default_model):
+    paris = default_model.tokenizer.encode(" Paris")[0]
+    forced = {"model": MODEL, "prompt": "I like", "max_tokens": 8, "temperature": 0, "stop": [" Paris"],
+              "logit_bias": {str(paris): 100}}
+    assert client.completions.create(**forced).choices[0].text == ""
+    for stream in (False, True):
+        response = client.completions.create(**forced, stream=stream, extra_body={"min_tokens": 3})
+        choices = [c.choices[0] for c in response] if stream else response.choices
+        assert "".join(c.text for c in choices) == " Paris Paris Paris"
+        assert choices[-1].finish_reason == "stop" and choices[-1].model_extra["stop_reason"] == " Paris"
+
+
+def test_include_stop_str_in_output_keeps_the_matched_stop_string(client):
+    asked = {"model": MODEL, "messages": CHAT_QUESTION, "temperature": 0, "stop": ["nothing here", " Paris"],
+             "extra_body": {"include_stop_str_in_output": True}}
+    response = client.chat.completions.create(**asked)
+    assert response.choices[0].message.content == "The capital of France is Paris"
+    assert response.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(**asked, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "The capital of France is Paris"
+
+
+@pytest.mark.parametrize("temperature", [1e-6, 1e-9, 1e-40, 1e-310])
+def test_a_temperature_below_1e_5_is_greedy(client, temperature):
+    def text(t: float) -> str:
+        return client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=t,
+                                         seed=3).choices[0].text
+
+    assert text(temperature) == text(0)
+
+
+def test_every_chat_and_completion_object_carries_one_system_fingerprint(client):
+    objects = [client.chat.completions.create(model=MODEL, messages=CHAT_QUESTION, max_tokens=2),
+               *client.chat.completions.create(model=MODEL, messages=CHAT_QUESTION, max_tokens=2, stream=True,
+                                               stream_options={"include_usage": True}),
+               client.completions.create(model=MODEL, prompt="I like", max_tokens=2),
+               *client.completions.create(model=MODEL, prompt="I like", max_tokens=2, stream=True)]
+    fingerprints = {o.system_fingerprint for o in objects}
+    assert len(fingerprints) == 1 and fingerprints.pop().startswith("fp_treadle_")
+
+
+@pytest.fixture(scope="module")
+def named_server(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny random model served under the names front ends are configured with (vLLM's option)."""
+    model = write_tiny_gguf(tmp_path_factory.mktemp("named") / "tiny.gguf", TINY_CHAT_TEMPLATE)
+    with running_server(["--model", str(model), "--served-model-name", "gpt-4o-mini", "team/llm"]) as named:
+        yield named
+
+
+def test_served_model_names_are_accepted_and_listed_and_the_first_is_reported(named_server):
+    client = openai.OpenAI(base_url=f"{named_server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    assert [m.id for m in client.models.list().data] == ["gpt-4o-mini", "team/llm"]
+    for name in ("gpt-4o-mini", "team/llm"):
+        chat = client.chat.completions.create(model=name, messages=CHAT_QUESTION, max_tokens=2)
+        chunks = list(client.completions.create(model=name, prompt="I like", max_tokens=2, stream=True))
+        assert {chat.model, *(c.model for c in chunks)} == {"gpt-4o-mini"}
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="tiny", prompt="I like", max_tokens=2)  # the file's own name is not one
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model=MODEL, prompt="I like", max_tokens=2)
+    assert httpx.post(f"{named_server.base_url}/v1/completions", json={"prompt": "I like", "max_tokens": 2},
+                      timeout=60).status_code == 200  # no model named: the served one

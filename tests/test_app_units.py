@@ -34,6 +34,35 @@ def test_every_option_reads_its_environment_variable_and_a_flag_wins(monkeypatch
         == "float32"
 
 
+def test_served_model_names_come_from_the_flag_or_the_environment(monkeypatch):
+    assert parse_settings([]).served_model_name == ()
+    assert parse_settings(["--served-model-name", "gpt-4o-mini", "team/llm"]).served_model_name == \
+        ("gpt-4o-mini", "team/llm")
+    monkeypatch.setenv("TREADLE_SERVED_MODEL_NAME", "a b")
+    assert parse_settings([]).served_model_name == ("a", "b")
+    assert parse_settings(["--served-model-name", "c"]).served_model_name == ("c",)
+
+
+def test_generate_chat_prompt_has_one_bos_as_the_servers_chat_route(tiny_gguf):
+    """A model that adds BOS and whose template writes it too: the rendered template is encoded without
+    adding special tokens again, by `treadle generate --chat` as by /v1/chat/completions."""
+    from app.generate import prompt_ids
+    from decoding import load_model
+    from decoding.tokenizer import Tokenizer
+    from tests.tinymodel import CHAT_TEMPLATE
+
+    base = load_model(tiny_gguf).tokenizer
+    tokenizer = Tokenizer(base.backend, base.bos_token_id, base.eos_token_ids, add_bos_token=True,
+                          chat_template="{{ bos_token }}" + CHAT_TEMPLATE)
+    bos = tokenizer.bos_token_id
+    chat = prompt_ids(tokenizer, "hello", chat=True, system="be brief")
+    assert chat[0] == bos and chat.count(bos) == 1
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    assert chat == tokenizer.encode_chat(messages)  # what the chat route sends to the engine
+    plain = prompt_ids(tokenizer, "hello", chat=False, system=None)
+    assert plain == [bos, *tokenizer.encode("hello")]  # a plain prompt still gets the model's BOS
+
+
 @pytest.mark.parametrize("argv", [["--port", "70000"], ["--max-queue", "0"], ["--kv-cache-mb", "-1"],
                                   ["--log-level", "loud"], ["--kv-cache-dtype", "fp8"]])
 def test_bad_options_exit_with_usage(argv):
@@ -57,12 +86,13 @@ def output(index: int, text: str = "", finish: str | None = None, usage: Usage |
 
 
 def test_chat_chunks_follow_openais_sequence_per_choice():
-    formatter = ChatFormatter(ResponseHeader("chatcmpl-x", "m", 1), FakeTokens(), n=2, include_usage=False)
+    formatter = ChatFormatter(ResponseHeader("chatcmpl-x", "m", 1, "fp_x"), FakeTokens(), n=2, include_usage=False)
     first = formatter.first_chunks()
     assert [c["choices"][0]["index"] for c in first] == [0, 1]
     assert all(c["choices"][0]["delta"] == {"role": "assistant", "content": ""} for c in first)
     content = formatter.chunks(output(1, "Hi"))
     assert content == [{"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                        "system_fingerprint": "fp_x",
                         "choices": [{"index": 1, "delta": {"content": "Hi"}, "logprobs": None, "finish_reason": None}]}]
     last = formatter.chunks(output(1, "!", "stop", Usage(3, 2)))
     assert [c["choices"][0]["delta"] for c in last] == [{"content": "!"}, {}]
