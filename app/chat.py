@@ -48,7 +48,7 @@ def chat_loop(engine: Engine, params: SamplingParams, system: str | None, stdin:
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line.rstrip("\n")})
-        ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+        ids = tokenizer.encode_chat(messages)
         try:
             stream = engine.submit(ids, params)
         except RequestTooLarge:
