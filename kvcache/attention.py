@@ -50,6 +50,7 @@ from kvcache.attention_simd import (
     attend_group_128_1,
     attend_group_128_2,
     attend_group_128_4,
+    require_c_contiguous,
 )
 from kvcache.fastmath import as_f32, exp_f32, like
 from kvcache.prefetch import prefetch_tile
@@ -117,7 +118,10 @@ def paged_attention_rows(
     context_lens:    (num_seqs,) int32, this step's rows included
     query_start_loc: (num_seqs + 1,) int32; sequence s owns rows [query_start_loc[s], query_start_loc[s+1])
     scratch:         (nthreads or more, group_size, 2 * head_dim + block_size + 2) float32 (`attention_scratch`)
+    The caches and scratch must be C-contiguous (the vector IR reads them by pointer): a view that
+    is not is refused when the kernel is compiled.
     """
+    require_c_contiguous(key_cache, value_cache, scratch)
     n_kv_heads = key_cache.shape[1]
     work = scratch[tid]
     item = 0

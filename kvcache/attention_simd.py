@@ -12,6 +12,9 @@ the chunking. `exp` is `fastmath.exp_f32` (Cephes, plain arithmetic) on 16 lanes
 `num_keys` are masked to -inf before the max and never read from the value tile (unused slots of
 a block may hold anything).
 
+Every array is read by pointer, assuming C-contiguous tiles and rows: other layouts are refused
+when the kernel is typed (`require_c_contiguous`), never misread.
+
 Specialised for 16-key blocks and head_dim 64 or 128; other shapes use the numba path. One call
 serves a whole GQA group (each K and V row is loaded and widened once for all its query heads) for
 group sizes 1-4 at head_dim 64 and 1, 2, 4 at 128 (Llama-family shapes); other group sizes are
@@ -23,6 +26,7 @@ from __future__ import annotations
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
+from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
 from kvcache.fastmath import EXP_MAX, EXP_MIN, EXP_POLYNOMIAL, LN2_HI, LN2_LO, LOG2E
@@ -86,6 +90,27 @@ def _load_row(builder: ir.IRBuilder, base: ir.Value, element: ir.Type, index: ir
     return builder.load(builder.bitcast(pointer, _V.as_pointer()), align=4)
 
 
+def _check_c_contiguous(name: str, array: types.Type) -> None:
+    """numba's layout "C" guarantees a C-contiguous array; "A" (a strided view) or "F" may not be."""
+    if not (isinstance(array, types.Array) and array.layout == "C"):
+        raise TypingError(f"paged attention's vector IR reads {name} by pointer, so {name} must be a C-contiguous "
+                          f"array; got {array} (a strided or transposed view? np.ascontiguousarray copies it)")
+
+
+@intrinsic
+def require_c_contiguous(typingctx, key_cache, value_cache, scratch):  # type: ignore[no-untyped-def]
+    """Typing-time check, no code: the arrays whose tiles and rows `attend_group` reads by pointer
+    are C-contiguous. Called first in the kernel so that this error, naming the array, is the
+    one reported."""
+    for name, array in (("key_cache", key_cache), ("value_cache", value_cache), ("scratch", scratch)):
+        _check_c_contiguous(name, array)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return context.get_dummy_value()
+
+    return types.void(key_cache, value_cache, scratch), codegen
+
+
 def _make_attend_group(head_dim: int, group_size: int):  # type: ignore[no-untyped-def]
     chunks = head_dim // _LANES
 
@@ -100,6 +125,8 @@ def _make_attend_group(head_dim: int, group_size: int):  # type: ignore[no-untyp
         Each K and V row is loaded (and widened) once for all the group's heads; each head's
         arithmetic is the same as if it were alone.
         """
+        for name, array in (("work", work), ("keys", keys), ("values", values)):
+            _check_c_contiguous(name, array)
         if keys.dtype not in (types.float32, types.uint16) or values.dtype != keys.dtype:
             return None
         sig = types.void(work, keys, values, num_keys)

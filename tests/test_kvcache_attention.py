@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from numba.core.errors import TypingError
 
 from kvcache.attention import attention_scratch, paged_attention_rows, write_kv_rows
 
@@ -73,10 +74,11 @@ def _as_stored(x: np.ndarray, storage: str) -> np.ndarray:
 
 
 def run_paged(
-    case: PagedCase, seqs: list[int], context_lens: list[int], query_lens: list[int], nthreads: int = 1
+    case: PagedCase, seqs: list[int], context_lens: list[int], query_lens: list[int], nthreads: int = 1,
+    scratch: np.ndarray | None = None,
 ) -> np.ndarray:
     """Attention of the last query_lens[i] positions of seqs[i], its context cut at context_lens[i];
-    the threads are simulated one after another."""
+    the threads are simulated one after another. scratch: default `attention_scratch`'s."""
     query = np.concatenate(
         [case.queries[seq][n - q : n] for seq, n, q in zip(seqs, context_lens, query_lens, strict=True)]
     )
@@ -84,7 +86,8 @@ def run_paged(
     n_heads, head_dim = case.queries[0].shape[1:]
     n_kv_heads, _, block_size = case.key_cache.shape[1:]
     out = np.full_like(query, np.nan)
-    scratch = attention_scratch(nthreads, n_heads, n_kv_heads, head_dim, block_size)
+    if scratch is None:
+        scratch = attention_scratch(nthreads, n_heads, n_kv_heads, head_dim, block_size)
     for tid in range(nthreads):
         paged_attention_rows(
             out,
@@ -233,6 +236,40 @@ def test_position_output_is_bit_identical_however_the_prompt_is_chunked(storage:
     decodes = [run_paged(case, [0], [end], [1]) for end in range(1, 46)]
     np.testing.assert_array_equal(np.concatenate(chunks), whole)
     np.testing.assert_array_equal(np.concatenate(decodes), whole)
+
+
+def _strided_view(array: np.ndarray, how: str) -> np.ndarray:
+    """The same values, not C-contiguous: each tile stored transposed ("transposed"), a gap after
+    each row ("padded_rows"), or every other element of a twice-wider array ("every_other")."""
+    if how == "transposed":
+        return np.ascontiguousarray(np.swapaxes(array, -1, -2)).swapaxes(-1, -2)
+    wide = np.zeros(array.shape[:-1] + (2 * array.shape[-1],), dtype=array.dtype)
+    view = wide[..., : array.shape[-1]] if how == "padded_rows" else wide[..., ::2]
+    view[...] = array
+    return view
+
+
+@pytest.mark.parametrize(("which", "how"), [("key_cache", "transposed"), ("value_cache", "padded_rows"),
+                                            ("scratch", "every_other")])
+def test_arrays_the_vector_ir_reads_by_pointer_must_be_c_contiguous(which: str, how: str) -> None:
+    """16-key blocks at head_dim 64 take the vector-IR path, which reads K/V tiles and scratch rows
+    by pointer: a strided or transposed view is refused with an error naming it, never misread;
+    a contiguous copy of the same values still equals dense attention."""
+    context_lens, query_lens = [40, 17], [3, 17]
+    case = make_case(np.random.default_rng(10), context_lens, 16, 6, 2, 64)
+    expected = np.concatenate([dense(case, 0, 3), dense(case, 1, 17)])
+    scratch = attention_scratch(1, 6, 2, 64, 16)
+    if which == "key_cache":
+        case.key_cache = _strided_view(case.key_cache, how)
+    elif which == "value_cache":
+        case.value_cache = _strided_view(case.value_cache, how)
+    else:
+        scratch = _strided_view(scratch, how)
+    with pytest.raises(TypingError, match=f"{which} .*C-contiguous"):
+        run_paged(case, [0, 1], context_lens, query_lens, scratch=scratch)
+    case.key_cache, case.value_cache = np.ascontiguousarray(case.key_cache), np.ascontiguousarray(case.value_cache)
+    out = run_paged(case, [0, 1], context_lens, query_lens, scratch=np.ascontiguousarray(scratch))
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_write_kv_rows_stores_each_row_at_its_slot_for_any_thread_count() -> None:
