@@ -35,6 +35,8 @@ class ServerMetrics:
         gauges = {
             "treadle_requests_running": ("Requests with a sequence in the running batch.", self._num_running),
             "treadle_requests_waiting": ("Admitted requests not yet running.", self._num_waiting),
+            "treadle_requests_paused": ("Running requests not scheduled until their client reads its output.",
+                                        lambda: self._engine.num_paused_requests if self._engine else 0),
             "treadle_kv_blocks_total": ("KV cache blocks.", lambda: self._engine.kv.num_total_blocks
                                         if self._engine else 0),
             "treadle_kv_blocks_used": ("KV cache blocks held by live sequences.",
@@ -51,6 +53,9 @@ class ServerMetrics:
         self.prefix_cache_hit_tokens = Counter("treadle_prefix_cache_hit_tokens",
                                                "Prompt tokens served from the prefix cache.", registry=registry)
         self.preemptions = Counter("treadle_preemptions", "Sequences preempted for KV blocks.", registry=registry)
+        self.slow_reader_aborts = Counter("treadle_slow_reader_aborts",
+                                          "Requests aborted because their client read nothing for the timeout.",
+                                          registry=registry)
         self.request_success = Counter("treadle_request_success", "Finished requests by finish reason.",
                                        ["finish_reason"], registry=registry)
         self.requests_rejected = Counter("treadle_requests_rejected", "Requests refused with 429 (queue full).",
@@ -101,6 +106,9 @@ class EngineMetricsObserver:
 
     def on_preemption(self) -> None:
         self.metrics.preemptions.inc()
+
+    def on_slow_reader_abort(self) -> None:
+        self.metrics.slow_reader_aborts.inc()
 
 
 class TokenGapTimer:

@@ -47,7 +47,8 @@ async def chat_completions(request: Request) -> Response:
         header = ResponseHeader.new("chatcmpl", state.model_name, state.system_fingerprint)
         formatter = ChatFormatter(header, state.tokens, params.n, body.include_usage)
         generation = _submit(state, engine, prompt_ids, params, header.id, formatter)
-    return await respond(request, generation, body.stream, state.settings.sse_ping_seconds)
+    return await respond(request, generation, body.stream, state.settings.sse_ping_seconds,
+                         state.settings.slow_reader_timeout_seconds)
 
 
 async def completions(request: Request) -> Response:
@@ -66,7 +67,8 @@ async def completions(request: Request) -> Response:
         header = ResponseHeader.new("cmpl", state.model_name, state.system_fingerprint)
         formatter = CompletionFormatter(header, state.tokens, params.n, body.include_usage, prompt_ids, echo_text)
         generation = _submit(state, engine, prompt_ids, params, header.id, formatter)
-    return await respond(request, generation, body.stream, state.settings.sse_ping_seconds)
+    return await respond(request, generation, body.stream, state.settings.sse_ping_seconds,
+                         state.settings.slow_reader_timeout_seconds)
 
 
 def _chat_prompt_ids(state: ServingState, body: ChatCompletionRequest) -> list[int]:

@@ -33,6 +33,8 @@ class ServerSettings:
     cors_origins: tuple[str, ...] = field(default_factory=tuple)
     max_body_bytes: int = 4 * 1024 * 1024
     sse_ping_seconds: float = 15.0  # below the 60 s idle timeout of common proxies
+    max_unread_bytes: int = _ENGINE_DEFAULTS.max_unread_bytes or 1 << 20
+    slow_reader_timeout_seconds: float = _ENGINE_DEFAULTS.slow_reader_timeout_seconds
     shutdown_grace_seconds: float = 20.0  # below Kubernetes' default 30 s before SIGKILL
     log_level: str = "info"
     chat_page: bool = True  # examples/chat.html at GET /
@@ -40,7 +42,9 @@ class ServerSettings:
     def engine_config(self) -> EngineConfig:
         return EngineConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                             kv_cache_mb=self.kv_cache_mb, block_size=self.block_size, max_queue=self.max_queue,
-                            n_threads=self.threads, kernels=self.kernels, kv_cache_dtype=self.kv_cache_dtype)
+                            n_threads=self.threads, kernels=self.kernels, kv_cache_dtype=self.kv_cache_dtype,
+                            max_unread_bytes=self.max_unread_bytes,
+                            slow_reader_timeout_seconds=self.slow_reader_timeout_seconds)
 
 
 def _positive_int(text: str) -> int:
@@ -145,6 +149,12 @@ def build_parser(prog: str = "treadle serve") -> argparse.ArgumentParser:
            "largest request body; larger ones get 413 (default %(default)s)")
     option("--sse-ping-seconds", _positive_float, defaults.sse_ping_seconds,
            "interval of SSE comment pings that keep idle streams open through proxies (default %(default)s)")
+    option("--max-unread-bytes", _positive_int, defaults.max_unread_bytes,
+           "output a request may hold unread by its client; past it the request pauses (keeping its KV) "
+           "until the client reads (default %(default)s)")
+    option("--slow-reader-timeout-seconds", _positive_float, defaults.slow_reader_timeout_seconds,
+           "a request paused this long for its client is aborted, and a stream write blocked this long "
+           "ends the connection (default %(default)s)")
     option("--shutdown-grace-seconds", _non_negative_float, defaults.shutdown_grace_seconds,
            "on SIGTERM or SIGINT, how long requests in flight may run on before their streams are ended with "
            "an error event; new requests get 503 meanwhile (default %(default)s)")

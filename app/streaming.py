@@ -5,6 +5,7 @@ in the engine on every way out: finished, failed, client gone (streamed or not),
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -22,6 +23,8 @@ from decoding.outputs import RequestOutput, RequestStream
 from .errors import MSGPACK, APIError, encoded_response, wants_msgpack
 from .metrics import TokenGapTimer
 from .protocol import Chunk, merge_outputs
+
+log = logging.getLogger("treadle")
 
 
 class Formatter(Protocol):
@@ -68,26 +71,36 @@ class Generation:
             self.engine.abort(self.stream.request_id)
 
 
-async def respond(request: Request, generation: Generation, is_streamed: bool, ping_seconds: float) -> Response:
+async def respond(request: Request, generation: Generation, is_streamed: bool, ping_seconds: float,
+                  send_timeout_seconds: float | None = None) -> Response:
+    """`send_timeout_seconds`: a write to a client that reads nothing for this long ends the stream (and
+    the request), so a stalled connection holds neither the engine's output nor a socket for ever."""
     if not is_streamed:
         return await _whole_response(request, generation)
     if wants_msgpack(request):
-        return MsgpackStreamResponse(generation, _relay(generation, MSGPACK_FRAMING), media_type=MSGPACK)
+        return MsgpackStreamResponse(generation, _relay(generation, MSGPACK_FRAMING), media_type=MSGPACK,
+                                     send_timeout_seconds=send_timeout_seconds)
     return SSEResponse(generation, _relay(generation, SSE_FRAMING), sep="\n", ping=ping_seconds,
-                       ping_message_factory=lambda: ServerSentEvent(comment="ping", sep="\n"))
+                       ping_message_factory=lambda: ServerSentEvent(comment="ping", sep="\n"),
+                       send_timeout=send_timeout_seconds)
 
 
 async def _relay(generation: Generation, framing: Framing) -> AsyncIterator[bytes]:
     """The stream's body. Its `finally` runs on completion, on cancellation (the client left: the
     response cancels us) and on close, so the engine never generates for nobody."""
     formatter = generation.formatter
+    stream = generation.stream
     try:
         for chunk in formatter.first_chunks():
             yield framing.encode(chunk)
-        async for output in generation.stream:
+        async for output in stream:
             generation.token_gaps.observe(output)
             for chunk in formatter.chunks(output):
+                # The response resumes us once it has written the chunk: a write that does not come
+                # back means a client that does not read, and the engine pauses its request.
+                stream.reader_writes(True)
                 yield framing.encode(chunk)
+                stream.reader_writes(False)
         for chunk in formatter.last_chunks():
             yield framing.encode(chunk)
         yield framing.end
@@ -152,6 +165,9 @@ class SSEResponse(EventSourceResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except TimeoutError:  # sse-starlette's send timeout: the client stopped reading
+            log.warning("ended the stream of %s: its client read nothing for %g s", self.generation.stream.request_id,
+                        self.send_timeout)
         finally:
             self.generation.abort_unless_finished()
 
@@ -161,12 +177,21 @@ class MsgpackStreamResponse(StreamingResponse):
     notices a vanished client only when a send fails — never while a request waits in the queue.
     This one always races the body against the disconnect, and aborts on every way out."""
 
-    def __init__(self, generation: Generation, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, generation: Generation, *args: Any, send_timeout_seconds: float | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.generation = generation
+        self.send_timeout_seconds = send_timeout_seconds
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def send_or_give_up(message: Any) -> None:
+            with anyio.fail_after(self.send_timeout_seconds):
+                await send(message)
+
         try:
-            await run_until_disconnect(receive, lambda: self.stream_response(send))
+            await run_until_disconnect(receive, lambda: self.stream_response(send_or_give_up))
+        except* TimeoutError:  # raised inside run_until_disconnect's task group
+            log.warning("ended the stream of %s: its client read nothing for %g s", self.generation.stream.request_id,
+                        self.send_timeout_seconds)
         finally:
             self.generation.abort_unless_finished()

@@ -72,6 +72,10 @@ class EngineConfig:
     # (their logits stay within 1e-3 of the reference); or "float16" / "float32" explicitly
     kv_cache_dtype: str = "auto"
     max_itl_stretch: float | None = 2.0  # prefill chunks keep decode steps within this factor; None: no limit
+    # A request whose client leaves this much output unread is not scheduled until the client reads
+    # (its KV stays); one that stays so for slow_reader_timeout_seconds is aborted. None: no limit.
+    max_unread_bytes: int | None = 1 << 20
+    slow_reader_timeout_seconds: float = 30.0
 
 
 KV_CACHE_DTYPES = ("auto", "float16", "float32")
@@ -93,6 +97,7 @@ class EngineObserver(Protocol):
     def on_first_token(self, seconds: float) -> None: ...
     def on_request_finished(self, request: Request, finish_reason: str) -> None: ...
     def on_preemption(self) -> None: ...
+    def on_slow_reader_abort(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -102,6 +107,7 @@ class EngineStats:
     num_generation_tokens: int = 0
     step_seconds: float = 0.0
     kernel_seconds: float = 0.0
+    num_slow_reader_aborts: int = 0
 
 
 _Command = tuple[str, Any]
@@ -133,8 +139,10 @@ class Engine:
         self._wakeup = threading.Condition()
         self._num_unfinished = 0  # submitted and not yet finished; guarded by _wakeup
         self.num_running_requests = 0  # requests with a sequence in the running queue, after the last step
+        self.num_paused_requests = 0  # of those, requests waiting for their client to read
         self._ids = itertools.count()
         self._stopping = False
+        self._is_idle = False  # the last step scheduled nothing (every running request's reader lags)
         self.failure: str | None = None  # why the engine thread ended, if it did on an error
         self._thread: threading.Thread | None = None
 
@@ -151,7 +159,7 @@ class Engine:
         """Queue a request; its outputs arrive on the returned stream (async if `loop` is given)."""
         self.validate(prompt_ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
-        stream = RequestStream(request_id, loop)
+        stream = RequestStream(request_id, loop, self.config.max_unread_bytes, on_drained=self._wake)
         with self._wakeup:
             if self.failure is not None:
                 raise EngineFailed(f"the engine failed and serves nothing more: {self.failure}")
@@ -163,6 +171,12 @@ class Engine:
             self._inbox.append(("add", Request(request_id, list(prompt_ids), params, stream)))
             self._wakeup.notify()
         return stream
+
+    def _wake(self) -> None:
+        """A paused request's reader caught up: schedule it again."""
+        with self._wakeup:
+            self._is_idle = False
+            self._wakeup.notify()
 
     def abort(self, request_id: str) -> None:
         with self._wakeup:
@@ -234,10 +248,19 @@ class Engine:
         finally:
             self._close(failure)
 
+    # While every running request is paused for its reader, the loop parks and looks again this often
+    # (a reader catching up wakes it at once); each look ends requests paused past their timeout.
+    PAUSED_RECHECK_SECONDS = 1.0
+
     def _wait_for_work(self) -> bool:
         with self._wakeup:
-            while not self._inbox and not self.scheduler.has_work and not self._stopping:
-                self._wakeup.wait()
+            while not self._inbox and not self._stopping:
+                if not self.scheduler.has_work:
+                    self._wakeup.wait()
+                elif not self._is_idle:
+                    break
+                elif not self._wakeup.wait(self.PAUSED_RECHECK_SECONDS):
+                    break  # time to check the paused requests' timeouts
             return not self._stopping
 
     def _close(self, failure: BaseException | None) -> None:
@@ -256,17 +279,23 @@ class Engine:
     def step(self) -> None:
         """One turn: apply the inbox, schedule, run the model, sample, publish."""
         self._drain_inbox()
+        self._abort_slow_readers()
         try:
             self._step()
         finally:
-            self.num_running_requests = len({id(seq.request) for seq in self.scheduler.running})
+            running = self.scheduler.running
+            self.num_running_requests = len({id(seq.request) for seq in running})
+            self.num_paused_requests = len({id(seq.request) for seq in running if seq.is_paused})
 
     def _step(self) -> None:
+        with self._wakeup:
+            self._is_idle = True  # until this step schedules something; a reader catching up meanwhile clears it
         scheduled = self.scheduler.schedule()
         for _ in scheduled.preempted:
             self._notify("on_preemption")
         if not scheduled.chunks:
             return
+        self._is_idle = False
         started = time.perf_counter()
         try:
             if self.fault_hook is not None:
@@ -310,6 +339,18 @@ class Engine:
             for seq, token, lp in zip(seqs, tokens.tolist(), logprobs):
                 self._publish(seq, process_token(seq, token, lp, self.eos_token_ids, self.max_model_len))
         return kernel_seconds
+
+    def _abort_slow_readers(self) -> None:
+        """End requests whose client has read nothing for the timeout while the engine waited on it."""
+        timeout = self.config.slow_reader_timeout_seconds
+        now = time.monotonic()
+        for request in list(self._requests.values()):
+            since = request.stream.backlogged_since
+            if since is not None and now - since > timeout:
+                log.warning("aborting %s: its client read nothing for %.0f s", request.request_id, timeout)
+                self.stats.num_slow_reader_aborts += 1
+                self._notify("on_slow_reader_abort")
+                self._fail_request(request, "abort", f"the client read nothing for {timeout:g} s")
 
     def _count_prompt_tokens(self, seq: Sequence) -> None:
         """Each prompt position counts once per request: recomputing it after a preemption is not new work
@@ -442,7 +483,7 @@ class Engine:
             except Exception:  # noqa: BLE001 - one stream must not keep the others open
                 log.exception("could not end request %s", request.request_id)
         self._requests.clear()
-        self.num_running_requests = 0
+        self.num_running_requests = self.num_paused_requests = 0
         self.scheduler.running.clear()
         self.scheduler.waiting.clear()
         self.kv.free_all(latest_step_ran=False)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Iterator
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
 from .sampling import TokenLogprobs
@@ -36,6 +37,11 @@ class RequestOutput:
     usage: Usage | None = None  # on the last delta of the request
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # first delta only, when asked
 
+    @property
+    def num_bytes(self) -> int:
+        """About what this delta costs held in memory and written as JSON (logprobs dominate when asked)."""
+        return len(self.text) + 8 * len(self.token_ids) + sum(48 + 40 * len(lp.top) for lp in self.logprobs)
+
     def merge(self, later: RequestOutput) -> None:
         self.text += later.text
         self.token_ids.extend(later.token_ids)
@@ -52,12 +58,24 @@ class RequestStream:
     """One request's outputs: the engine thread puts without blocking, one reader takes.
 
     If the reader falls behind, deltas of the same choice merge, so a slow client costs memory
-    proportional to its unread text, never a queue of events, and never blocks the engine.
-    Readable from asyncio (`async for`) or from a plain thread (`for`).
+    proportional to its unread output, never a queue of events, and never blocks the engine. The
+    stream is *backlogged* when more than `max_unread_bytes` wait unread here, or when the reader
+    has been stuck writing to its client for READER_BLOCKED_SECONDS (the socket's and the server's
+    buffers are full: the client is not reading). The engine then stops scheduling the request until
+    the reader moves again (`on_drained` tells it), so a client that stops reading holds a bounded
+    amount of memory and no share of the batch. Readable from asyncio (`async for`) or a thread (`for`).
     """
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    READER_BLOCKED_SECONDS = 1.0
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None = None,
+                 max_unread_bytes: int | None = None, on_drained: Callable[[], None] | None = None) -> None:
         self.request_id = request_id
+        self.max_unread_bytes = max_unread_bytes
+        self.num_unread_bytes = 0
+        self._over_limit_since: float | None = None  # time.monotonic() when unread output passed the limit
+        self._reader_blocked_since: float | None = None  # when the reader began a write that has not returned
+        self._on_drained = on_drained
         self._loop = loop
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
@@ -74,6 +92,10 @@ class RequestStream:
                 self._pending[output.index] = output
             else:
                 pending.merge(output)
+            self.num_unread_bytes += output.num_bytes
+            if (self.max_unread_bytes is not None and self.num_unread_bytes > self.max_unread_bytes
+                    and self._over_limit_since is None):
+                self._over_limit_since = time.monotonic()
             self._finished = self._finished or is_last
             self._ready.notify()
         if self._loop is not None:
@@ -82,11 +104,44 @@ class RequestStream:
             except RuntimeError:
                 pass  # the loop is closed: nobody is listening any more
 
+    @property
+    def backlogged_since(self) -> float | None:
+        """Since when the reader has been holding the request back, or None."""
+        if self._over_limit_since is not None:
+            return self._over_limit_since
+        blocked_since = self._reader_blocked_since
+        if blocked_since is not None and time.monotonic() - blocked_since > self.READER_BLOCKED_SECONDS:
+            return blocked_since + self.READER_BLOCKED_SECONDS
+        return None
+
+    @property
+    def is_backlogged(self) -> bool:
+        return self.backlogged_since is not None
+
+    def reader_writes(self, is_writing: bool) -> None:
+        """The reader tells when it starts and ends handing output to its client (a write that does not
+        return means the client's buffers are full)."""
+        if is_writing:
+            self._reader_blocked_since = time.monotonic()
+            return
+        was_backlogged = self.is_backlogged
+        self._reader_blocked_since = None
+        if was_backlogged and not self.is_backlogged:
+            self._drained_backlog()
+
     # reader side
-    def _take(self) -> tuple[list[RequestOutput], bool]:
+    def _take(self) -> tuple[list[RequestOutput], bool, bool]:
+        """(outputs, whether they end the stream, whether the stream was backlogged until now)."""
         outputs = [self._pending[i] for i in sorted(self._pending)]
         self._pending.clear()
-        return outputs, self._finished
+        was_backlogged = self._over_limit_since is not None
+        self.num_unread_bytes = 0
+        self._over_limit_since = None
+        return outputs, self._finished, was_backlogged
+
+    def _drained_backlog(self) -> None:
+        if self._on_drained is not None:
+            self._on_drained()
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         assert self._async_ready is not None, "this stream was created for a thread reader"
@@ -94,7 +149,9 @@ class RequestStream:
             await self._async_ready.wait()
             self._async_ready.clear()
             with self._lock:
-                outputs, self._drained = self._take()
+                outputs, self._drained, was_backlogged = self._take()
+            if was_backlogged:
+                self._drained_backlog()
             for output in outputs:
                 yield output
 
@@ -103,7 +160,9 @@ class RequestStream:
             with self._lock:
                 while not self._pending and not self._finished:
                     self._ready.wait()
-                outputs, self._drained = self._take()
+                outputs, self._drained, was_backlogged = self._take()
+            if was_backlogged:
+                self._drained_backlog()
             yield from outputs
 
     @property

@@ -5,7 +5,8 @@ flowing; then to prefills already under way, a chunk each; then to waiting seque
 served, as far as the budget, `max_num_seqs` and free KV blocks allow. A long prompt is therefore split
 over several steps instead of stalling every stream. When a decode needs a block and none is free, the
 most recently admitted sequence is preempted: its blocks are freed and it goes back to the front of
-the queue, to be recomputed (prefix caching often finds its blocks still there).
+the queue, to be recomputed (prefix caching often finds its blocks still there). A sequence whose
+client has stopped reading (`Sequence.is_paused`) keeps its place and its blocks but is not scheduled.
 
 While streams are decoding, chunks of *long* prompts (more than LONG_PREFILL_TOKENS to compute when
 admitted, prefix-cache hits aside; the whole prompt stays long to its last chunk) are also held to a time budget: a step may take at most `max_itl_stretch` times as long as a
@@ -184,6 +185,8 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status != SequenceStatus.RUNNING or not (seq.is_prefill_done and seq.num_uncomputed_tokens == 1):
                 continue
+            if seq.is_paused:  # it keeps its blocks; it goes on once its client reads
+                continue
             if num_scheduled == self.max_num_batched_tokens:  # only if forks outgrew admission's count
                 self._preempt(seq, out)  # the loop goes oldest first: the newest give way
                 continue
@@ -202,8 +205,8 @@ class Scheduler:
         for seq in self.running:
             if budget.tokens == 0:
                 break
-            if seq.is_prefill_done and seq.num_uncomputed_tokens <= 1:
-                continue  # a decode, already scheduled (or preempted) above
+            if (seq.is_prefill_done and seq.num_uncomputed_tokens <= 1) or seq.is_paused:
+                continue  # a decode, already scheduled (or preempted) above; or its reader lags
             num_tokens = budget.take(seq.num_uncomputed_tokens, seq.num_prefill_tokens)
             if num_tokens:
                 out.chunks.append(self._chunk(seq, num_tokens, out))

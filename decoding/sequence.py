@@ -101,6 +101,11 @@ class Sequence:
         return self.num_tokens - self.num_computed_tokens
 
     @property
+    def is_paused(self) -> bool:
+        """Its reader has not taken the output so far (past the unread limit): produce no more for now."""
+        return self.request.stream.is_backlogged
+
+    @property
     def is_prefill_done(self) -> bool:
         return self.num_computed_tokens >= len(self.request.prompt_ids)
 
