@@ -11,6 +11,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -115,14 +116,15 @@ def do_nothing(tid: int, nthreads: int, barrier: np.ndarray) -> None:
     pass
 
 
-_RELEASE, _NUM_EXITED = 0, 8  # words of workers_wait_for_release, on separate cache lines
+_RELEASE, _NUM_ENTERED, _NUM_EXITED = 0, 8, 16  # words of workers_wait_for_release, one cache line each
 
 
 @njit(nogil=True, cache=True)
 def workers_wait_for_release(tid: int, nthreads: int, barrier: np.ndarray, words: np.ndarray) -> None:
-    """Thread 0 returns at once; workers spin until words[_RELEASE] != 0, then count their exit in
-    words[_NUM_EXITED]. words: int64 (16,), cache-aligned."""
+    """Thread 0 returns at once; workers count their entry in words[_NUM_ENTERED], spin until
+    words[_RELEASE] != 0, then count their exit in words[_NUM_EXITED]. words: int64 (24,), cache-aligned."""
     if tid != 0:
+        fetch_add(words, _NUM_ENTERED, 1)
         while load_acquire(words, _RELEASE) == 0:  # acquire: re-read every spin
             cpu_pause()
         fetch_add(words, _NUM_EXITED, 1)  # acq_rel RMW: the exit count is exact
@@ -292,35 +294,39 @@ def test_an_interrupt_while_thread_zero_waits_returns_only_after_every_worker_le
     """A signal handler raising in thread 0 (SIGINT's KeyboardInterrupt does the same) while it
     waits for workers must not return from run with workers still in the kernel, writing the
     caller's arrays; a second signal during that wait must not be a way out either."""
-    words = cache_aligned_zeros(16)
+    words = cache_aligned_zeros(24)
     main_thread = threading.get_ident()
 
     def raise_interrupted(signum: int, frame: object) -> None:
         raise Interrupted(f"signal {signum}")
 
+    def interrupt_then_release() -> None:
+        while words[_NUM_ENTERED] == 0:  # the worker is in the kernel: thread 0 is inside run
+            time.sleep(0.001)
+        for _ in range(num_signals):
+            time.sleep(0.2)
+            signal.pthread_kill(main_thread, signal.SIGUSR1)
+        time.sleep(0.3)
+        words[_RELEASE] = 1  # the worker may leave the kernel
+
     previous_handler = signal.signal(signal.SIGUSR1, raise_interrupted)
-    timers = [threading.Timer(0.2 * (k + 1), signal.pthread_kill, (main_thread, signal.SIGUSR1))
-              for k in range(num_signals)]
-    timers.append(threading.Timer(1.0, words.__setitem__, (_RELEASE, 1)))  # workers may leave
+    driver = threading.Thread(target=interrupt_then_release)
     try:
         with SpinPool(2) as pool:
-            pool.run(do_nothing)  # compiled and loaded before the clock starts
-            for timer in timers:
-                timer.start()
-            started = time.monotonic()
+            pool.run(do_nothing)  # the pool's helpers are loaded before the driver starts
+            driver.start()
             with pytest.raises(Interrupted, match="signal") as raised:
                 pool.run(workers_wait_for_release, words)
             num_exited_at_return = int(words[_NUM_EXITED])
-            waited_s = time.monotonic() - started
-            assert num_exited_at_return == 1, f"run returned after {waited_s:.2f} s with a worker in the kernel"
+            assert num_exited_at_return == 1, "run returned with a worker still in the kernel"
             num_ignored = sum("arrived while waiting for the workers" in note
                               for note in getattr(raised.value, "__notes__", []))
             assert num_ignored == num_signals - 1
             pool.run(workers_wait_for_release, words)  # the pool is still usable (the release stays set)
             assert words[_NUM_EXITED] == 2
     finally:
-        for timer in timers:
-            timer.join()
+        if driver.is_alive():
+            driver.join()
         signal.signal(signal.SIGUSR1, previous_handler)
 
 
@@ -376,7 +382,7 @@ DEAD_WORKER_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.parametrize("how", ["exception", "os_thread_exit"])
-def test_a_dead_worker_makes_run_raise_instead_of_spinning_forever(how: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_dead_worker_makes_run_raise_instead_of_spinning_forever(how: str, tmp_path: Path) -> None:
     """A worker ended by an exception outside its kernel, or whose OS thread vanished mid-kernel:
     run raises BrokenPool naming the worker, later runs are refused, close still returns."""
     if how == "os_thread_exit" and os.uname().machine != "x86_64":
