@@ -170,5 +170,9 @@ def parse_settings(argv: list[str]) -> ServerSettings:
     args = parser.parse_args(argv)
     if args.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
         parser.error(f"unknown --log-level {args.log_level!r}")
+    usable_cores = len(os.sched_getaffinity(0))
+    if args.threads is not None and args.threads > usable_cores:
+        parser.error(f"--threads {args.threads} is more than the {usable_cores} usable cores: the pool's threads "
+                     "spin, and two sharing a core wait out each other's time slices at every barrier")
     args.served_model_name = tuple(args.served_model_name)
     return ServerSettings(**{k: v for k, v in vars(args).items()})

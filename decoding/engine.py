@@ -23,7 +23,7 @@ import numpy as np
 from kvcache.errors import KVCacheError
 from kvcache.manager import KVCacheManager
 from kvcache.storage import KVCacheSpec, KVCacheStorage
-from threadpool import SpinPool
+from threadpool import BrokenPool, SpinPool
 
 from .detokenizer import IncrementalDetokenizer
 from .model import Model
@@ -239,6 +239,8 @@ class Engine:
             while self._wait_for_work():
                 try:
                     self.step()
+                except BrokenPool:
+                    raise  # every later step would fail the same way: the engine is done
                 except Exception as exc:  # outside the model step: which requests it concerns is unknown
                     log.exception("engine loop failed")
                     self._fail_everything(f"internal error in the engine: {type(exc).__name__}")
@@ -306,6 +308,8 @@ class Engine:
             for request in {id(c.seq.request): c.seq.request for c in scheduled.chunks}.values():
                 self._fail_request(request, "error", f"internal error while generating: {type(exc).__name__}",
                                    latest_step_ran=False)
+            if isinstance(exc, BrokenPool):
+                raise
             return
         seconds = time.perf_counter() - started
         self.scheduler.observe_step(scheduled, seconds)

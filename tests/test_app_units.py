@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import httpx
 import pytest
@@ -238,3 +239,11 @@ def test_warm_up_freezes_what_lives_as_long_as_the_process(default_model):
     finally:
         gc.unfreeze()  # the test process goes on collecting as before
         engine.shutdown()
+
+
+def test_more_threads_than_usable_cores_is_a_clear_command_line_error(capsys):
+    cores = len(os.sched_getaffinity(0))
+    assert parse_settings(["--threads", str(cores)]).threads == cores
+    with pytest.raises(SystemExit):
+        parse_settings(["--threads", str(cores + 1)])
+    assert "usable cores" in capsys.readouterr().err

@@ -10,6 +10,7 @@ from decoding.engine import Engine, EngineConfig, EngineFailed, QueueFull, Reque
 from decoding.params import InvalidParams, SamplingParams
 from decoding.reference import forward_logits
 from decoding.sampling import log_softmax
+from threadpool import BrokenPool
 
 from .conftest import GOLDEN
 
@@ -330,5 +331,22 @@ def test_when_the_engine_thread_dies_every_stream_ends_and_new_requests_are_refu
         with pytest.raises(EngineFailed):
             eng.submit(ids, greedy(4))
         assert eng.num_unfinished == 0
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread's end, expected
+def test_a_broken_pool_ends_the_engine_instead_of_failing_every_later_step(default_model):
+    eng = Engine(default_model, EngineConfig(max_num_seqs=4, kv_cache_mb=32, kernels="exact", n_threads=1))
+    ids = default_model.tokenizer.encode(CAPITAL)
+    try:
+        def broken(batch):
+            raise BrokenPool("a worker died")
+
+        eng.runner.forward = broken
+        eng.start()
+        assert list(eng.submit(ids, greedy(4)))[-1].finish_reason == "error"
+        eng._thread.join(10)
+        assert eng.is_failed and "BrokenPool" in eng.failure
     finally:
         eng.shutdown()
