@@ -11,9 +11,9 @@ import sys
 from typing import TextIO
 
 from decoding import DEFAULT_MODEL, ModelLoadError, TemplateError, load_model
-from decoding.engine import Engine, EngineConfig, RequestTooLarge
-from decoding.forward import KERNEL_MODES
-from decoding.params import InvalidParams, SamplingParams
+from decoding.engine.engine import Engine, EngineConfig, RequestTooLarge
+from decoding.kernels.forward import KERNEL_MODES
+from decoding.engine.params import InvalidParams, SamplingParams
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -16,8 +16,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from decoding.engine import Engine
-from decoding.scheduler import SchedulerOutput
+from decoding.engine.engine import Engine
+from decoding.engine.scheduler import SchedulerOutput
 
 EVERY_N_STEPS = "TREADLE_TEST_FAULT_EVERY_N_STEPS"
 SEED = "TREADLE_TEST_FAULT_SEED"

@@ -6,10 +6,10 @@ import argparse
 import sys
 
 from decoding import DEFAULT_MODEL, ModelLoadError, TemplateError, load_model
-from decoding.engine import Engine, EngineConfig, RequestTooLarge
-from decoding.forward import KERNEL_MODES
-from decoding.params import InvalidParams, SamplingParams
-from decoding.tokenizer import Tokenizer
+from decoding.engine.engine import Engine, EngineConfig, RequestTooLarge
+from decoding.kernels.forward import KERNEL_MODES
+from decoding.engine.params import InvalidParams, SamplingParams
+from decoding.model.tokenizer import Tokenizer
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

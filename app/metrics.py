@@ -18,9 +18,9 @@ from prometheus_client import (
     generate_latest,
 )
 
-from decoding.engine import Engine
-from decoding.outputs import RequestOutput
-from decoding.sequence import Request
+from decoding.engine.engine import Engine
+from decoding.engine.outputs import RequestOutput
+from decoding.engine.sequence import Request
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.25, 0.5, 1.0, 2.5)

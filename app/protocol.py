@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from decoding.outputs import RequestOutput, Usage
-from decoding.sampling import TokenLogprobs
-from decoding.tokenizer import Tokenizer
+from decoding.engine.outputs import RequestOutput, Usage
+from decoding.engine.sampling import TokenLogprobs
+from decoding.model.tokenizer import Tokenizer
 
 from .errors import error_body
 

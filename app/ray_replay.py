@@ -279,7 +279,7 @@ def main() -> int:
 
         root = Path(__file__).resolve().parent.parent
         sources = b"".join(p.read_bytes() for pkg in ("decoding", "kvcache", "threadpool")
-                           for p in sorted((root / pkg).glob("*.py")))
+                           for p in sorted((root / pkg).rglob("*.py")))
         os.environ["NUMBA_CACHE_DIR"] = str(root / ".numba_cache" / hashlib.sha1(sources).hexdigest()[:12])
     ray.init(num_cpus=2, include_dashboard=False)
     try:

@@ -148,7 +148,7 @@ def _pin_to_own_cores(local_rank: int, n_threads: int) -> list[int] | None:
 class TreadleReplica:
     def __init__(self, settings: ServerSettings) -> None:
         from decoding import load_model
-        from decoding.engine import Engine
+        from decoding.engine.engine import Engine
 
         from .server import build_app
 

@@ -16,8 +16,8 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from decoding import TemplateError
-from decoding.engine import Engine, EngineFailed, EngineShuttingDown, QueueFull, RequestTooLarge
-from decoding.params import InvalidParams, SamplingParams
+from decoding.engine.engine import Engine, EngineFailed, EngineShuttingDown, QueueFull, RequestTooLarge
+from decoding.engine.params import InvalidParams, SamplingParams
 
 from .body import read_body
 from .errors import APIError, encoded_response

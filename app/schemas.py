@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from decoding.params import MAX_N, MAX_TOP_LOGPROBS, SamplingParams
+from decoding.engine.params import MAX_N, MAX_TOP_LOGPROBS, SamplingParams
 
 from .errors import APIError
 

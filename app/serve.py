@@ -25,7 +25,7 @@ from collections.abc import Iterator
 import uvicorn
 
 from decoding import ModelLoadError, load_model
-from decoding.engine import Engine
+from decoding.engine.engine import Engine
 
 from .faults import install_from_env
 from .server import ServingState, build_app

@@ -21,8 +21,8 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from decoding.engine import Engine, resolve_kv_cache_dtype
-from decoding.params import SamplingParams
+from decoding.engine.engine import Engine, resolve_kv_cache_dtype
+from decoding.engine.params import SamplingParams
 
 from .errors import EXCEPTION_HANDLERS, APIError, encoded_response, error_body
 from .metrics import ServerMetrics

@@ -8,8 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from decoding import DEFAULT_MODEL
-from decoding.engine import KV_CACHE_DTYPES, EngineConfig
-from decoding.forward import KERNEL_MODES
+from decoding.engine.engine import KV_CACHE_DTYPES, EngineConfig
+from decoding.kernels.forward import KERNEL_MODES
 
 ENV_PREFIX = "TREADLE_"
 _ENGINE_DEFAULTS = EngineConfig()

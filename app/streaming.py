@@ -17,8 +17,8 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from decoding.engine import Engine
-from decoding.outputs import RequestOutput, RequestStream
+from decoding.engine.engine import Engine
+from decoding.engine.outputs import RequestOutput, RequestStream
 
 from .errors import MSGPACK, APIError, encoded_response, wants_msgpack
 from .metrics import TokenGapTimer

@@ -42,7 +42,7 @@ from typing import Any
 import httpx
 
 from app.bench_serve import BenchConfig, format_table, machine_description, run_bench, write_plot
-from decoding.registry import resolve_model_path
+from decoding.model.registry import resolve_model_path
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m-instruct"

@@ -13,7 +13,7 @@ def _kernel_sources_hash() -> str:
     """Same naming as the Makefile: numba does not see edits to kernels called across files."""
     digest = hashlib.sha1()
     for package in ("decoding", "kvcache", "threadpool"):
-        for path in sorted((ROOT / package).glob("*.py")):
+        for path in sorted((ROOT / package).rglob("*.py")):
             digest.update(path.read_bytes())
     return digest.hexdigest()[:12]
 

@@ -14,9 +14,9 @@ from app.metrics import ServerMetrics
 from app.protocol import ChatFormatter, CompletionFormatter, ResponseHeader, TokenText
 from app.settings import parse_settings
 from app.streaming import SSE_FRAMING, run_until_disconnect
-from decoding.engine import resolve_kv_cache_dtype
-from decoding.outputs import RequestOutput, Usage
-from decoding.sampling import TokenLogprobs
+from decoding.engine.engine import resolve_kv_cache_dtype
+from decoding.engine.outputs import RequestOutput, Usage
+from decoding.engine.sampling import TokenLogprobs
 
 
 def test_every_option_reads_its_environment_variable_and_a_flag_wins(monkeypatch):
@@ -49,7 +49,7 @@ def test_generate_chat_prompt_has_one_bos_as_the_servers_chat_route(tiny_gguf):
     adding special tokens again, by `treadle generate --chat` as by /v1/chat/completions."""
     from app.generate import prompt_ids
     from decoding import load_model
-    from decoding.tokenizer import Tokenizer
+    from decoding.model.tokenizer import Tokenizer
     from tests.tinymodel import CHAT_TEMPLATE
 
     base = load_model(tiny_gguf).tokenizer
@@ -201,7 +201,7 @@ def test_run_until_disconnect_cancels_the_work_when_the_client_leaves():
 def test_before_warm_up_health_and_generation_answer_503(default_model):
     from app.server import build_app
     from app.settings import ServerSettings
-    from decoding.engine import Engine, EngineConfig
+    from decoding.engine.engine import Engine, EngineConfig
 
     engine = Engine(default_model, EngineConfig(num_kv_blocks=8, n_threads=1, pin_threads=False))
     try:
@@ -227,7 +227,7 @@ def test_warm_up_freezes_what_lives_as_long_as_the_process(default_model):
 
     from app.server import ServingState
     from app.settings import ServerSettings
-    from decoding.engine import Engine, EngineConfig
+    from decoding.engine.engine import Engine, EngineConfig
 
     engine = Engine(default_model, EngineConfig(num_kv_blocks=8, n_threads=1, pin_threads=False))
     try:

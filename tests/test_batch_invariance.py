@@ -10,8 +10,8 @@ import threading
 import numpy as np
 import pytest
 
-from decoding.engine import Engine, EngineConfig
-from decoding.params import SamplingParams
+from decoding.engine.engine import Engine, EngineConfig
+from decoding.engine.params import SamplingParams
 
 TARGET_TEXT = ("In a small village by the river, an old weaver kept a loom that had belonged to her grandmother. "
                "Every morning she")

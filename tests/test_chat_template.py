@@ -3,7 +3,7 @@ import time
 import pytest
 
 from decoding import TemplateError
-from decoding.chat_template import ChatTemplate
+from decoding.model.chat_template import ChatTemplate
 
 
 def render(source: str, messages=None, **extra) -> str:

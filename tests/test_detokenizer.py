@@ -1,6 +1,6 @@
 import pytest
 
-from decoding.detokenizer import IncrementalDetokenizer
+from decoding.engine.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
     "Hello, world! How are you today?",

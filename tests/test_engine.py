@@ -6,10 +6,10 @@ import time
 import numpy as np
 import pytest
 
-from decoding.engine import Engine, EngineConfig, EngineFailed, QueueFull, RequestTooLarge
-from decoding.params import InvalidParams, SamplingParams
-from decoding.reference import forward_logits
-from decoding.sampling import log_softmax
+from decoding.engine.engine import Engine, EngineConfig, EngineFailed, QueueFull, RequestTooLarge
+from decoding.engine.params import InvalidParams, SamplingParams
+from decoding.kernels.reference import forward_logits
+from decoding.engine.sampling import log_softmax
 from threadpool import BrokenPool
 
 from .conftest import GOLDEN

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from decoding.fast_kernels import matmul_groups, quantize_activation_row, swiglu_groups
-from decoding.quant import QType, dequantize, quantize
-from decoding.repack import ACTIVATION_ORDER, repack
+from decoding.kernels.fast_kernels import matmul_groups, quantize_activation_row, swiglu_groups
+from decoding.model.quant import QType, dequantize, quantize
+from decoding.kernels.repack import ACTIVATION_ORDER, repack
 
 
 def quantized_activations(x: np.ndarray):

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from decoding.reference import forward_logits
+from decoding.kernels.reference import forward_logits
 
 from .conftest import GOLDEN
 

@@ -2,7 +2,7 @@ import gguf
 import numpy as np
 import pytest
 
-from decoding.quant import QType, dequantize, quantize
+from decoding.model.quant import QType, dequantize, quantize
 
 
 @pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.F16, QType.BF16])

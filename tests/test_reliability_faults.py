@@ -10,7 +10,7 @@ import pytest
 
 from app.bench_soak import check_sse_events
 from app.faults import EVERY_N_STEPS, FATAL_SEED, SEED, InjectedFault, StepFaults, install_from_env
-from decoding.scheduler import SchedulerOutput
+from decoding.engine.scheduler import SchedulerOutput
 
 from .reliability import StreamReader, running_server
 

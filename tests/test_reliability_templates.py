@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from decoding import TemplateError
-from decoding.chat_template import ChatTemplate
+from decoding.model.chat_template import ChatTemplate
 
 from .conftest_server import REPO
 from .reliability import running_server, write_tiny_gguf
@@ -133,7 +133,7 @@ def assert_refused_by_a_bound(source: str) -> None:
         import resource, sys
         resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
         from decoding import TemplateError
-        from decoding.chat_template import ChatTemplate
+        from decoding.model.chat_template import ChatTemplate
         try:
             ChatTemplate({source!r}, {{}}).render([])
         except TemplateError as exc:

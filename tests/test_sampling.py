@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from decoding.params import InvalidParams, SamplingParams
-from decoding.sampling import Sampler, SampleRequest, apply_penalties, log_softmax
+from decoding.engine.params import InvalidParams, SamplingParams
+from decoding.engine.sampling import Sampler, SampleRequest, apply_penalties, log_softmax
 
 VOCAB = 6
 LOGITS = np.log(np.array([0.5, 0.3, 0.15, 0.05, 1e-9, 1e-9], dtype=np.float32))
@@ -119,7 +119,7 @@ def test_out_of_range_parameters_name_themselves(params):
 
 
 def test_blocked_inverse_cdf_draws_the_same_tokens_as_a_plain_one():
-    from decoding.sampling import draw_full_vocabulary
+    from decoding.engine.sampling import draw_full_vocabulary
 
     rng = np.random.default_rng(8)
     z = (rng.standard_normal((9, 3000)) * 3).astype(np.float32)  # not a multiple of the block size
@@ -137,7 +137,7 @@ def test_blocked_inverse_cdf_draws_the_same_tokens_as_a_plain_one():
 
 
 def test_draws_shared_among_pool_threads_equal_the_single_threaded_ones():
-    from decoding.sampling import draw_full_vocabulary
+    from decoding.engine.sampling import draw_full_vocabulary
     from threadpool import SpinPool
 
     rng = np.random.default_rng(11)

@@ -2,10 +2,10 @@
 
 import numpy as np
 
-from decoding.outputs import RequestStream
-from decoding.params import SamplingParams
-from decoding.scheduler import LONG_PREFILL_TOKENS, Scheduler
-from decoding.sequence import Request, Sequence, SequenceStatus
+from decoding.engine.outputs import RequestStream
+from decoding.engine.params import SamplingParams
+from decoding.engine.scheduler import LONG_PREFILL_TOKENS, Scheduler
+from decoding.engine.sequence import Request, Sequence, SequenceStatus
 from kvcache.manager import KVCacheManager
 
 
@@ -118,7 +118,7 @@ def test_removing_sequences_returns_every_block():
 
 
 def test_prefill_chunks_while_decoding_are_sized_to_keep_the_step_within_the_stretch():
-    from decoding.scheduler import StepCostModel
+    from decoding.engine.scheduler import StepCostModel
 
     model = StepCostModel(max_itl_stretch=2.0)
     assert model.prefill_budget_while_decoding(256) == 64  # not measured yet: a modest chunk

@@ -17,7 +17,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tokenizers.pre_tokenizers import ByteLevel
 
-from decoding.quant import QType, quantize
+from decoding.model.quant import QType, quantize
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (

@@ -10,8 +10,8 @@ from kvcache.batch import KVBatchArrays
 from kvcache.storage import KVCacheStorage
 from threadpool import SpinPool
 
-from .forward import KERNEL_MODES, KernelWeights, RunState, model_step
-from .model import Model
+from ..kernels.forward import KERNEL_MODES, KernelWeights, RunState, model_step
+from ..model.model import Model
 
 
 @dataclass(slots=True)

@@ -2,7 +2,7 @@
 
 Like llama.cpp's CPU path: each activation row is quantized once per matrix it feeds (Q8_0-style,
 scale = max|x| / 127, round half away from zero), then every 8-row weight group is dotted with up to
-four tokens at a time (decoding.vnni). A row's numbers never depend on the batch: a token's
+four tokens at a time (decoding.kernels.vnni). A row's numbers never depend on the batch: a token's
 quantization and dot products are the same operations whether it is alone or among many.
 """
 
@@ -13,7 +13,7 @@ from numba import njit
 
 from kvcache.fastmath import exp_f32
 
-from .quant import QType
+from ..model.quant import QType
 from .vnni import (
     BLOCK_STRIDE,
     group_dot_q4_0_x1,
@@ -38,7 +38,7 @@ def _round_half_away(v):
 def quantize_activation_row(x, n_cols, xq, xd, xsum):
     """x: (≥n_cols,) float32 → xq (n_cols,) int8 in ACTIVATION_ORDER per block, xd / xsum per block.
 
-    Step s of a block holds weights 4s..4s+3 then 16+4s..16+4s+3 (decoding.repack), so byte 8s+k of
+    Step s of a block holds weights 4s..4s+3 then 16+4s..16+4s+3 (decoding.kernels.repack), so byte 8s+k of
     the block is x[4s+k] and byte 8s+4+k is x[16+4s+k].
     """
     for b in range(n_cols // 32):

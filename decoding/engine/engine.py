@@ -26,7 +26,7 @@ from kvcache.storage import KVCacheSpec, KVCacheStorage
 from threadpool import BrokenPool, SpinPool
 
 from .detokenizer import IncrementalDetokenizer
-from .model import Model
+from ..model.model import Model
 from .output_processor import finish_output, process_token, usage_of
 from .outputs import RequestOutput, RequestStream
 from .params import InvalidParams, SamplingParams

@@ -5,7 +5,7 @@ barrier between phases. Each output value is computed by exactly one thread by t
 whatever the thread count or batch size, which is what makes a sequence's numbers independent of
 its neighbours (batch invariance).
 
-Weights arrive as uint8 rows in their stored form (see decoding.quant for the block layouts) plus a
+Weights arrive as uint8 rows in their stored form (see decoding.model.quant for the block layouts) plus a
 type code, and are dequantized one row at a time into a per-thread float32 buffer, then used for every
 token of the step: each weight row crosses the memory bus once per step, whatever the batch size.
 """
@@ -16,7 +16,7 @@ import numpy as np
 from numba import njit
 
 from .numeric import bf16_bits_to_f32, f16_bits_to_f32, load_f16
-from .quant import QType
+from ..model.quant import QType
 
 F32, F16, BF16 = int(QType.F32), int(QType.F16), int(QType.BF16)
 Q4_0, Q4_1, Q8_0 = int(QType.Q4_0), int(QType.Q4_1), int(QType.Q8_0)

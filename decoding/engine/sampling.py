@@ -15,7 +15,7 @@ from numba import njit
 from kvcache.fastmath import exp_f32
 from threadpool import SpinPool
 
-from .kernels import split_range
+from ..kernels.kernels import split_range
 from .params import SamplingParams
 
 # Nucleus sampling first looks among this many best tokens; only if they hold less than top_p of the

@@ -27,7 +27,7 @@ SUPPORTED_ARCHITECTURES = ("llama",)
 
 @dataclass(frozen=True, slots=True)
 class GGUFTokenizerData:
-    """What `tokenizer.ggml.*` metadata says; turned into a `tokenizers.Tokenizer` by decoding.tokenizer."""
+    """What `tokenizer.ggml.*` metadata says; turned into a `tokenizers.Tokenizer` by decoding.model.tokenizer."""
 
     model: str  # "gpt2" = byte-level BPE
     pre: str  # pre-tokenizer name, e.g. "smollm", "llama-bpe", "default"

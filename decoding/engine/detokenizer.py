@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .tokenizer import Tokenizer
+from ..model.tokenizer import Tokenizer
 
 _REPLACEMENT = "\ufffd"
 # tokens of left context kept in the decode window; enough for any UTF-8 character (≤ 4 bytes)

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .weights import LayerWeights
+from ..model.weights import LayerWeights
 
 if TYPE_CHECKING:
-    from .model import Model
+    from ..model.model import Model
 
 
 def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

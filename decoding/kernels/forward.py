@@ -9,7 +9,7 @@ Three lifetimes, as in llama2.c: `ModelConfig` (shape), `KernelWeights` (read-on
 
 Two kernel modes, one step body. `exact`: float32 activations, each weight row dequantized and dotted
 in float32 (logits within 1e-3 of the reference). `fast`: activations quantized to int8 per 32-block,
-VNNI integer dot products over weights repacked at load (decoding.fast_kernels; llama.cpp-like
+VNNI integer dot products over weights repacked at load (decoding.kernels.fast_kernels; llama.cpp-like
 numerics). Both are batch-invariant: a token's numbers never depend on which rows share its step.
 """
 
@@ -24,12 +24,12 @@ from numba.typed import List
 from kvcache.attention import attention_scratch, paged_attention_rows, write_kv_rows
 from threadpool import barrier_wait
 
-from .config import ModelConfig
+from ..model.config import ModelConfig
 from .fast_kernels import matmul_groups, quantize_activation_row, swiglu_groups
 from .kernels import dequantize_row, matmul_rows, rmsnorm_row, rope_row, split_range, swiglu_rows
 from .reference import rope_tables
 from .repack import is_packable, repack
-from .weights import ModelWeights, WeightMatrix, release_mapped_pages
+from ..model.weights import ModelWeights, WeightMatrix, release_mapped_pages
 
 # order of a layer's matrices in KernelWeights.matrices
 WQ, WK, WV, WO, W_GATE, W_UP, W_DOWN = range(7)

@@ -1,4 +1,4 @@
-"""Repack ggml blocks at load into the layout the VNNI kernels stream (decoding.vnni).
+"""Repack ggml blocks at load into the layout the VNNI kernels stream (decoding.kernels.vnni).
 
 Rows are taken in groups of 8; for each 32-weight block the group's bytes are contiguous:
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .quant import BLOCK_BYTES, QK, QType
+from ..model.quant import BLOCK_BYTES, QK, QType
 from .vnni import GROUP_ROWS
 
 PACKABLE = (QType.Q4_0, QType.Q4_1, QType.Q8_0)

@@ -2,7 +2,7 @@
 
 numba never emits `vpdpbusd` on its own (MEASURED.md), so each kernel here is an LLVM IR loop
 written with llvmlite and exposed to nopython code as an intrinsic. One call computes 8 weight rows
-(an interleaved group, see decoding.repack) against 1 or 4 tokens, and stores 8 float32 results
+(an interleaved group, see decoding.kernels.repack) against 1 or 4 tokens, and stores 8 float32 results
 per token.
 
 Per 32-weight block and 8 rows, four `vpdpbusd`s multiply unsigned weight bytes with signed
@@ -22,7 +22,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .quant import QType
+from ..model.quant import QType
 
 LANES = 16
 GROUP_ROWS = 8
