@@ -12,8 +12,8 @@ from typing import TextIO
 
 from decoding import DEFAULT_MODEL, ModelLoadError, TemplateError, load_model
 from decoding.engine.engine import Engine, EngineConfig, RequestTooLarge
-from decoding.kernels.forward import KERNEL_MODES
 from decoding.engine.params import InvalidParams, SamplingParams
+from decoding.kernels.forward import KERNEL_MODES
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -7,8 +7,8 @@ import sys
 
 from decoding import DEFAULT_MODEL, ModelLoadError, TemplateError, load_model
 from decoding.engine.engine import Engine, EngineConfig, RequestTooLarge
-from decoding.kernels.forward import KERNEL_MODES
 from decoding.engine.params import InvalidParams, SamplingParams
+from decoding.kernels.forward import KERNEL_MODES
 from decoding.model.tokenizer import Tokenizer
 
 

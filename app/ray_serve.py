@@ -7,7 +7,7 @@ Two deployments:
 
 - `TreadleReplica` (N replicas): one engine and its pool each, `threads_per_replica` threads pinned
   to the replica's own cores (its node-local rank picks them) when the node has enough; it runs the
-  very app `treadle serve` runs (`app.server.build_app`), in process, one ASGI call per request —
+  very app `treadle serve` runs (`app.application.build_app`), in process, one ASGI call per request —
   so routes, errors, SSE and msgpack are the single-process server's, byte for byte.
 - `TreadleIngress` (one, no CPU): Ray Serve's proxy hands it each HTTP request; it reads the body,
   takes the prompt text out of it (chat: every message's role and content, in order; completions:
@@ -81,7 +81,7 @@ def routing_text(path: str, body: bytes, content_type: str) -> str | None:
         return None
     try:
         data = msgpack.unpackb(body) if "msgpack" in content_type else json.loads(body)
-    except Exception:  # noqa: BLE001 - a malformed body gets its 400 from the replica
+    except Exception:
         return None
     if not isinstance(data, dict):
         return None
@@ -150,7 +150,7 @@ class TreadleReplica:
         from decoding import load_model
         from decoding.engine.engine import Engine
 
-        from .server import build_app
+        from .application import build_app
 
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.to_full_id_str()  # the replica actor's name, namespace "serve"
@@ -175,7 +175,7 @@ class TreadleReplica:
                     "status": "ok" if self.state.is_ready and not self.state.is_draining else "unavailable",
                     "node_id": node_id, "cores": self.cores, "in_flight": self.state.num_in_flight,
                     "metrics": self.state.metrics.render().decode()})
-            except Exception:  # noqa: BLE001, S110 - a report lost is the next one's to make
+            except Exception:
                 pass
             self._stop.wait(REPORT_SECONDS)
 
@@ -223,7 +223,7 @@ class TreadleReplica:
                 disconnected.set()
             try:
                 await asyncio.wait_for(asyncio.shield(task), 5)
-            except BaseException:  # noqa: BLE001 - cancelled or stuck: stop it
+            except BaseException:
                 task.cancel()
 
     def __del__(self) -> None:
@@ -232,7 +232,7 @@ class TreadleReplica:
             stop.set()
             try:
                 self._registry.remove.remote(self.replica_id)
-            except Exception:  # noqa: BLE001, S110 - the registry drops it when stale anyway
+            except Exception:
                 pass
         engine = getattr(self, "engine", None)
         if engine is not None:
@@ -300,7 +300,7 @@ class TreadleIngress:
         except StopAsyncIteration:
             return JSONResponse({"error": {"message": "the replica sent no response", "type": "server_error",
                                            "param": None, "code": None}}, 500)
-        except Exception as exc:  # noqa: BLE001 - the replica died before answering
+        except Exception as exc:
             return JSONResponse({"error": {"message": f"the replica failed: {type(exc).__name__}",
                                            "type": "server_error", "param": None, "code": "replica_died"}},
                                 503, headers={"Retry-After": "1"})
@@ -312,7 +312,7 @@ class TreadleIngress:
                 async for piece in stream:
                     yield piece
                 finished = True
-            except Exception as exc:  # noqa: BLE001 - the replica died mid-stream
+            except Exception as exc:
                 log.warning("replica failed mid-response: %s", type(exc).__name__)
                 yield _stream_error_event(content_type, f"the replica serving this request failed "
                                           f"({type(exc).__name__}); retry")

@@ -27,8 +27,9 @@ import uvicorn
 from decoding import ModelLoadError, load_model
 from decoding.engine.engine import Engine
 
+from .application import build_app
 from .faults import install_from_env
-from .server import ServingState, build_app
+from .server import ServingState
 from .settings import ServerSettings, parse_settings
 
 SHUTDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)

@@ -1,4 +1,4 @@
-"""The starlette application: serving state, admission control, auth, CORS, startup and shutdown."""
+"""Serving state shared by the routes: the engine, admission control, warm-up, draining; and API-key auth."""
 
 from __future__ import annotations
 
@@ -10,21 +10,17 @@ import hmac
 import importlib.metadata
 import logging
 import math
-import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import anyio
-from starlette.applications import Starlette
-from starlette.middleware import Middleware
-from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from decoding.engine.engine import Engine, resolve_kv_cache_dtype
 from decoding.engine.params import SamplingParams
 
-from .errors import EXCEPTION_HANDLERS, APIError, encoded_response, error_body
+from .errors import APIError, encoded_response, error_body
 from .metrics import ServerMetrics
 from .protocol import TokenText
 from .settings import ServerSettings
@@ -97,7 +93,7 @@ class ServingState:
             log.info("ready in %.1f s: %s, %d KV blocks of %d tokens, max_queue %d", time.perf_counter() - started,
                      self.model_name, self.engine.kv.num_total_blocks, self.engine.config.block_size,
                      self.settings.max_queue)
-        except Exception as exc:  # noqa: BLE001 - whatever stops the warm-up, report it and stop serving
+        except Exception as exc:
             self.startup_error = f"{type(exc).__name__}: {exc}"
             log.error("warm-up failed: %s", self.startup_error)
             if self._on_startup_failure is not None:
@@ -196,30 +192,3 @@ class APIKeyMiddleware:
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
-
-
-def build_app(settings: ServerSettings, engine: Engine, on_startup_failure: Callable[[], None] | None = None) -> Starlette:
-    """The ASGI app over an engine that the caller owns (and shuts down after the server stops).
-
-    The engine is warmed up in the background once the server listens; until then /health is 503.
-    """
-    from .routes import CHAT_PAGE_ROUTE, ROUTES
-
-    state = ServingState(settings, engine, on_startup_failure)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        threading.Thread(target=state.warm_up, name="treadle-warm-up", daemon=True).start()
-        yield
-
-    middleware = []
-    if settings.cors_origins:
-        middleware.append(Middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
-                                     allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"],
-                                     expose_headers=["Retry-After"]))
-    if settings.api_key:
-        middleware.append(Middleware(APIKeyMiddleware, api_key=settings.api_key))
-    routes = [*ROUTES, CHAT_PAGE_ROUTE] if settings.chat_page else ROUTES
-    app = Starlette(routes=routes, middleware=middleware, exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
-    app.state.serving = state
-    return app

@@ -30,12 +30,12 @@ from numba import njit
 from threadpool import SpinPool, barrier_wait
 
 from .engine.engine import Engine, EngineConfig
+from .engine.params import SamplingParams
 from .kernels.fast_kernels import matmul_groups, quantize_activation_row
 from .kernels.kernels import split_range
-from .model.model import Model
-from .engine.params import SamplingParams
-from .model.registry import DEFAULT_MODEL, load_model
 from .kernels.repack import is_packable, repack
+from .model.model import Model
+from .model.registry import DEFAULT_MODEL, load_model
 
 REPO = Path(__file__).resolve().parent.parent
 # transformers lives in its own venv (`make bench`) so torch never enters .venv.

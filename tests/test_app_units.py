@@ -199,7 +199,7 @@ def test_run_until_disconnect_cancels_the_work_when_the_client_leaves():
 
 
 def test_before_warm_up_health_and_generation_answer_503(default_model):
-    from app.server import build_app
+    from app.application import build_app
     from app.settings import ServerSettings
     from decoding.engine.engine import Engine, EngineConfig
 

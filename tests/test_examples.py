@@ -104,7 +104,7 @@ def test_curl_example_fails_loudly_when_no_server_listens():
 
 
 def test_chat_page_is_served_at_root_unless_turned_off(default_model):
-    from app.server import build_app
+    from app.application import build_app
     from app.settings import ServerSettings
     from decoding.engine.engine import Engine, EngineConfig
 

@@ -25,8 +25,8 @@ from kvcache.manager import KVCacheManager
 from kvcache.storage import KVCacheSpec, KVCacheStorage
 from threadpool import BrokenPool, SpinPool
 
-from .detokenizer import IncrementalDetokenizer
 from ..model.model import Model
+from .detokenizer import IncrementalDetokenizer
 from .output_processor import finish_output, process_token, usage_of
 from .outputs import RequestOutput, RequestStream
 from .params import InvalidParams, SamplingParams
@@ -484,7 +484,7 @@ class Engine:
         for request in requests:
             try:
                 self._end_stream(request, "error", error)
-            except Exception:  # noqa: BLE001 - one stream must not keep the others open
+            except Exception:
                 log.exception("could not end request %s", request.request_id)
         self._requests.clear()
         self.num_running_requests = self.num_paused_requests = 0

@@ -25,11 +25,11 @@ from kvcache.attention import attention_scratch, paged_attention_rows, write_kv_
 from threadpool import barrier_wait
 
 from ..model.config import ModelConfig
+from ..model.weights import ModelWeights, WeightMatrix, release_mapped_pages
 from .fast_kernels import matmul_groups, quantize_activation_row, swiglu_groups
 from .kernels import dequantize_row, matmul_rows, rmsnorm_row, rope_row, split_range, swiglu_rows
 from .reference import rope_tables
 from .repack import is_packable, repack
-from ..model.weights import ModelWeights, WeightMatrix, release_mapped_pages
 
 # order of a layer's matrices in KernelWeights.matrices
 WQ, WK, WV, WO, W_GATE, W_UP, W_DOWN = range(7)

@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .numeric import bf16_bits_to_f32, f16_bits_to_f32, load_f16
 from ..model.quant import QType
+from .numeric import bf16_bits_to_f32, f16_bits_to_f32, load_f16
 
 F32, F16, BF16 = int(QType.F32), int(QType.F16), int(QType.BF16)
 Q4_0, Q4_1, Q8_0 = int(QType.Q4_0), int(QType.Q4_1), int(QType.Q8_0)

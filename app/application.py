@@ -1,0 +1,44 @@
+"""The starlette application: the routes, CORS and API-key middleware, and a lifespan that warms the
+engine up once the server listens."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Callable
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+
+from decoding.engine.engine import Engine
+
+from .errors import EXCEPTION_HANDLERS
+from .routes import CHAT_PAGE_ROUTE, ROUTES
+from .server import APIKeyMiddleware, ServingState
+from .settings import ServerSettings
+
+
+def build_app(settings: ServerSettings, engine: Engine, on_startup_failure: Callable[[], None] | None = None) -> Starlette:
+    """The ASGI app over an engine that the caller owns (and shuts down after the server stops).
+
+    The engine is warmed up in the background once the server listens; until then /health is 503.
+    """
+    state = ServingState(settings, engine, on_startup_failure)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        threading.Thread(target=state.warm_up, name="treadle-warm-up", daemon=True).start()
+        yield
+
+    middleware = []
+    if settings.cors_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
+                                     allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"],
+                                     expose_headers=["Retry-After"]))
+    if settings.api_key:
+        middleware.append(Middleware(APIKeyMiddleware, api_key=settings.api_key))
+    routes = [*ROUTES, CHAT_PAGE_ROUTE] if settings.chat_page else ROUTES
+    app = Starlette(routes=routes, middleware=middleware, exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
+    app.state.serving = state
+    return app
