@@ -8,8 +8,8 @@ import pytest
 
 from decoding.engine.engine import Engine, EngineConfig, EngineFailed, QueueFull, RequestTooLarge
 from decoding.engine.params import InvalidParams, SamplingParams
-from decoding.kernels.reference import forward_logits
 from decoding.engine.sampling import log_softmax
+from decoding.kernels.reference import forward_logits
 from threadpool import BrokenPool
 
 from .conftest import GOLDEN

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from decoding.kernels.fast_kernels import matmul_groups, quantize_activation_row, swiglu_groups
-from decoding.model.quant import QType, dequantize, quantize
 from decoding.kernels.repack import ACTIVATION_ORDER, repack
+from decoding.model.quant import QType, dequantize, quantize
 
 
 def quantized_activations(x: np.ndarray):

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from decoding import load_model
-from decoding.model.quant import QType
-from decoding.kernels.reference import forward_logits
 from decoding.engine.runner import ModelRunner, StepBatch
+from decoding.kernels.reference import forward_logits
+from decoding.model.quant import QType
 from kvcache.batch import build_batch_arrays
 from kvcache.manager import KVCacheManager
 from kvcache.storage import KVCacheSpec, KVCacheStorage

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from decoding import ModelLoadError, load_model
-from decoding.model.quant import QType
 from decoding.kernels.reference import forward_logits
+from decoding.model.quant import QType
 from decoding.model.weights import release_mapped_pages
 from tests.tinymodel import TinyShape, write_gguf, write_hf_directory
 
