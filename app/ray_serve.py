@@ -81,7 +81,7 @@ def routing_text(path: str, body: bytes, content_type: str) -> str | None:
         return None
     try:
         data = msgpack.unpackb(body) if "msgpack" in content_type else json.loads(body)
-    except Exception:
+    except Exception:  # noqa: BLE001 - a malformed body gets its 400 from the replica
         return None
     if not isinstance(data, dict):
         return None
@@ -175,7 +175,7 @@ class TreadleReplica:
                     "status": "ok" if self.state.is_ready and not self.state.is_draining else "unavailable",
                     "node_id": node_id, "cores": self.cores, "in_flight": self.state.num_in_flight,
                     "metrics": self.state.metrics.render().decode()})
-            except Exception:
+            except Exception:  # noqa: BLE001, S110 - a report lost is the next one's to make
                 pass
             self._stop.wait(REPORT_SECONDS)
 
@@ -223,7 +223,7 @@ class TreadleReplica:
                 disconnected.set()
             try:
                 await asyncio.wait_for(asyncio.shield(task), 5)
-            except BaseException:
+            except BaseException:  # noqa: BLE001 - cancelled or stuck: stop it
                 task.cancel()
 
     def __del__(self) -> None:
@@ -232,7 +232,7 @@ class TreadleReplica:
             stop.set()
             try:
                 self._registry.remove.remote(self.replica_id)
-            except Exception:
+            except Exception:  # noqa: BLE001, S110 - the registry drops it when stale anyway
                 pass
         engine = getattr(self, "engine", None)
         if engine is not None:
@@ -300,7 +300,7 @@ class TreadleIngress:
         except StopAsyncIteration:
             return JSONResponse({"error": {"message": "the replica sent no response", "type": "server_error",
                                            "param": None, "code": None}}, 500)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the replica died before answering
             return JSONResponse({"error": {"message": f"the replica failed: {type(exc).__name__}",
                                            "type": "server_error", "param": None, "code": "replica_died"}},
                                 503, headers={"Retry-After": "1"})
@@ -312,7 +312,7 @@ class TreadleIngress:
                 async for piece in stream:
                     yield piece
                 finished = True
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - the replica died mid-stream
                 log.warning("replica failed mid-response: %s", type(exc).__name__)
                 yield _stream_error_event(content_type, f"the replica serving this request failed "
                                           f"({type(exc).__name__}); retry")

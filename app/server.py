@@ -93,7 +93,7 @@ class ServingState:
             log.info("ready in %.1f s: %s, %d KV blocks of %d tokens, max_queue %d", time.perf_counter() - started,
                      self.model_name, self.engine.kv.num_total_blocks, self.engine.config.block_size,
                      self.settings.max_queue)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever stops the warm-up, report it and stop serving
             self.startup_error = f"{type(exc).__name__}: {exc}"
             log.error("warm-up failed: %s", self.startup_error)
             if self._on_startup_failure is not None:

@@ -58,7 +58,7 @@ class StreamReader(threading.Thread):
                         with self._new_event:
                             self.events.append(line[6:])
                             self._new_event.notify_all()
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - reported by finish()
             self.error = exc
         finally:
             with self._new_event:

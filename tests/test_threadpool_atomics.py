@@ -57,7 +57,7 @@ def run_in_two_threads(first: Callable[[], object], second: Callable[[], object]
         os.sched_setaffinity(0, {cores[index % len(cores)]})  # this thread only; it ends below
         try:
             results[index] = function()
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - re-raised below in the test's thread
             errors.append(exc)
 
     threads = [threading.Thread(target=call, args=(i, f)) for i, f in enumerate((first, second))]

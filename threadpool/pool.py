@@ -285,7 +285,7 @@ def _run_locked(state: _PoolState, kernel: Kernel, args: tuple[Any, ...]) -> Non
             _bury_dead_workers(state)
         try:
             kernel(0, state.num_threads, state.barrier, *args)
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, once the workers are done
             _record_error(state, 0, exc)
         _finish_run(state)
     except BaseException as interrupt:  # a signal handler raised in thread 0 outside its kernel
@@ -310,7 +310,7 @@ def _wait_out_workers(state: _PoolState, interrupt: BaseException) -> None:
             futex_wake_all(epoch_futex_address(state.control))
             _finish_run(state)
             return
-        except BaseException as another:
+        except BaseException as another:  # noqa: BLE001 - the first interrupt is re-raised
             interrupt.add_note(f"SpinPool.run: {another!r} arrived while waiting for the workers; ignored")
 
 
@@ -452,7 +452,7 @@ def _serve(state: _PoolState, tid: int, epoch: int, previous_task_id: int) -> tu
             return trampoline(task.kernel, tid, state.barrier, state.control, task.args, task.task_id,
                               epoch, state.max_spins)
         task.kernel(tid, state.num_threads, state.barrier, *task.args)
-    except BaseException as exc:
+    except BaseException as exc:  # noqa: BLE001 - handed to the caller of run()
         epoch = load_acquire_from_python(state.control, EPOCH)  # thread 0 is waiting for this one
         _record_error(state, tid, exc)
     return epoch, finish_share_and_spin(state.barrier, state.control, tid, epoch, state.max_spins)
@@ -463,7 +463,7 @@ def _worker_main(state: _PoolState, tid: int) -> None:
     this one came from outside any kernel), it says so rather than leave thread 0 waiting."""
     try:
         _serve_until_shutdown(state, tid)
-    except BaseException as exc:
+    except BaseException as exc:  # noqa: BLE001 - reported by every later run as BrokenPool
         state.dead_workers[tid] = exc  # first, so that a run starting now sees it (see _run_locked)
         mark_gone(state.barrier, tid)  # a thread 0 waiting at a barrier for this worker aborts
 

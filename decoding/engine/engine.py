@@ -484,7 +484,7 @@ class Engine:
         for request in requests:
             try:
                 self._end_stream(request, "error", error)
-            except Exception:
+            except Exception:  # noqa: BLE001 - one stream must not keep the others open
                 log.exception("could not end request %s", request.request_id)
         self._requests.clear()
         self.num_running_requests = self.num_paused_requests = 0
