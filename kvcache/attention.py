@@ -25,13 +25,13 @@ The softmax is online (flash-attention's running max and sum, rescaled per block
 scales with the context; per-thread scratch comes from `attention_scratch`, sized once.
 
 With 16-key blocks and head_dim 64 or 128 (the default shapes) each block is folded in by explicit
-vector IR (`kvcache.attention_simd`), one call for the whole GQA group, ~2.5x faster than the loops
-below, which serve every other shape with the same semantics.
+vector IR (`kvcache.attention_simd`), one call for the whole GQA group; the loops below serve every
+other shape with the same semantics. (What each path measures: docs/performance.md.)
 
 fastmath stays off, so LLVM never reorders a sum. The kernels choose the order themselves: a score
-adds eight head_dim terms at a time as a fixed tree, the value sum four keys at a time. Short inner
-loops of one-term updates were 2x slower: numba leaves LLVM's SLP vectoriser off, fully unrolled
-16-lane loops stay scalar, and a running sum kept in memory waits on store-to-load forwarding.
+adds eight head_dim terms at a time as a fixed tree, the value sum four keys at a time, because
+numba leaves LLVM's SLP vectoriser off, fully unrolled 16-lane loops stay scalar, and a running sum
+kept in memory waits on store-to-load forwarding.
 """
 
 from __future__ import annotations
