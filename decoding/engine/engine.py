@@ -18,76 +18,29 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import numpy as np
-
 from kvcache.errors import KVCacheError
 from kvcache.manager import KVCacheManager
 from kvcache.storage import KVCacheSpec, KVCacheStorage
 from threadpool import BrokenPool, SpinPool
 
 from ..model.model import Model
+from .config import KV_CACHE_DTYPES, EngineConfig, resolve_kv_cache_dtype
 from .detokenizer import IncrementalDetokenizer
-from .output_processor import finish_output, process_token, usage_of
+from .errors import EngineFailed, EngineShuttingDown, QueueFull, RequestTooLarge
+from .output_processor import finish_output, process_token, record_prompt_logprobs, usage_of
 from .outputs import RequestOutput, RequestStream
 from .params import InvalidParams, SamplingParams
 from .runner import ModelRunner
-from .sampling import Sampler, SampleRequest, TokenLogprobs, log_softmax, top_logprobs
+from .sampling import Sampler, SampleRequest
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Request, Sequence, SequenceStatus, seed_generator
 from .step_batch import build_step_batch
 
+# The engine's configuration and refusals travel with it: `from decoding.engine.engine import ...`.
+__all__ = ["KV_CACHE_DTYPES", "Engine", "EngineConfig", "EngineFailed", "EngineObserver", "EngineShuttingDown",
+           "EngineStats", "QueueFull", "RequestTooLarge", "resolve_kv_cache_dtype"]
+
 log = logging.getLogger(__name__)
-
-
-class QueueFull(RuntimeError):
-    """Running plus waiting requests reached `max_queue`: try again later (HTTP 429)."""
-
-
-class EngineShuttingDown(RuntimeError):
-    """The engine stopped admitting requests (HTTP 503)."""
-
-
-class EngineFailed(RuntimeError):
-    """The engine thread ended on an error it could not contain: nothing more is served (HTTP 503)."""
-
-
-class RequestTooLarge(ValueError):
-    """The request can never be served: longer than the context, or larger than the whole KV cache."""
-
-
-@dataclass(slots=True)
-class EngineConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 256
-    kv_cache_mb: float = 512.0
-    num_kv_blocks: int | None = None  # overrides kv_cache_mb
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    max_queue: int = 256  # running + waiting requests; more are refused
-    n_threads: int | None = None  # None: every usable core
-    pin_threads: bool = True
-    max_model_len: int | None = None  # None: the model's context
-    kernels: str = "fast"  # "fast": int8 activations, VNNI dot products; "exact": float32 activations
-    # "auto": float16 with the fast kernels (llama.cpp's default KV type), float32 with the exact ones
-    # (their logits stay within 1e-3 of the reference); or "float16" / "float32" explicitly
-    kv_cache_dtype: str = "auto"
-    max_itl_stretch: float | None = 2.0  # prefill chunks keep decode steps within this factor; None: no limit
-    # A request whose client leaves this much output unread is not scheduled until the client reads
-    # (its KV stays); one that stays so for slow_reader_timeout_seconds is aborted. None: no limit.
-    max_unread_bytes: int | None = 1 << 20
-    slow_reader_timeout_seconds: float = 30.0
-
-
-KV_CACHE_DTYPES = ("auto", "float16", "float32")
-
-
-def resolve_kv_cache_dtype(config: EngineConfig) -> str:
-    """The KV cache's stored type for a configuration ("auto" follows the kernel mode)."""
-    if config.kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {config.kv_cache_dtype!r}")
-    if config.kv_cache_dtype == "auto":
-        return "float16" if config.kernels == "fast" else "float32"
-    return config.kv_cache_dtype
 
 
 class EngineObserver(Protocol):
@@ -330,7 +283,7 @@ class Engine:
             seq.num_computed_tokens += chunk.num_tokens
             self._count_prompt_tokens(seq)
             if seq.params.prompt_logprobs is not None and first_row >= 0 and not seq.output_ids:
-                self._record_prompt_logprobs(seq, chunk.token_ids, logits[first_row : first_row + chunk.num_tokens])
+                record_prompt_logprobs(seq, chunk.token_ids, logits[first_row : first_row + chunk.num_tokens])
             if chunk.samples:
                 last_row = first_row + (chunk.num_tokens - 1 if seq.params.prompt_logprobs is not None
                                         and not seq.output_ids else 0)
@@ -382,22 +335,6 @@ class Engine:
             self.scheduler.add_running(child)
             children.append(child)
         return [seq, *children]
-
-    def _record_prompt_logprobs(self, seq: Sequence, token_ids: list[int], logits: np.ndarray) -> None:
-        """Row i of a chunk predicts the token after it: the logprob of each prompt token given its prefix."""
-        request = seq.request
-        if request.prompt_logprobs is None:
-            request.prompt_logprobs = [None]  # nothing predicts the first token
-        begin = seq.num_computed_tokens - len(token_ids)
-        del request.prompt_logprobs[begin + 1 :]  # a prompt preempted mid-prefill records its rows again
-        logprobs = log_softmax(logits)
-        k = request.params.prompt_logprobs or 0
-        for i in range(len(token_ids)):
-            position = begin + i + 1
-            if position < len(request.prompt_ids):
-                token = request.prompt_ids[position]
-                request.prompt_logprobs.append(TokenLogprobs(token, float(logprobs[i, token]),
-                                                             top_logprobs(logprobs[i], k)))
 
     def _drain_inbox(self) -> None:
         while True:

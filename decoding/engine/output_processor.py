@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from .outputs import RequestOutput, Usage
-from .sampling import TokenLogprobs
+from .sampling import TokenLogprobs, log_softmax, top_logprobs
 from .sequence import Request, Sequence, find_stop, partial_stop_suffix
 
 
@@ -68,3 +70,20 @@ def process_token(seq: Sequence, token: int, logprobs: TokenLogprobs | None, eos
 
 def usage_of(request: Request) -> Usage:
     return Usage(len(request.prompt_ids), request.num_completion_tokens, request.num_cached_tokens)
+
+
+def record_prompt_logprobs(seq: Sequence, token_ids: list[int], logits: np.ndarray) -> None:
+    """Row i of a chunk predicts the token after it: the logprob of each prompt token given its prefix."""
+    request = seq.request
+    if request.prompt_logprobs is None:
+        request.prompt_logprobs = [None]  # nothing predicts the first token
+    begin = seq.num_computed_tokens - len(token_ids)
+    del request.prompt_logprobs[begin + 1 :]  # a prompt preempted mid-prefill records its rows again
+    logprobs = log_softmax(logits)
+    k = request.params.prompt_logprobs or 0
+    for i in range(len(token_ids)):
+        position = begin + i + 1
+        if position < len(request.prompt_ids):
+            token = request.prompt_ids[position]
+            request.prompt_logprobs.append(TokenLogprobs(token, float(logprobs[i, token]),
+                                                         top_logprobs(logprobs[i], k)))

@@ -82,4 +82,4 @@ class SamplingParams:
 
     @property
     def effective_top_k(self) -> int:
-        return 0 if self.top_k < 0 else self.top_k
+        return max(self.top_k, 0)

@@ -1,0 +1,40 @@
+"""The engine's configuration: batch and cache sizes, kernel mode, and limits on slow readers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 256
+    kv_cache_mb: float = 512.0
+    num_kv_blocks: int | None = None  # overrides kv_cache_mb
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    max_queue: int = 256  # running + waiting requests; more are refused
+    n_threads: int | None = None  # None: every usable core
+    pin_threads: bool = True
+    max_model_len: int | None = None  # None: the model's context
+    kernels: str = "fast"  # "fast": int8 activations, VNNI dot products; "exact": float32 activations
+    # "auto": float16 with the fast kernels (llama.cpp's default KV type), float32 with the exact ones
+    # (their logits stay within 1e-3 of the reference); or "float16" / "float32" explicitly
+    kv_cache_dtype: str = "auto"
+    max_itl_stretch: float | None = 2.0  # prefill chunks keep decode steps within this factor; None: no limit
+    # A request whose client leaves this much output unread is not scheduled until the client reads
+    # (its KV stays); one that stays so for slow_reader_timeout_seconds is aborted. None: no limit.
+    max_unread_bytes: int | None = 1 << 20
+    slow_reader_timeout_seconds: float = 30.0
+
+
+KV_CACHE_DTYPES = ("auto", "float16", "float32")
+
+
+def resolve_kv_cache_dtype(config: EngineConfig) -> str:
+    """The KV cache's stored type for a configuration ("auto" follows the kernel mode)."""
+    if config.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {config.kv_cache_dtype!r}")
+    if config.kv_cache_dtype == "auto":
+        return "float16" if config.kernels == "fast" else "float32"
+    return config.kv_cache_dtype
