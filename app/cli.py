@@ -12,11 +12,11 @@ import sys
 
 # `treadle bench NAME ...` runs `main(argv)` of the module named here.
 BENCHMARKS = {
-    "pool": "threadpool.bench",
-    "kv": "kvcache.bench",
-    "engine": "decoding.bench",
-    "serve": "app.bench_serve",
-    "soak": "app.bench_soak",
+    "pool": "bench.pool",
+    "kv": "bench.kv",
+    "engine": "bench.engine",
+    "serve": "bench.serve",
+    "soak": "bench.soak",
 }
 
 # `treadle NAME ...` runs `main(argv)` of the module named here.

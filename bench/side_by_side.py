@@ -15,7 +15,7 @@ the next one starts (so no two compete for the cores):
                        DIR holds the GGUF dequantized to float32 by transformers' loader; OMP_NUM_THREADS=N).
 A peer that is not installed is skipped with the reason printed.
 
-Load: `treadle bench serve` (app/bench_serve.py) over /v1/completions with stream: true, ~L-token
+Load: `treadle bench serve` (bench/serve.py) over /v1/completions with stream: true, ~L-token
 synthetic prompts, every request generating --max-tokens (ignore_eos / min_tokens), 2 × C requests
 per concurrency level C (at least 8) after warm-up. The table gives each peer's figures and the ratio
 treadle / peer: above 1 is better for treadle for tokens/s, below 1 for TTFT.
@@ -41,7 +41,7 @@ from typing import Any
 
 import httpx
 
-from app.bench_serve import BenchConfig, format_table, machine_description, run_bench, write_plot
+from bench.serve import BenchConfig, format_table, machine_description, run_bench, write_plot
 from decoding.model.registry import resolve_model_path
 
 REPO = Path(__file__).resolve().parent.parent

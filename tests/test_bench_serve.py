@@ -17,8 +17,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from app import bench_serve
-from app.bench_serve import (
+from bench import serve as bench_serve
+from bench.serve import (
     BenchConfig,
     Distribution,
     LevelStats,
@@ -125,7 +125,7 @@ def test_requests_per_level_default_and_floor():
 
 
 def test_request_body_asks_for_usage_full_length_and_takes_extra_fields():
-    from app.bench_serve import RequestSpec
+    from bench.serve import RequestSpec
 
     spec = RequestSpec("http://h/", "m", chat=False, max_tokens=5, temperature=0.0, ignore_eos=True,
                        extra_body={"top_k": 1, "temperature": 0.5})

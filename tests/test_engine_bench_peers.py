@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from decoding import load_model
-from decoding.bench import (
+from bench.engine import (
     TRANSFORMERS_BATCH,
     format_transformers,
     measure_int8_gmacs,
     peer_result,
     run_transformers,
 )
+from decoding import load_model
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvcache import bench
+from bench import kv as bench
 
 
 def test_paging_holds_several_times_more_tokens_per_mib_than_max_context_buffers() -> None:

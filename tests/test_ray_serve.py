@@ -20,8 +20,8 @@ import pytest
 ray = pytest.importorskip("ray", reason="the ray extra: pip install -e '.[ray]'")
 serve = pytest.importorskip("ray.serve")
 
-from app.ray_replay import deploy, replay, saturated_prefix, stream_chat
 from app.ray_serve import APP_NAME, routing_text
+from bench.ray_replay import deploy, replay, saturated_prefix, stream_chat
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 

@@ -8,8 +8,8 @@ import json
 import httpx
 import pytest
 
-from app.bench_soak import check_sse_events
 from app.faults import EVERY_N_STEPS, FATAL_SEED, SEED, InjectedFault, StepFaults, install_from_env
+from bench.soak import check_sse_events
 from decoding.engine.scheduler import SchedulerOutput
 
 from .reliability import StreamReader, running_server

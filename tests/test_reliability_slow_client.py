@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from app.bench_soak import check_sse_events
+from bench.soak import check_sse_events
 
 from .conftest_server import read_until
 from .reliability import StreamReader, running_server, write_tiny_gguf

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.bench_soak import check_sse_events, check_whole_response, percentile, sse_lines
 from app.faults import EVERY_N_STEPS
+from bench.soak import check_sse_events, check_whole_response, percentile, sse_lines
 
 from .conftest_server import REPO, TreadleServer, server_env
 from .reliability import running_server, write_tiny_gguf

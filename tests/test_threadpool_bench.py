@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from threadpool.bench import OP_KINDS, TARGETS, compute_ratios, format_report, paired_ratio, time_interleaved
-from threadpool.bench_steps import MATVEC_OP, TINY_OP, make_operands, step_serial
+from bench.pool import OP_KINDS, TARGETS, compute_ratios, format_report, paired_ratio, time_interleaved
+from bench.pool_steps import MATVEC_OP, TINY_OP, make_operands, step_serial
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -12,7 +12,7 @@
     with SpinPool() as pool:
         pool.run(scale, x, y)
 
-Atomics for nopython code live in `threadpool.atomics`; the benchmark in `threadpool.bench`.
+Atomics for nopython code live in `threadpool.atomics`; the benchmark in `bench.pool`.
 """
 
 from threadpool.barrier import BarrierAborted, barrier_wait, make_barrier

@@ -27,15 +27,14 @@ from pathlib import Path
 import numpy as np
 from numba import njit
 
+from decoding.engine.engine import Engine, EngineConfig
+from decoding.engine.params import SamplingParams
+from decoding.kernels.fast_kernels import matmul_groups, quantize_activation_row
+from decoding.kernels.kernels import split_range
+from decoding.kernels.repack import is_packable, repack
+from decoding.model.model import Model
+from decoding.model.registry import DEFAULT_MODEL, load_model
 from threadpool import SpinPool, barrier_wait
-
-from .engine.engine import Engine, EngineConfig
-from .engine.params import SamplingParams
-from .kernels.fast_kernels import matmul_groups, quantize_activation_row
-from .kernels.kernels import split_range
-from .kernels.repack import is_packable, repack
-from .model.model import Model
-from .model.registry import DEFAULT_MODEL, load_model
 
 REPO = Path(__file__).resolve().parent.parent
 # transformers lives in its own venv (`make bench`) so torch never enters .venv.

@@ -34,10 +34,7 @@ import numba
 import numpy as np
 from numba import njit
 
-from threadpool.affinity import usable_cores
-from threadpool.atomics import load_acquire
-from threadpool.barrier import barrier_wait
-from threadpool.bench_steps import (
+from bench.pool_steps import (
     MATVEC_OP,
     TINY_OP,
     PythonBarrierTeam,
@@ -48,6 +45,9 @@ from threadpool.bench_steps import (
     step_prange,
     step_serial,
 )
+from threadpool.affinity import usable_cores
+from threadpool.atomics import load_acquire
+from threadpool.barrier import barrier_wait
 from threadpool.handoff import NUM_PARKED
 from threadpool.pool import SpinPool
 
@@ -272,7 +272,7 @@ def measure_prange_layers(num_threads: int, budget_s: float) -> dict[str, dict[s
         # pip's `tbb` wheel puts libtbb.so.12 in <venv>/lib, where the loader does not look.
         env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(Path(sys.prefix) / "lib"),
                                                               env.get("LD_LIBRARY_PATH")]))
-        command = [sys.executable, "-m", "threadpool.bench", "--prange-here", "--budget", str(budget_s)]
+        command = [sys.executable, "-m", "bench.pool", "--prange-here", "--budget", str(budget_s)]
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
         if done.returncode != 0:
             last_line = (done.stderr.strip().splitlines() or ["exited with " + str(done.returncode)])[-1]

@@ -1,6 +1,6 @@
 """Multi-turn chat replay and a throughput run against `treadle serve --ray` (docs/scaling.md).
 
-    python -m app.ray_replay            # deploys locally: affinity on/off, 1 vs 2 replicas; prints figures
+    python -m bench.ray_replay            # deploys locally: affinity on/off, 1 vs 2 replicas; prints figures
 
 `replay()` sends each conversation's turns in order (conversations interleaved, `concurrency` at a
 time), every turn resending the conversation so far plus one user message, with a system prompt
@@ -253,8 +253,8 @@ def throughput(base_url: str, requests: int = 12, concurrency: int = 4, max_toke
 def deploy(replicas: int, affinity: bool, port: int, extra: list[str] | None = None) -> str:
     from ray import serve
 
-    from .ray_serve import APP_NAME, build_application
-    from .settings import parse_settings
+    from app.ray_serve import APP_NAME, build_application
+    from app.settings import parse_settings
 
     settings = parse_settings(["--kv-cache-mb", "64", "--max-num-seqs", "16", *(extra or [])])
     serve.run(build_application(settings, replicas, 1, affinity), name=APP_NAME, route_prefix="/")
