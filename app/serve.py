@@ -94,7 +94,7 @@ def _exit_now(sig: int, frame: object) -> None:
 
 def main(argv: list[str]) -> int:
     if "--ray" in argv:  # replicas behind Ray Serve (the `ray` extra; docs/scaling.md)
-        from .ray_serve import main as ray_main
+        from .ray.deployment import main as ray_main
 
         return ray_main(argv)
     settings = parse_settings(argv)

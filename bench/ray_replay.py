@@ -253,7 +253,7 @@ def throughput(base_url: str, requests: int = 12, concurrency: int = 4, max_toke
 def deploy(replicas: int, affinity: bool, port: int, extra: list[str] | None = None) -> str:
     from ray import serve
 
-    from app.ray_serve import APP_NAME, build_application
+    from app.ray.deployment import APP_NAME, build_application
     from app.settings import parse_settings
 
     settings = parse_settings(["--kv-cache-mb", "64", "--max-num-seqs", "16", *(extra or [])])

@@ -20,7 +20,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="the ray extra: pip install -e '.[ray]'")
 serve = pytest.importorskip("ray.serve")
 
-from app.ray_serve import APP_NAME, routing_text
+from app.ray.deployment import APP_NAME, routing_text
 from bench.ray_replay import deploy, replay, saturated_prefix, stream_chat
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -125,7 +125,7 @@ def test_saturated_replica_spills_same_prefix_requests_to_the_other(base_url: st
     The router sends them to R while R's queue (Ray's ongoing requests per replica, which counts the engine's
     waiting requests too: max_ongoing_requests is the engine's max_queue, 256) is at most the threshold (4)
     longer than the other's; past that, power of two choices sends them to the other replica."""
-    from app.ray_router import DEFAULT_IMBALANCED_THRESHOLD as threshold
+    from app.ray.router import DEFAULT_IMBALANCED_THRESHOLD as threshold
 
     result = saturated_prefix(base_url, requests=12, max_tokens=80, stagger_s=0.04)
     summary = result.summary()

@@ -1,7 +1,7 @@
 """`treadle serve --ray`: treadle replicas behind Ray Serve's HTTP proxy (docs/scaling.md).
 
     treadle serve --ray --replicas 2 --threads-per-replica 1 --port 8000
-    serve run app.ray_serve:app_builder replicas=2 threads_per_replica=1      # the same, Ray's CLI
+    serve run app.ray.deployment:app_builder replicas=2 threads_per_replica=1      # the same, Ray's CLI
 
 Two deployments:
 
@@ -12,7 +12,7 @@ Two deployments:
 - `TreadleIngress` (one, no CPU): Ray Serve's proxy hands it each HTTP request; it reads the body,
   takes the prompt text out of it (chat: every message's role and content, in order; completions:
   the prompt) and calls a replica through a deployment handle, streaming. The handle's request
-  router — Ray Serve LLM's PrefixCacheAffinityRouter (app/ray_router.py) — sends a prompt to the
+  router — Ray Serve LLM's PrefixCacheAffinityRouter (app/ray/router.py) — sends a prompt to the
   replica whose earlier prompts share the longest prefix with it, unless that replica's queue is
   `imbalanced_threshold` requests longer than another's; then the less loaded one (power of two
   choices). With `--no-prefix-affinity`, Ray's default router (power of two choices) alone.
@@ -49,7 +49,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from .settings import ServerSettings, parse_settings
+from ..settings import ServerSettings, parse_settings
 
 log = logging.getLogger("treadle")
 
@@ -150,7 +150,7 @@ class TreadleReplica:
         from decoding import load_model
         from decoding.engine.engine import Engine
 
-        from .application import build_app
+        from ..application import build_app
 
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.to_full_id_str()  # the replica actor's name, namespace "serve"
@@ -361,7 +361,7 @@ def build_application(settings: ServerSettings, replicas: int = 2, threads_per_r
     """The Ray Serve application: `serve.run(build_application(...))`."""
     settings = replace(settings, threads=threads_per_replica)
     if prefix_affinity:
-        from .ray_router import DEFAULT_IMBALANCED_THRESHOLD, TreadlePrefixRouter
+        from .router import DEFAULT_IMBALANCED_THRESHOLD, TreadlePrefixRouter
 
         router = RequestRouterConfig(request_router_class=TreadlePrefixRouter, request_router_kwargs={
             "imbalanced_threshold": DEFAULT_IMBALANCED_THRESHOLD if imbalanced_threshold is None
@@ -380,7 +380,7 @@ def build_application(settings: ServerSettings, replicas: int = 2, threads_per_r
 
 
 def app_builder(args: dict[str, str]) -> Any:
-    """For `serve run app.ray_serve:app_builder replicas=2 threads_per_replica=1 kv_cache_mb=128 ...`:
+    """For `serve run app.ray.deployment:app_builder replicas=2 threads_per_replica=1 kv_cache_mb=128 ...`:
     `replicas`, `threads_per_replica`, `prefix_affinity` (true/false), and any `treadle serve` option
     by its flag name with underscores."""
     args = dict(args)

@@ -3,7 +3,7 @@
 Ray ships the router we want (a prefix tree of the prompts each replica has served; the longest
 match wins while the replicas' queue lengths differ by at most `imbalanced_threshold`, otherwise
 Ray's power-of-two-choices picks the less loaded one). It reads `.prompt` or `.messages` from the
-call's first argument; `app.ray_serve.RoutedRequest` carries both.
+call's first argument; `app.ray.deployment.RoutedRequest` carries both.
 
 Two adjustments, both here:
 
