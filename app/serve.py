@@ -30,7 +30,7 @@ from decoding.engine.engine import Engine
 from .application import build_app
 from .faults import install_from_env
 from .server import ServingState
-from .settings import ServerSettings, parse_settings
+from .settings import ServerSettings, parse_serve_args
 
 SHUTDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 RESPONSE_FLUSH_SECONDS = 5  # after the drain: for responses to write their last events
@@ -93,11 +93,11 @@ def _exit_now(sig: int, frame: object) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if "--ray" in argv:  # replicas behind Ray Serve (the `ray` extra; docs/scaling.md)
+    settings, ray = parse_serve_args(argv)
+    if ray is not None:  # replicas behind Ray Serve (the `ray` extra, imported only then; docs/scaling.md)
         from .ray.deployment import main as ray_main
 
-        return ray_main(argv)
-    settings = parse_settings(argv)
+        return ray_main(settings, ray)
     _configure_logging(settings)
     for sig in SHUTDOWN_SIGNALS:  # until the server listens nothing is in flight: a signal just ends it
         signal.signal(sig, _exit_now)

@@ -47,6 +47,16 @@ class ServerSettings:
                             slow_reader_timeout_seconds=self.slow_reader_timeout_seconds)
 
 
+@dataclass(frozen=True, slots=True)
+class RayOptions:
+    """`treadle serve --ray`: replicas behind Ray Serve's HTTP proxy (the `ray` extra; docs/scaling.md)."""
+
+    replicas: int = 2
+    threads_per_replica: int = 1  # each replica's pool; the replica's --threads
+    prefix_affinity: bool = True  # route by the longest shared prompt prefix while the replicas are balanced
+    ray_address: str | None = None  # an existing cluster; None starts one in this process
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -113,10 +123,11 @@ def build_parser(prog: str = "treadle serve") -> argparse.ArgumentParser:
                                             "in brackets; a flag on the command line wins.")
     defaults = ServerSettings()
 
-    def option(flag: str, type_: Callable[[str], object], default: object, help_: str) -> None:
+    def option(flag: str, type_: Callable[[str], object], default: object, help_: str,
+               group: argparse._ActionsContainer = parser) -> None:
         name = env_var(flag)
         # argparse converts a string default with `type`, so a bad env value fails like a bad flag.
-        parser.add_argument(flag, type=type_, default=os.environ.get(name, default), help=f"{help_} [{name}]")
+        group.add_argument(flag, type=type_, default=os.environ.get(name, default), help=f"{help_} [{name}]")
 
     option("--model", str, defaults.model, "registered model name, .gguf file or Hugging Face directory "
                                            "(default %(default)s)")
@@ -162,12 +173,38 @@ def build_parser(prog: str = "treadle serve") -> argparse.ArgumentParser:
                         default=_env_flag(env_var("--chat-page"), defaults.chat_page),
                         help="do not serve the browser chat page (examples/chat.html) at / [TREADLE_CHAT_PAGE=0]")
     option("--log-level", str.lower, defaults.log_level, "critical, error, warning, info or debug (default %(default)s)")
+    add_ray_options(parser, option)
     return parser
 
 
+def add_ray_options(parser: argparse.ArgumentParser, option: Callable[..., None]) -> None:
+    ray = parser.add_argument_group("Ray Serve (the `ray` extra)",
+                                    "Run --replicas treadle replicas behind Ray Serve's HTTP proxy on --host/--port; "
+                                    "each takes every option above, with --threads-per-replica for --threads "
+                                    "(docs/scaling.md).")
+    defaults = RayOptions()
+    ray.add_argument("--ray", action="store_true", help="serve through Ray Serve instead of one process")
+    option("--replicas", _positive_int, defaults.replicas, "engine replicas (default %(default)s)", ray)
+    option("--threads-per-replica", _positive_int, defaults.threads_per_replica,
+           "pool threads of each replica, pinned to its own cores (default %(default)s)", ray)
+    ray.add_argument("--no-prefix-affinity", dest="prefix_affinity", action="store_false",
+                     help="route by load alone (power of two choices), not to the replica holding the prompt's "
+                          "prefix")
+    ray.add_argument("--ray-address", default=os.environ.get("RAY_ADDRESS"),
+                     help="an existing Ray cluster (default: start one in this process) [RAY_ADDRESS]")
+
+
 def parse_settings(argv: list[str]) -> ServerSettings:
+    return parse_serve_args(argv)[0]
+
+
+def parse_serve_args(argv: list[str]) -> tuple[ServerSettings, RayOptions | None]:
+    """The settings, and the Ray Serve options if `--ray` was given."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    ray = RayOptions(**{f: getattr(args, f) for f in RayOptions.__slots__}) if args.ray else None
+    for name in ("ray", *RayOptions.__slots__):
+        delattr(args, name)
     if args.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
         parser.error(f"unknown --log-level {args.log_level!r}")
     usable_cores = len(os.sched_getaffinity(0))
@@ -175,4 +212,4 @@ def parse_settings(argv: list[str]) -> ServerSettings:
         parser.error(f"--threads {args.threads} is more than the {usable_cores} usable cores: the pool's threads "
                      "spin, and two sharing a core wait out each other's time slices at every barrier")
     args.served_model_name = tuple(args.served_model_name)
-    return ServerSettings(**{k: v for k, v in vars(args).items()})
+    return ServerSettings(**vars(args)), ray

@@ -12,7 +12,7 @@ import pytest
 
 from app.metrics import ServerMetrics
 from app.protocol import ChatFormatter, CompletionFormatter, ResponseHeader, TokenText
-from app.settings import parse_settings
+from app.settings import RayOptions, parse_serve_args, parse_settings
 from app.streaming import SSE_FRAMING, run_until_disconnect
 from decoding.engine.engine import resolve_kv_cache_dtype
 from decoding.engine.outputs import RequestOutput, Usage
@@ -64,7 +64,26 @@ def test_generate_chat_prompt_has_one_bos_as_the_servers_chat_route(tiny_gguf):
     assert plain == [bos, *tokenizer.encode("hello")]  # a plain prompt still gets the model's BOS
 
 
-@pytest.mark.parametrize("argv", [["--port", "70000"], ["--max-queue", "0"], ["--kv-cache-mb", "-1"],
+def test_serve_help_lists_the_ray_serve_options(capsys):
+    from app.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--help"])
+    assert exc.value.code == 0
+    help_text = capsys.readouterr().out
+    for flag in ("--ray ", "--replicas", "--threads-per-replica", "--no-prefix-affinity", "--ray-address"):
+        assert flag in help_text
+
+
+def test_ray_options_only_with_ray(monkeypatch):
+    monkeypatch.setenv("TREADLE_THREADS_PER_REPLICA", "2")
+    settings, ray = parse_serve_args(["--ray", "--replicas", "3", "--no-prefix-affinity", "--port", "8001"])
+    assert ray == RayOptions(replicas=3, threads_per_replica=2, prefix_affinity=False)
+    assert settings.port == 8001
+    assert parse_serve_args(["--replicas", "3"])[1] is None
+
+
+@pytest.mark.parametrize("argv", [["--port", "70000"], ["--max-queue", "0"], ["--replicas", "0"], ["--kv-cache-mb", "-1"],
                                   ["--log-level", "loud"], ["--kv-cache-dtype", "fp8"]])
 def test_bad_options_exit_with_usage(argv):
     with pytest.raises(SystemExit) as exc:

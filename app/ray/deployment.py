@@ -28,7 +28,6 @@ second to a small registry actor (no CPU), so the proxy's view is at most about 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
@@ -49,7 +48,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from ..settings import ServerSettings, parse_settings
+from ..settings import RayOptions, ServerSettings, parse_settings
 
 log = logging.getLogger("treadle")
 
@@ -391,28 +390,8 @@ def app_builder(args: dict[str, str]) -> Any:
     return build_application(parse_settings(argv), replicas, threads, affinity)
 
 
-def _parse(argv: list[str]) -> tuple[argparse.Namespace, ServerSettings]:
-    parser = argparse.ArgumentParser(prog="treadle serve --ray", add_help=False)
-    parser.add_argument("--ray", action="store_true")
-    parser.add_argument("--replicas", type=int, default=int(os.environ.get("TREADLE_REPLICAS", "2")))
-    parser.add_argument("--threads-per-replica", type=int,
-                        default=int(os.environ.get("TREADLE_THREADS_PER_REPLICA", "1")))
-    parser.add_argument("--no-prefix-affinity", dest="prefix_affinity", action="store_false")
-    parser.add_argument("--ray-address", default=os.environ.get("RAY_ADDRESS"),
-                        help="an existing cluster (default: start one in this process)")
-    ours, rest = parser.parse_known_args(argv)
-    if ours.replicas < 1 or ours.threads_per_replica < 1:
-        parser.error("--replicas and --threads-per-replica must be at least 1")
-    return ours, parse_settings(rest)
-
-
-def main(argv: list[str]) -> int:
-    if "-h" in argv or "--help" in argv:
-        print("treadle serve --ray [--replicas N (2)] [--threads-per-replica T (1)] [--no-prefix-affinity]\n"
-              "                    [--ray-address ADDR] [any `treadle serve` option]\n"
-              "Runs N treadle replicas behind Ray Serve's HTTP proxy on --host/--port (docs/scaling.md).")
-        return 0
-    ours, settings = _parse(argv)
+def main(settings: ServerSettings, ours: RayOptions) -> int:
+    """`treadle serve --ray ...` (its options: app/settings.py, the "Ray Serve" group)."""
     logging.basicConfig(level=logging.INFO, format="treadle: %(message)s")
     if ours.ray_address:
         ray.init(address=ours.ray_address)
