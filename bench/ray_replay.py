@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from bench.sse import iter_sse_data
+
 SYSTEM_PROMPTS = [
     ("You are a patient tutor for a weaving workshop. Explain looms, shuttles, warps and wefts in plain words, "
      "one short paragraph at a time, and ask the learner a question at the end of each answer. "),
@@ -104,10 +106,10 @@ def stream_chat(client: httpx.Client, base_url: str, messages: list[dict], max_t
                              "temperature": 0}) as response:
         response.raise_for_status()
         replica = response.headers.get("x-treadle-replica", "?")
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+        for data in iter_sse_data(response.iter_bytes()):
+            if data == "[DONE]":
                 continue
-            event = json.loads(line[6:])
+            event = json.loads(data)
             events.append(event)
             for choice in event.get("choices", []):
                 piece = choice.get("delta", {}).get("content")
@@ -220,10 +222,10 @@ def saturated_prefix(base_url: str, requests: int = 12, max_tokens: int = 80, st
                                          max_tokens)) as response:
                 response.raise_for_status()
                 result.replicas[i] = response.headers["x-treadle-replica"]
-                for line in response.iter_lines():
-                    if not line.startswith("data: {"):
+                for data in iter_sse_data(response.iter_bytes()):
+                    if not data.startswith("{"):
                         continue
-                    event = json.loads(line[6:])
+                    event = json.loads(data)
                     if "error" in event:
                         raise RuntimeError(f"burst request {i} failed: {event['error']}")
                     tokens += any(c.get("delta", {}).get("content") for c in event.get("choices", []))

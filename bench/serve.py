@@ -41,13 +41,15 @@ import random
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
+
+from bench.sse import aiter_sse_data
 
 PERCENTILES = (50, 95, 99)
 # A knee is a step up in concurrency where P99 grows this much faster than throughput does: past it,
@@ -130,20 +132,6 @@ class RequestResult:
         return (self.latency - self.ttft) / (self.output_tokens - 1)
 
 
-async def sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
-    """The `data` of each server-sent event; comments (`: ping`) and other fields are skipped."""
-    data: list[str] = []
-    async for line in lines:
-        if not line:
-            if data:
-                yield "\n".join(data)
-                data = []
-        elif line.startswith("data:"):
-            data.append(line[5:].removeprefix(" "))
-    if data:
-        yield "\n".join(data)
-
-
 def chunk_text(chunk: dict[str, Any]) -> str:
     """The text a completion or chat chunk carries (choice 0; the usage chunk has no choices)."""
     choices = chunk.get("choices") or []
@@ -166,7 +154,7 @@ async def send_request(client: httpx.AsyncClient, spec: RequestSpec, prompt: str
                 await response.aread()
                 result.error = str(response.status_code)
                 return result
-            async for data in sse_data(response.aiter_lines()):
+            async for data in aiter_sse_data(response.aiter_bytes()):
                 if data == "[DONE]":
                     break
                 chunk = json.loads(data)

@@ -29,17 +29,17 @@ import argparse
 import asyncio
 import json
 import random
-import re
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from bench.sse import SSEDecoder
 
 _WORDS = (
     "loom", "wheel", "thread", "yarn", "weave", "cloth", "wool", "spin", "mill", "town", "road", "river",
@@ -221,21 +221,6 @@ def random_body(rng: random.Random, cfg: SoakConfig) -> tuple[str, str, dict[str
     return "completion", _COMPLETIONS, {**body, "prompt": words}
 
 
-_SSE_LINE_END = re.compile(r"\r\n|\r|\n")
-
-
-async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
-    """Lines as SSE defines them: ended by CR, LF or CRLF only (httpx's aiter_lines also ends them at
-    U+2028 and friends, which are legal unescaped in a JSON string)."""
-    buffer = ""
-    async for text in response.aiter_text():
-        *lines, buffer = _SSE_LINE_END.split(buffer + text)
-        for line in lines:
-            yield line
-    if buffer:
-        yield buffer
-
-
 class SoakClient:
     def __init__(self, cfg: SoakConfig, http: httpx.AsyncClient, stats: SoakStats) -> None:
         self.cfg = cfg
@@ -315,16 +300,17 @@ class SoakClient:
                 self.stats.num_disconnects += 1
                 return
             events: list[str] = []
-            async for line in sse_lines(response):
-                if line.startswith("data: "):
-                    events.append(line[6:])
+            decoder = SSEDecoder()
+            async for chunk in response.aiter_bytes():
+                for data in decoder.feed(chunk):
+                    events.append(data)
                     if len(events) == first_token_event:
                         self.stats.ttft_ms.append((time.perf_counter() - sent) * 1000)
-                elif line and not line.startswith(":"):
-                    self.stats.problem(f"not an SSE line: {line[:80]!r}")
-                if leave_after is not None and len(events) >= leave_after:
-                    self.stats.num_disconnects += 1  # leaving the block closes the connection
-                    return
+                    if leave_after is not None and len(events) >= leave_after:
+                        self.stats.num_disconnects += 1  # leaving the block closes the connection
+                        return
+                while decoder.other_lines:  # treadle sends data and comments only
+                    self.stats.problem(f"not an SSE line: {decoder.other_lines.pop(0)[:80]!r}")
         usage = None
         if include_usage and len(events) > 1 and events[-2].startswith("{"):
             usage = json.loads(events[-2]).get("usage")

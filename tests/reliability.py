@@ -14,6 +14,8 @@ from unittest import mock
 
 import httpx
 
+from bench.sse import iter_sse_data
+
 from . import tinymodel
 from .conftest_server import TreadleServer
 
@@ -53,11 +55,10 @@ class StreamReader(threading.Thread):
         try:
             with httpx.stream("POST", self.url, json=self.body, timeout=300) as response:
                 self.status = response.status_code
-                for line in response.iter_lines():
-                    if line.startswith("data: "):
-                        with self._new_event:
-                            self.events.append(line[6:])
-                            self._new_event.notify_all()
+                for data in iter_sse_data(response.iter_bytes()):
+                    with self._new_event:
+                        self.events.append(data)
+                        self._new_event.notify_all()
         except BaseException as exc:  # noqa: BLE001 - reported by finish()
             self.error = exc
         finally:

@@ -26,7 +26,6 @@ from bench.serve import (
     chunk_text,
     find_knee,
     run_bench,
-    sse_data,
     synthetic_prompt,
 )
 from tests.conftest_server import free_port, shared_server
@@ -34,24 +33,6 @@ from tests.conftest_server import free_port, shared_server
 # ----------------------------------------------------------------------------------------------
 # Pieces
 # ----------------------------------------------------------------------------------------------
-
-
-async def _lines(lines: list[str]) -> AsyncIterator[str]:
-    for line in lines:
-        yield line
-
-
-def collect(lines: list[str]) -> list[str]:
-    async def run() -> list[str]:
-        return [data async for data in sse_data(_lines(lines))]
-
-    return asyncio.run(run())
-
-
-def test_sse_parser_skips_comments_and_joins_multiline_data():
-    lines = [": ping", "", "data: {\"a\": 1}", "", "event: x", "data:first", "data: second", "", "id: 7",
-             "data: [DONE]"]
-    assert collect(lines) == ['{"a": 1}', "first\nsecond", "[DONE]"]  # the last event had no blank line
 
 
 def test_chunk_text_reads_chat_and_completion_chunks():

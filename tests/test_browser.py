@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.sse import iter_sse_data
 from tests.conftest_server import REPO, TreadleServer
 
 CHROMIUM = "/usr/bin/chromium"
@@ -181,8 +182,8 @@ def test_a_429_from_a_full_server_is_shown_as_a_readable_error(server, browser):
     def hold_the_only_slot() -> None:  # --max-queue 1: while this streams, the page's request gets 429
         body = {"prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=60) as response:
-            for line in response.iter_lines():
-                if line.startswith("data: {"):
+            for data in iter_sse_data(response.iter_bytes()):
+                if data.startswith("{"):
                     held_open.set()
                 if release.is_set():
                     break

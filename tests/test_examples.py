@@ -13,6 +13,7 @@ import sys
 import httpx
 import pytest
 
+from bench.sse import iter_sse_data
 from tests.conftest_server import REPO, shared_server
 
 pytestmark = pytest.mark.slow
@@ -67,7 +68,7 @@ def test_python_example_defaults_to_the_local_server_url():
 
 
 def sse_events(text: str) -> list[str]:
-    return [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    return list(iter_sse_data([text.encode()]))
 
 
 @pytest.mark.parametrize("how", ["flag", "env"])

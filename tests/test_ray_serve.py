@@ -22,6 +22,7 @@ serve = pytest.importorskip("ray.serve")
 
 from app.ray.deployment import APP_NAME, routing_text
 from bench.ray_replay import deploy, replay, saturated_prefix, stream_chat
+from bench.sse import iter_sse_data
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -151,19 +152,18 @@ def test_killed_replica_ends_its_stream_and_survivors_serve(base_url: str) -> No
                 "messages": [{"role": "user", "content": "Count to one thousand."}], "max_tokens": 400,
                 "ignore_eos": True, "stream": True}) as response:
             victim = response.headers["x-treadle-replica"]
-            lines = response.iter_lines()
+            stream = iter_sse_data(response.iter_bytes())
             events = []
-            for line in lines:
-                if line.startswith("data: "):
-                    events.append(line)
+            for data in stream:
+                events.append(data)
                 if len(events) >= 3:
                     break
             ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
             killed_at = time.monotonic()
-            events += [line for line in lines if line.startswith("data: ")]  # must end, not hang (timeout 60)
+            events += list(stream)  # must end, not hang (timeout 60)
         assert time.monotonic() - killed_at < 60
-        assert events[-1] == "data: [DONE]"
-        error = json.loads(events[-2][6:])
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])
         assert error["error"]["code"] == "replica_died", events[-3:]
         # New requests flow to the survivor meanwhile (the router may learn of the death on a first try).
         for _ in range(4):

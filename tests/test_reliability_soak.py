@@ -3,17 +3,15 @@ server (streams, disconnects, malformed bodies, a cache small enough to preempt)
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 
 from app.faults import EVERY_N_STEPS
-from bench.soak import check_sse_events, check_whole_response, percentile, sse_lines
+from bench.soak import check_sse_events, check_whole_response, percentile
 
 from .conftest_server import REPO, TreadleServer, server_env
 from .reliability import running_server, write_tiny_gguf
@@ -56,19 +54,6 @@ def test_ill_formed_streams_are_reported(events, problem):
 def test_usage_must_come_only_when_asked_and_choices_must_all_finish():
     assert any("usage" in p for p in check_sse_events(GOOD, "chat", 1, include_usage=True))
     assert any("choices [1]" in p for p in check_sse_events(GOOD, "chat", 2, include_usage=False))
-
-
-def test_sse_lines_end_only_at_cr_or_lf_even_across_chunks():
-    class Chunks(httpx.AsyncByteStream):
-        async def __aiter__(self):  # type: ignore[override]
-            for part in (b'data: {"t":"a\xe2\x80', b'\xa8b\xc2\x85c"}\r', b"\n\ndata: [DONE]\n\n"):
-                yield part
-
-    async def lines() -> list[str]:
-        return [line async for line in sse_lines(httpx.Response(200, stream=Chunks()))]
-
-    data = [line for line in asyncio.run(lines()) if line]
-    assert data == ['data: {"t":"a\u2028b\x85c"}', "data: [DONE]"]
 
 
 def test_whole_responses_are_checked_too():
