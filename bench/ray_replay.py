@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from bench.prometheus import parse_metrics
 from bench.sse import iter_sse_data
 
 SYSTEM_PROMPTS = [
@@ -70,18 +71,8 @@ class ReplayResult:
 
 
 def metric_sums(base_url: str) -> dict[str, float]:
-    """Each metric of the aggregated /metrics summed over replicas (samples without other labels)."""
-    sums: dict[str, float] = {}
-    for line in httpx.get(f"{base_url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("#") or " " not in line:
-            continue
-        name_labels, value = line.rsplit(" ", 1)
-        name = name_labels.split("{", 1)[0]
-        labels = name_labels[len(name):]
-        if labels and "," in labels:
-            name = name + labels.split(",", 1)[1].rstrip("}")  # keep the non-replica labels apart
-        sums[name] = sums.get(name, 0.0) + float(value)
-    return sums
+    """Each sample of the aggregated /metrics summed over replicas (its other labels kept apart)."""
+    return parse_metrics(httpx.get(f"{base_url}/metrics", timeout=10).text, sum_over="replica")
 
 
 def wait_for_finished(base_url: str, expected: float, timeout: float = 20.0) -> dict[str, float]:

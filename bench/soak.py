@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
+from bench.prometheus import parse_metrics
 from bench.sse import SSEDecoder
 
 _WORDS = (
@@ -327,15 +327,6 @@ class SoakClient:
 
 
 # ---- probes ---------------------------------------------------------------------------------------
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    samples: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return samples
 
 
 _WATCHED = {"rss": "process_resident_memory_bytes", "fds": "process_open_fds", "kv_used": "treadle_kv_blocks_used",

@@ -17,7 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
+
+from bench.prometheus import parse_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 600  # a cold numba cache compiles every kernel before the server is ready
@@ -82,13 +83,7 @@ class TreadleServer:
 
     def metrics(self) -> dict[str, float]:
         """Every sample of /metrics, keyed like `name{label="value"}` (or just `name`)."""
-        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
-        samples = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-                samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-        return samples
+        return parse_metrics(httpx.get(f"{self.base_url}/metrics", timeout=10).text)
 
     def wait_for_metrics(self, predicate: Callable[[dict[str, float]], bool], timeout: float = 60) -> dict[str, float]:
         """Poll /metrics until `predicate` holds; the timeout only bounds a failing test."""
