@@ -29,7 +29,6 @@ import json
 import os
 import platform
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,9 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from bench.serve import BenchConfig, format_table, machine_description, run_bench, write_plot
+from bench.servers import free_port, stop, wait_until_ready
 from decoding.model.registry import resolve_model_path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -115,30 +113,17 @@ PEERS = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def start(peer: Peer, argv: list[str], threads: int, timeout_s: float) -> tuple[subprocess.Popen[bytes], str, Path]:
     port = int(argv[argv.index("--port") + 1])
     log_path = Path(tempfile.mkstemp(prefix=f"bench-{peer.name}-", suffix=".log")[1])
     env = {**os.environ, **peer.env(threads), "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(argv, stdout=log_path.open("wb"), stderr=subprocess.STDOUT, env=env, cwd=REPO)
     base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{peer.name} exited with {process.returncode}; log: {log_path}")
-        try:
-            if httpx.get(base_url + peer.ready_path, timeout=2).status_code == 200:
-                return process, base_url, log_path
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
+    why_not = wait_until_ready(process, base_url + peer.ready_path, timeout_s, poll_s=0.5)
+    if why_not is None:
+        return process, base_url, log_path
     process.kill()
-    raise RuntimeError(f"{peer.name} not ready after {timeout_s} s; log: {log_path}")
+    raise RuntimeError(f"{peer.name} {why_not}; log: {log_path}")
 
 
 def settle(max_load: float, timeout_s: float) -> float:
@@ -147,15 +132,6 @@ def settle(max_load: float, timeout_s: float) -> float:
     while os.getloadavg()[0] >= max_load and time.monotonic() < deadline:
         time.sleep(5)
     return os.getloadavg()[0]
-
-
-def stop(process: subprocess.Popen[bytes]) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 def _memory_gib() -> float:
@@ -271,7 +247,7 @@ def main() -> int:
                                  extra_body=peer.extra_body(args.max_tokens))
             report = asyncio.run(run_bench(config))
         finally:
-            stop(process)
+            stop(process, timeout_s=30)
         report["label"] = peer.name
         report["command"] = commands[peer.name].strip()
         report["load_average"] = {"before": load_before, "after": os.getloadavg()[0]}

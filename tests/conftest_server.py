@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 
 from bench.prometheus import parse_metrics
+from bench.servers import free_port, stop, wait_until_ready
 
 REPO = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 600  # a cold numba cache compiles every kernel before the server is ready
@@ -34,12 +35,6 @@ CONFIGS = {
     "guarded": ["--kv-cache-mb", "128", "--max-num-seqs", "1", "--max-queue", "2", "--sse-ping-seconds", "0.2",
                 "--api-key", API_KEY, "--cors-origins", CORS_ORIGIN, "--max-body-bytes", "65536", "--threads", "1"],
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_env() -> dict[str, str]:
@@ -66,17 +61,10 @@ class TreadleServer:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> TreadleServer:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"treadle serve exited with {self.process.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"treadle serve not ready after {timeout} s:\n{self.log()}")
+        why_not = wait_until_ready(self.process, f"{self.base_url}/health", timeout)
+        if why_not is not None:
+            raise RuntimeError(f"treadle serve {why_not}:\n{self.log()}")
+        return self
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -97,13 +85,7 @@ class TreadleServer:
             time.sleep(0.05)
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop(self.process)
         self._log.close()
 
 

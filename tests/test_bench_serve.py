@@ -28,7 +28,8 @@ from bench.serve import (
     run_bench,
     synthetic_prompt,
 )
-from tests.conftest_server import free_port, shared_server
+from bench.servers import free_port
+from tests.conftest_server import shared_server
 
 # ----------------------------------------------------------------------------------------------
 # Pieces

@@ -1,0 +1,42 @@
+"""Server processes that the benchmarks and the tests start on loopback: a free port, waiting until one
+answers, stopping it."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until_ready(process: subprocess.Popen[bytes], url: str, timeout_s: float, poll_s: float = 0.2) -> str | None:
+    """Poll GET `url` until it answers 200: None then, else why not (the process exited, or the time ran out)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            return f"exited with {process.returncode}"
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return None
+        except httpx.TransportError:
+            pass
+        time.sleep(poll_s)
+    return f"not ready after {timeout_s} s"
+
+
+def stop(process: subprocess.Popen[bytes], timeout_s: float = 20) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `timeout_s`."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
