@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from numba import njit, prange
 
+from threadpool.atomics import cache_aligned_zeros
 from threadpool.barrier import barrier_wait
 from threadpool.pool import SpinPool
 
@@ -30,21 +31,13 @@ def make_operands(kind: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     that timings do not depend on where the allocator happened to put them."""
     rng = np.random.default_rng(seed)
     size = TINY_SIZE if kind == TINY_OP else MATVEC_SIZE
-    weights = aligned_zeros((1, 1))
+    weights = cache_aligned_zeros((1, 1), np.float32)
     if kind == MATVEC_OP:
-        weights = aligned_zeros((size, size))
+        weights = cache_aligned_zeros((size, size), np.float32)
         weights[:] = rng.standard_normal((size, size)) / np.sqrt(size)
-    buffers = aligned_zeros((2, size))
+    buffers = cache_aligned_zeros((2, size), np.float32)
     buffers[0] = rng.standard_normal(size)
     return weights, buffers
-
-
-def aligned_zeros(shape: tuple[int, ...], alignment: int = 64) -> np.ndarray:
-    """A C-contiguous float32 array of `shape` whose data starts on an `alignment`-byte boundary."""
-    num_bytes = int(np.prod(shape)) * 4
-    storage = np.zeros(num_bytes + alignment, dtype=np.uint8)
-    offset = -storage.ctypes.data % alignment
-    return storage[offset : offset + num_bytes].view(np.float32).reshape(shape)
 
 
 @njit(nogil=True, cache=True)

@@ -32,12 +32,14 @@ CACHE_LINE_BYTES = 64
 WORDS_PER_CACHE_LINE = CACHE_LINE_BYTES // 8
 
 
-def cache_aligned_zeros(num_words: int) -> np.ndarray:
-    """A zeroed int64 array of shape (num_words,) starting on a 64-byte boundary, so that words
-    meant to own a cache line really do (numpy only promises 16-byte alignment)."""
-    storage = np.zeros(num_words + WORDS_PER_CACHE_LINE, dtype=np.int64)
-    offset_words = (-storage.ctypes.data % CACHE_LINE_BYTES) // 8
-    return storage[offset_words : offset_words + num_words]
+def cache_aligned_zeros(shape: int | tuple[int, ...], dtype: type[np.generic] = np.int64) -> np.ndarray:
+    """A zeroed C-contiguous array of `shape` (int64 words unless `dtype` says otherwise) starting on a
+    64-byte boundary, so that words meant to own a cache line really do (numpy only promises 16-byte
+    alignment), and so that timings do not depend on where the allocator put an operand."""
+    num_bytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    storage = np.zeros(num_bytes + CACHE_LINE_BYTES, dtype=np.uint8)
+    offset = -storage.ctypes.data % CACHE_LINE_BYTES
+    return storage[offset : offset + num_bytes].view(dtype).reshape(shape)
 
 
 def _check_int64_array(arr_type: types.Type) -> None:
