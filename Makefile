@@ -5,11 +5,11 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-# numba keeps compiled kernels here so warm starts and repeated test runs skip compilation. numba
-# invalidates a cached kernel only when its own file changes, not when a kernel or intrinsic it calls
-# in another file does, so the directory is named after a hash of every kernel package's source.
-KERNEL_SOURCES_HASH := $(shell find decoding kvcache threadpool -name "*.py" | LC_ALL=C sort | xargs cat 2>/dev/null | sha1sum | cut -c1-12)
-export NUMBA_CACHE_DIR ?= $(CURDIR)/.numba_cache/$(KERNEL_SOURCES_HASH)
+# numba keeps compiled kernels here so warm starts and repeated test runs skip compilation; the
+# directory is named after a hash of every kernel package's source (bench/numba_cache.py says why).
+ifndef NUMBA_CACHE_DIR
+export NUMBA_CACHE_DIR := $(shell $(PYTHON) -m bench.numba_cache)
+endif
 
 .PHONY: install serve test bench clean golden browser-deps
 

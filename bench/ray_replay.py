@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from bench.numba_cache import use_numba_cache
 from bench.prometheus import parse_metrics
 from bench.sse import iter_sse_data
 
@@ -266,14 +267,7 @@ def main() -> int:
     from ray import serve
 
     port = int(os.environ.get("PORT", "8790"))
-    if "NUMBA_CACHE_DIR" not in os.environ:  # as the Makefile and tests/conftest.py name it: warm kernels
-        import hashlib
-        from pathlib import Path
-
-        root = Path(__file__).resolve().parent.parent
-        sources = b"".join(p.read_bytes() for pkg in ("decoding", "kvcache", "threadpool")
-                           for p in sorted((root / pkg).rglob("*.py")))
-        os.environ["NUMBA_CACHE_DIR"] = str(root / ".numba_cache" / hashlib.sha1(sources).hexdigest()[:12])
+    use_numba_cache()  # the kernels `make test` compiled, before the replicas import numba
     ray.init(num_cpus=2, include_dashboard=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
