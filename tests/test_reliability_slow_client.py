@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from bench.soak import check_sse_events
+from bench.sse import iter_sse_data
 
 from .conftest_server import read_until
 from .reliability import StreamReader, running_server, write_tiny_gguf
@@ -103,8 +104,8 @@ def stream_gaps(base_url: str, max_tokens: int, seconds: float | None = None) ->
     body = {"messages": [{"role": "user", "content": "Tell me about spinning wheels."}], "max_tokens": max_tokens,
             "ignore_eos": True, "temperature": 0, "stream": True}
     with httpx.stream("POST", base_url + CHAT, json=body, timeout=120) as response:
-        for line in response.iter_lines():
-            if line.startswith("data: {") and '"content"' in line:
+        for data in iter_sse_data(response.iter_bytes()):
+            if data.startswith("{") and '"content"' in data:
                 now = time.monotonic()
                 if last is not None:
                     gaps.append(now - last)
