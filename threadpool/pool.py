@@ -11,7 +11,7 @@ A run: thread 0 publishes the task and bumps the epoch (`start_run`), runs its o
 the barrier, then waits until every worker reports the epoch finished (`finish_share_and_wait`).
 Workers wait for the next epoch by spinning for `spin_us`, then parking on a futex
 (`handoff.wait_for_work`), so an idle pool uses no CPU. Inside the kernel threads meet at
-`barrier_wait(barrier, tid)`.
+`barrier_wait(barrier, tid)`. This module is thread 0's side; `threadpool.workers` the workers'.
 
 The GIL: a worker that needs the GIL while another thread holds it sleeps on a condition variable
 and is woken microseconds (or, against a busy event loop, up to a switch interval) later. So
@@ -38,21 +38,18 @@ the others wait for it at a barrier still hangs them: nothing reaches a nopython
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Self
 
-import numba
 import numpy as np
 from numba import njit
-from numba.core.registry import CPUDispatcher
 
 from threadpool.affinity import pin_calling_thread, pin_thread, set_thread_affinity, usable_cores
-from threadpool.atomics import load_acquire, store_release
+from threadpool.atomics import store_release
 from threadpool.barrier import (
     BarrierAborted,
     arrival_counts,
@@ -75,9 +72,17 @@ from threadpool.handoff import (
     nanoseconds_per_spin,
     report_finished,
     request_shutdown,
-    spin_while_equal,
     wait_for_work,
     wait_for_workers,
+)
+from threadpool.workers import (
+    Kernel,
+    PoolState,
+    Task,
+    finish_share_and_spin,
+    os_thread_exists,
+    record_error,
+    worker_main,
 )
 
 DEFAULT_SPIN_US = 100.0
@@ -86,79 +91,9 @@ DEFAULT_SPIN_US = 100.0
 _SLOW_WAIT_POLL_SECONDS = 50e-6
 _POLLS_PER_LIVENESS_CHECK = 128
 
-Kernel = Callable[..., Any]  # kernel(tid, nthreads, barrier, *args)
-
-
 class BrokenPool(RuntimeError):
     """A worker thread died (an exception escaped its loop, outside any kernel, or its OS thread
     vanished): the pool cannot run kernels any more. Close it and start a new one."""
-
-
-class _Task:
-    """A kernel and its arguments; `task_id` changes whenever either does."""
-
-    __slots__ = ("args", "is_numba", "kernel", "task_id", "trampoline")
-
-    def __init__(self, kernel: Kernel, args: tuple[Any, ...], task_id: int) -> None:
-        self.kernel = kernel
-        self.args = args
-        self.task_id = task_id
-        self.is_numba = isinstance(kernel, CPUDispatcher)  # served from the nopython trampoline
-        # serve_task compiled for this task's types, called without numba's type dispatch
-        # (~6 us, mostly typing the dispatcher argument, on every re-entry after a park).
-        self.trampoline: Callable[..., tuple[int, int]] | None = None
-
-    def is_same(self, kernel: Kernel, args: tuple[Any, ...]) -> bool:
-        return kernel is self.kernel and len(args) == len(self.args) and all(
-            new is old or (type(new) is type(old) and np.isscalar(new) and new == old)
-            for new, old in zip(args, self.args)
-        )
-
-    def compiled_trampoline(self, barrier: np.ndarray, control: np.ndarray) -> Callable[..., tuple[int, int]]:
-        if self.trampoline is None:
-            example_args = (self.kernel, 1, barrier, control, self.args, 0, 0, 0)
-            self.trampoline = serve_task.compile(tuple(numba.typeof(value) for value in example_args))
-        return self.trampoline
-
-
-class _PoolState:
-    """Everything the workers share with the pool. Holds no reference to the SpinPool, so that
-    dropping the last reference to the pool runs its finalizer, which stops the workers."""
-
-    __slots__ = (
-        "barrier",
-        "control",
-        "dead_workers",
-        "epoch",
-        "errors",
-        "is_closed",
-        "max_spins",
-        "num_threads",
-        "pinned_callers",
-        "run_lock",
-        "running_thread",
-        "task",
-        "worker_idents",
-        "worker_native_ids",
-    )
-
-    def __init__(self, num_threads: int, max_spins: int) -> None:
-        self.num_threads = num_threads
-        self.barrier: np.ndarray = make_barrier(num_threads)  # int64 ((1 + n) * 8,)
-        self.control: np.ndarray = make_control(num_threads - 1)  # int64 ((2 + n - 1) * 8,)
-        self.max_spins = max_spins
-        self.epoch = 0  # runs started so far; written by thread 0 under run_lock
-        self.task: _Task | None = None  # the latest run's; kept to recognise the same task
-        self.errors: list[BaseException | None] = [None] * num_threads
-        self.run_lock = threading.Lock()
-        self.running_thread: int | None = None
-        self.worker_idents: set[int] = set()
-        self.worker_native_ids: dict[int, int] = {}  # tid -> kernel thread id, for /proc/self/task
-        # tid -> why it ended; written by the dying worker (or by thread 0 when the OS thread vanished)
-        self.dead_workers: dict[int, BaseException] = {}
-        # Calling threads pinned by run(), with the cores to give back at close().
-        self.pinned_callers: dict[threading.Thread, set[int] | None] = {}
-        self.is_closed = False
 
 
 class SpinPool:
@@ -202,7 +137,7 @@ class SpinPool:
         self.n_threads = n_threads
         self.spin_us = spin_us
         self._caller_core = cores[0] if pin and n_threads > 1 else None
-        self._state = _PoolState(n_threads, max_spins=int(spin_us * 1000 / nanoseconds_per_spin()))
+        self._state = PoolState(n_threads, max_spins=int(spin_us * 1000 / nanoseconds_per_spin()))
         _compile_helpers()
         threads = _start_workers(self._state)
         # Registered before pinning, so that a bad core id still stops the started workers.
@@ -256,21 +191,21 @@ class SpinPool:
 # ---- thread 0: one run -----------------------------------------------------------------------------
 
 
-def _pin_caller(state: _PoolState, core: int) -> None:
+def _pin_caller(state: PoolState, core: int) -> None:
     """Pin the calling thread on its first run (a dict lookup afterwards, no syscall)."""
     caller = threading.current_thread()
     if caller not in state.pinned_callers:
         state.pinned_callers[caller] = pin_calling_thread(core)
 
 
-def _unpin_callers(state: _PoolState) -> None:
+def _unpin_callers(state: PoolState) -> None:
     for caller, previous_cores in state.pinned_callers.items():
         if previous_cores is not None and caller.is_alive() and caller.native_id is not None:
             set_thread_affinity(caller.native_id, previous_cores)
     state.pinned_callers.clear()
 
 
-def _run_locked(state: _PoolState, kernel: Kernel, args: tuple[Any, ...]) -> None:
+def _run_locked(state: PoolState, kernel: Kernel, args: tuple[Any, ...]) -> None:
     if state.num_threads == 1:
         reset_barrier(state.barrier)
         kernel(0, 1, state.barrier, *args)
@@ -286,7 +221,7 @@ def _run_locked(state: _PoolState, kernel: Kernel, args: tuple[Any, ...]) -> Non
         try:
             kernel(0, state.num_threads, state.barrier, *args)
         except BaseException as exc:  # noqa: BLE001 - re-raised below, once the workers are done
-            _record_error(state, 0, exc)
+            record_error(state, 0, exc)
         _finish_run(state)
     except BaseException as interrupt:  # a signal handler raised in thread 0 outside its kernel
         _wait_out_workers(state, interrupt)
@@ -298,7 +233,7 @@ def _run_locked(state: _PoolState, kernel: Kernel, args: tuple[Any, ...]) -> Non
         raise error
 
 
-def _wait_out_workers(state: _PoolState, interrupt: BaseException) -> None:
+def _wait_out_workers(state: PoolState, interrupt: BaseException) -> None:
     """Thread 0 was interrupted between kick-off and the end of the run, so workers may still be
     in the kernel, writing the caller's arrays. Leave the barrier (workers waiting for thread 0
     abort), wake any parked worker, and wait for all of them; further interrupts meanwhile are
@@ -314,13 +249,13 @@ def _wait_out_workers(state: _PoolState, interrupt: BaseException) -> None:
             interrupt.add_note(f"SpinPool.run: {another!r} arrived while waiting for the workers; ignored")
 
 
-def _task_for(state: _PoolState, kernel: Kernel, args: tuple[Any, ...]) -> _Task:
+def _task_for(state: PoolState, kernel: Kernel, args: tuple[Any, ...]) -> Task:
     """The previous task if nothing changed (workers keep serving it without the GIL), else a
     new one."""
     previous = state.task
     if previous is not None and previous.is_same(kernel, args):
         return previous
-    task = _Task(kernel, args, 1 if previous is None else previous.task_id + 1)
+    task = Task(kernel, args, 1 if previous is None else previous.task_id + 1)
     if task.is_numba and not getattr(kernel, "targetoptions", {}).get("nogil"):
         # Thread 0 would hold the GIL inside the kernel while a worker needs it to start: deadlock.
         raise ValueError(f"SpinPool kernels must be compiled with nogil=True: {kernel!r}")
@@ -343,7 +278,7 @@ def finish_share_and_wait(barrier: np.ndarray, control: np.ndarray, epoch: int, 
     return wait_for_workers(control, barrier[0] - 1, epoch, max_spins)
 
 
-def _finish_run(state: _PoolState) -> None:
+def _finish_run(state: PoolState) -> None:
     """Thread 0: leave the barrier and wait until every worker finished the current epoch; spin
     for up to spin_us, then poll gently (a long, unbalanced kernel should not burn a core),
     counting dead workers as finished."""
@@ -360,18 +295,14 @@ def _finish_run(state: _PoolState) -> None:
             _bury_dead_workers(state)
 
 
-def _find_vanished_workers(state: _PoolState) -> None:
+def _find_vanished_workers(state: PoolState) -> None:
     """Workers whose OS thread is gone without a word (its Python code never ran to the end)."""
     for tid, native_id in state.worker_native_ids.items():
-        if tid not in state.dead_workers and not _os_thread_exists(native_id):
+        if tid not in state.dead_workers and not os_thread_exists(native_id):
             state.dead_workers[tid] = RuntimeError(f"its OS thread {native_id} is gone")
 
 
-def _os_thread_exists(native_id: int) -> bool:
-    return os.path.exists(f"/proc/self/task/{native_id}")
-
-
-def _bury_dead_workers(state: _PoolState) -> None:
+def _bury_dead_workers(state: PoolState) -> None:
     """Dead workers will never reach a barrier nor report: make threads waiting for them at a
     barrier abort, and report the current epoch finished on their behalf (nothing else writes
     their words any more)."""
@@ -380,17 +311,12 @@ def _bury_dead_workers(state: _PoolState) -> None:
         report_finished(state.control, tid - 1, state.epoch)
 
 
-def _broken_pool_error(state: _PoolState) -> BrokenPool:
+def _broken_pool_error(state: PoolState) -> BrokenPool:
     tid, cause = next(iter(state.dead_workers.items()))
     error = BrokenPool(f"SpinPool worker thread {tid} of {state.num_threads} died ({cause!r}): "
                        "the pool cannot run kernels any more; close it and start a new one")
     error.__cause__ = cause
     return error
-
-
-def _record_error(state: _PoolState, tid: int, exc: BaseException) -> None:
-    exc.add_note(f"raised in SpinPool thread {tid} of {state.num_threads}")
-    state.errors[tid] = exc
 
 
 def _root_cause(errors: list[BaseException | None], barrier: np.ndarray) -> BaseException | None:
@@ -409,80 +335,9 @@ def _root_cause(errors: list[BaseException | None], barrier: np.ndarray) -> Base
     return None
 
 
-# ---- workers -----------------------------------------------------------------------------------------
-
-
-@njit(nogil=True)  # not cache=True: numba cannot cache a function taking a dispatcher argument
-def serve_task(kernel: Any, tid: int, barrier: np.ndarray, control: np.ndarray, args: tuple[Any, ...],
-               task_id: int, epoch: int, max_spins: int) -> tuple[int, int]:
-    """Worker `tid`: run `kernel` for `epoch`, then for every following epoch of the same task,
-    all in nopython. Returns (last epoch run, next epoch): next == last when no run came within
-    `max_spins` (time to park), else a run of another task, or shutdown, that Python must see."""
-    num_threads = barrier[0]
-    while True:
-        kernel(tid, num_threads, barrier, *args)
-        next_epoch = finish_share_and_spin(barrier, control, tid, epoch, max_spins)
-        # acquire: kick_off's release store of the epoch made TASK and SHUTDOWN visible.
-        if next_epoch == epoch or load_acquire(control, TASK) != task_id or load_acquire(control, SHUTDOWN):
-            return epoch, next_epoch
-        epoch = next_epoch
-
-
-@njit(nogil=True, cache=True, _nrt=False)
-def finish_share_and_spin(barrier: np.ndarray, control: np.ndarray, tid: int, epoch: int,
-                          max_spins: int) -> int:
-    """Worker `tid`, after its share: leave the barrier, report run `epoch` finished, then spin
-    for the next epoch; returns it, or `epoch` if `max_spins` passed without one."""
-    mark_departed(barrier, tid)
-    report_finished(control, tid - 1, epoch)
-    return spin_while_equal(control, EPOCH, epoch, max_spins)
-
-
-def _serve(state: _PoolState, tid: int, epoch: int, previous_task_id: int) -> tuple[int, int]:
-    """Run the current task for `epoch`; returns (last epoch run, next epoch), like `serve_task`.
-
-    A task seen for the first time is called from Python (entering the trampoline costs a slower
-    dispatch, wasted if the arguments change every run); from its second run on, a numba kernel
-    is served by `serve_task` for as long as it stays the current task."""
-    task = state.task
-    assert task is not None
-    try:
-        if task.is_numba and task.task_id == previous_task_id:
-            trampoline = task.compiled_trampoline(state.barrier, state.control)
-            return trampoline(task.kernel, tid, state.barrier, state.control, task.args, task.task_id,
-                              epoch, state.max_spins)
-        task.kernel(tid, state.num_threads, state.barrier, *task.args)
-    except BaseException as exc:  # noqa: BLE001 - handed to the caller of run()
-        epoch = load_acquire_from_python(state.control, EPOCH)  # thread 0 is waiting for this one
-        _record_error(state, tid, exc)
-    return epoch, finish_share_and_spin(state.barrier, state.control, tid, epoch, state.max_spins)
-
-
-def _worker_main(state: _PoolState, tid: int) -> None:
-    """A worker's whole life; if it ends by an exception (kernels' are caught in `_serve`, so
-    this one came from outside any kernel), it says so rather than leave thread 0 waiting."""
-    try:
-        _serve_until_shutdown(state, tid)
-    except BaseException as exc:  # noqa: BLE001 - reported by every later run as BrokenPool
-        state.dead_workers[tid] = exc  # first, so that a run starting now sees it (see _run_locked)
-        mark_gone(state.barrier, tid)  # a thread 0 waiting at a barrier for this worker aborts
-
-
-def _serve_until_shutdown(state: _PoolState, tid: int) -> None:
-    """Wait for an epoch, serve it, park when idle; until shutdown."""
-    epoch = wait_for_work(state.control, 0, state.max_spins)
-    previous_task_id = 0
-    while not load_acquire_from_python(state.control, SHUTDOWN):
-        task_id = state.task.task_id if state.task is not None else 0
-        last_run, epoch = _serve(state, tid, epoch, previous_task_id)
-        previous_task_id = task_id
-        if epoch == last_run:  # spun for spin_us in vain: park
-            epoch = wait_for_work(state.control, last_run, state.max_spins)
-
-
-def _start_workers(state: _PoolState) -> list[threading.Thread]:
+def _start_workers(state: PoolState) -> list[threading.Thread]:
     threads = [
-        threading.Thread(target=_worker_main, args=(state, tid), name=f"SpinPool-worker-{tid}", daemon=True)
+        threading.Thread(target=worker_main, args=(state, tid), name=f"SpinPool-worker-{tid}", daemon=True)
         for tid in range(1, state.num_threads)
     ]
     for tid, thread in enumerate(threads, start=1):
@@ -493,7 +348,7 @@ def _start_workers(state: _PoolState) -> list[threading.Thread]:
     return threads
 
 
-def _stop_workers(state: _PoolState, threads: list[threading.Thread]) -> None:
+def _stop_workers(state: PoolState, threads: list[threading.Thread]) -> None:
     """Finalizer (close, garbage collection or interpreter exit): wake, stop and join workers.
     Daemon threads, so a pool nobody closed cannot block interpreter exit before this runs."""
     with state.run_lock:
@@ -501,7 +356,7 @@ def _stop_workers(state: _PoolState, threads: list[threading.Thread]) -> None:
         request_shutdown(state.control, state.epoch + 1)
         _unpin_callers(state)
     for tid, thread in enumerate(threads, start=1):
-        if tid in state.dead_workers and not _os_thread_exists(state.worker_native_ids[tid]):
+        if tid in state.dead_workers and not os_thread_exists(state.worker_native_ids[tid]):
             continue  # its OS thread vanished: Python would wait for it forever
         if thread is not threading.current_thread():
             thread.join()
