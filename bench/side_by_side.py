@@ -38,7 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.serve import BenchConfig, format_table, machine_description, run_bench, write_plot
+from bench.serve import BenchConfig, machine_description, run_bench
+from bench.serve_report import format_table, write_plot
 from bench.servers import free_port, stop, wait_until_ready
 from decoding.model.registry import resolve_model_path
 

@@ -18,16 +18,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from bench import serve as bench_serve
-from bench.serve import (
-    BenchConfig,
-    Distribution,
-    LevelStats,
-    RequestResult,
-    chunk_text,
-    find_knee,
-    run_bench,
-    synthetic_prompt,
-)
+from bench.serve import BenchConfig, run_bench, synthetic_prompt
+from bench.serve_report import format_table
+from bench.serve_request import RequestResult, RequestSpec, chunk_text
+from bench.serve_stats import Distribution, LevelStats, find_knee
 from bench.servers import free_port
 from tests.conftest_server import shared_server
 
@@ -107,8 +101,6 @@ def test_requests_per_level_default_and_floor():
 
 
 def test_request_body_asks_for_usage_full_length_and_takes_extra_fields():
-    from bench.serve import RequestSpec
-
     spec = RequestSpec("http://h/", "m", chat=False, max_tokens=5, temperature=0.0, ignore_eos=True,
                        extra_body={"top_k": 1, "temperature": 0.5})
     assert spec.url == "http://h/v1/completions"
@@ -211,7 +203,7 @@ def test_against_a_server_without_usage_errors_are_counted_by_status(fake_server
     assert body["stream_options"] == {"include_usage": True}
     assert body["ignore_eos"] is True and body["min_tokens"] == 6 and body["max_tokens"] == 6
     assert len(bodies) == 1 + 4 + 4
-    table = bench_serve.format_table(report)
+    table = format_table(report)
     assert "429×1" in table and "stream_error×1" in table
     assert "no usage from the server" in table and "ended before max_tokens (1 at concurrency 4)" in table
 
