@@ -15,10 +15,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-from kvcache.errors import KVCacheError
 from kvcache.manager import KVCacheManager
 from kvcache.storage import KVCacheSpec, KVCacheStorage
 from threadpool import BrokenPool, SpinPool
@@ -27,40 +25,22 @@ from ..model.model import Model
 from .config import KV_CACHE_DTYPES, EngineConfig, resolve_kv_cache_dtype
 from .detokenizer import IncrementalDetokenizer
 from .errors import EngineFailed, EngineShuttingDown, QueueFull, RequestTooLarge
+from .observers import EngineObserver, EngineStats
 from .output_processor import finish_output, process_token, record_prompt_logprobs, usage_of
 from .outputs import RequestOutput, RequestStream
-from .params import InvalidParams, SamplingParams
+from .params import SamplingParams
 from .runner import ModelRunner
 from .sampling import Sampler, SampleRequest
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Request, Sequence, SequenceStatus, seed_generator
 from .step_batch import build_step_batch
+from .validation import validate_request
 
 # The engine's configuration and refusals travel with it: `from decoding.engine.engine import ...`.
 __all__ = ["KV_CACHE_DTYPES", "Engine", "EngineConfig", "EngineFailed", "EngineObserver", "EngineShuttingDown",
            "EngineStats", "QueueFull", "RequestTooLarge", "resolve_kv_cache_dtype"]
 
 log = logging.getLogger(__name__)
-
-
-class EngineObserver(Protocol):
-    """Called on the engine thread; implementations must not block (metrics, logs)."""
-
-    def on_step(self, seconds: float, kernel_seconds: float, num_tokens: int, num_seqs: int) -> None: ...
-    def on_first_token(self, seconds: float) -> None: ...
-    def on_request_finished(self, request: Request, finish_reason: str) -> None: ...
-    def on_preemption(self) -> None: ...
-    def on_slow_reader_abort(self) -> None: ...
-
-
-@dataclass(slots=True)
-class EngineStats:
-    num_steps: int = 0
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
-    step_seconds: float = 0.0
-    kernel_seconds: float = 0.0
-    num_slow_reader_aborts: int = 0
 
 
 _Command = tuple[str, Any]
@@ -138,28 +118,8 @@ class Engine:
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise `RequestTooLarge` or `InvalidParams` for what could never be served."""
-        vocab = self.model.config.vocab_size
-        if not prompt_ids:
-            raise InvalidParams("prompt", "the prompt is empty")
-        if params.n > self.config.max_num_seqs:
-            raise InvalidParams("n", f"n = {params.n} choices cannot run together: this server runs at most "
-                                     f"{self.config.max_num_seqs} sequences at once (max_num_seqs)")
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise InvalidParams("prompt", f"token ids must lie in [0, {vocab})")
-        if any(not 0 <= t < vocab for t in params.logit_bias):
-            raise InvalidParams("logit_bias", f"token ids must lie in [0, {vocab})")
-        if any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise InvalidParams("stop_token_ids", f"token ids must lie in [0, {vocab})")
-        total = len(prompt_ids) + params.max_tokens
-        if len(prompt_ids) >= self.max_model_len:
-            raise RequestTooLarge(f"the prompt has {len(prompt_ids)} tokens; the context holds {self.max_model_len}")
-        if total > self.max_model_len:
-            raise RequestTooLarge(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceed "
-                                  f"the context of {self.max_model_len} tokens")
-        try:
-            self.kv.check_fits(total)
-        except KVCacheError as exc:
-            raise RequestTooLarge(str(exc)) from None
+        validate_request(prompt_ids, params, self.model.config.vocab_size, self.max_model_len,
+                         self.config.max_num_seqs, self.kv)
 
     @property
     def num_unfinished(self) -> int:
