@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from app.faults import EVERY_N_STEPS, FATAL_SEED, SEED, InjectedFault, StepFaults, install_from_env
-from bench.soak import check_sse_events
+from bench.soak_checks import check_sse_events
 from decoding.engine.scheduler import SchedulerOutput
 
 from .reliability import StreamReader, running_server

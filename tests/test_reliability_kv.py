@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from bench.soak import check_sse_events
+from bench.soak_checks import check_sse_events
 
 from .conftest_server import TreadleServer
 from .reliability import StreamReader, running_server

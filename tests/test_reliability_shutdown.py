@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from bench.soak import check_sse_events
+from bench.soak_checks import check_sse_events
 
 from .conftest_server import TreadleServer
 from .reliability import StreamReader, running_server

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from bench.soak import check_sse_events
+from bench.soak_checks import check_sse_events
 from bench.sse import iter_sse_data
 
 from .conftest_server import read_until

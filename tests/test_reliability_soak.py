@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from app.faults import EVERY_N_STEPS
-from bench.soak import check_sse_events, check_whole_response, percentile
+from bench.soak import percentile
+from bench.soak_checks import check_sse_events, check_whole_response
 
 from .conftest_server import REPO, TreadleServer, server_env
 from .reliability import running_server, write_tiny_gguf
