@@ -9,13 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.engine import (
-    TRANSFORMERS_BATCH,
-    format_transformers,
-    measure_int8_gmacs,
-    peer_result,
-    run_transformers,
-)
+from bench.engine_peers import TRANSFORMERS_BATCH, peer_result, run_transformers
+from bench.engine_report import format_transformers
+from bench.engine_rooflines import measure_int8_gmacs
 from decoding import load_model
 
 pytestmark = pytest.mark.timeout(60)

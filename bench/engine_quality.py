@@ -1,0 +1,53 @@
+"""`treadle bench engine`'s quality check: the fast kernels against the exact ones, top-1 agreement over
+real text and greedy continuations (and the exact top-1 that llama.cpp's is compared with)."""
+
+from __future__ import annotations
+
+import importlib
+
+from decoding.engine.engine import Engine, EngineConfig
+from decoding.engine.params import SamplingParams
+from decoding.model.model import Model
+
+
+def quality_corpus(model: Model, num_tokens: int, chunk: int = 512) -> list[list[int]]:
+    """Real English text (the standard library's module documentation), cut in chunks of token ids."""
+    names = ("argparse", "json", "logging", "textwrap", "typing", "unittest", "email", "collections", "inspect",
+             "pickle")
+    text = "\n\n".join(importlib.import_module(name).__doc__ or "" for name in names)
+    ids = model.tokenizer.encode(text)[:num_tokens]
+    return [ids[i : i + chunk] for i in range(0, len(ids) - 1, chunk)]
+
+
+def top1_predictions(engine: Engine, chunks: list[list[int]]) -> list[list[int]]:
+    """The model's argmax after every position of every chunk (prompt logprobs, then the sampled token)."""
+    result = []
+    for ids in chunks:
+        out = engine.generate(ids, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))[0]
+        result.append([lp.top[0][0] for lp in out.prompt_logprobs[1:]] + [out.token_ids[0]])
+    return result
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    pairs = [(x, y) for row_a, row_b in zip(a, b) for x, y in zip(row_a, row_b)]
+    return sum(x == y for x, y in pairs) / len(pairs)
+
+
+def measure_quality(model: Model, num_tokens: int) -> dict:
+    """Fast kernels against exact ones: top-1 agreement over real text and greedy continuations."""
+    chunks = quality_corpus(model, num_tokens)
+    predictions, greedy = {}, {}
+    prompts = [ids[:48] for ids in chunks]
+    for kernels in ("exact", "fast"):
+        engine = Engine(model, EngineConfig(kv_cache_mb=256, kernels=kernels, enable_prefix_caching=False)).start()
+        try:
+            predictions[kernels] = top1_predictions(engine, chunks)
+            greedy[kernels] = [engine.generate(p, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))[0]
+                               .token_ids for p in prompts]
+        finally:
+            engine.shutdown()
+    identical = sum(a == b for a, b in zip(greedy["fast"], greedy["exact"]))
+    return {"positions": sum(len(c) for c in chunks), "chunks": chunks, "exact_top1": predictions["exact"],
+            "fast_top1_agreement": agreement(predictions["fast"], predictions["exact"]),
+            "greedy_prompts": len(prompts), "greedy_identical_32_tokens": identical,
+            "greedy_token_agreement": agreement(greedy["fast"], greedy["exact"])}
