@@ -24,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -34,9 +34,11 @@ import numba
 import numpy as np
 from numba import njit
 
+from bench.pool_report import TARGETS, compute_ratios, format_report
 from bench.pool_steps import (
     MATVEC_OP,
-    TINY_OP,
+    NUM_OPS,
+    OP_KINDS,
     PythonBarrierTeam,
     make_operands,
     step_on_executor,
@@ -45,76 +47,19 @@ from bench.pool_steps import (
     step_prange,
     step_serial,
 )
+from bench.pool_timing import summarize, time_interleaved, time_repeatedly, to_us
 from threadpool.affinity import usable_cores
 from threadpool.atomics import load_acquire
 from threadpool.barrier import barrier_wait
 from threadpool.handoff import NUM_PARKED
 from threadpool.pool import SpinPool
 
-NUM_OPS = 300
-OP_KINDS = {"tiny": TINY_OP, "matvec": MATVEC_OP}
 PRANGE_LAYERS = {  # name: environment for the subprocess
     "workqueue": {"NUMBA_THREADING_LAYER": "workqueue"},
     "omp": {"NUMBA_THREADING_LAYER": "omp"},
     "omp-passive": {"NUMBA_THREADING_LAYER": "omp", "OMP_WAIT_POLICY": "PASSIVE"},
     "tbb": {"NUMBA_THREADING_LAYER": "tbb"},
 }
-TARGETS = {
-    "barrier round trip, 2 threads (ns)": ("<=", 200.0),
-    "tiny step: omp prange / SpinPool": (">=", 5.0),
-    "tiny step: workqueue prange / SpinPool": (">=", 100.0),
-    "matvec step: fastest prange / SpinPool": (">=", 1.0),
-    "idle pool CPU (% of one core)": ("<=", 1.0),
-}
-
-
-# ---- timing ------------------------------------------------------------------------------------
-
-
-def time_repeatedly(action: Callable[[], object], budget_s: float, min_reps: int = 5,
-                    max_reps: int = 2000) -> dict[str, float]:
-    """Run `action` once to warm up, then until `budget_s` or `max_reps`; seconds per call."""
-    action()
-    durations: list[float] = []
-    deadline = time.perf_counter() + budget_s
-    while len(durations) < max_reps and (len(durations) < min_reps or time.perf_counter() < deadline):
-        start = time.perf_counter()
-        action()
-        durations.append(time.perf_counter() - start)
-    return summarize(durations)
-
-
-def time_interleaved(actions: Mapping[str, Callable[[], object]], budget_s: float, rounds: int = 4,
-                     pause_s: float = 0.0, max_reps_per_block: int = 200) -> dict[str, dict[str, float]]:
-    """Time several actions in alternating blocks, `rounds` blocks each, so that a machine whose
-    speed drifts (other tenants) shifts them all alike; seconds per call for each action.
-    `pause_s` before each block lets threads of the previous action fall asleep."""
-    samples: dict[str, list[float]] = {name: [] for name in actions}
-    for action in actions.values():
-        action()  # warm-up: compile, load the cache, fault in pages
-    for _ in range(rounds):
-        for name, action in actions.items():
-            time.sleep(pause_s)
-            block = samples[name]
-            block_start, reps = time.perf_counter(), 0
-            while reps < 3 or (time.perf_counter() - block_start < budget_s / rounds and reps < max_reps_per_block):
-                start = time.perf_counter()
-                action()
-                block.append(time.perf_counter() - start)
-                reps += 1
-    return {name: summarize(values) for name, values in samples.items()}
-
-
-def summarize(samples: list[float]) -> dict[str, float]:
-    values = np.asarray(samples)
-    return {
-        "median": float(np.median(values)),
-        "p10": float(np.percentile(values, 10)),
-        "p90": float(np.percentile(values, 90)),
-        "p99": float(np.percentile(values, 99)),
-        "max": float(values.max()),
-        "reps": len(samples),
-    }
 
 
 # ---- the pool's own costs ------------------------------------------------------------------------
@@ -169,10 +114,6 @@ def measure_pool_run_us(budget_s: float) -> dict[str, dict[str, float]]:
             run_from_parked()
         parked = summarize(durations)
     return {"spinning": to_us(spinning), "from_parked": to_us(parked)}
-
-
-def to_us(seconds: dict[str, float]) -> dict[str, float]:
-    return {k: v * 1e6 if k != "reps" else v for k, v in seconds.items()}
 
 
 def process_cpu_seconds() -> float:
@@ -328,108 +269,6 @@ def measure_loop_with_busy_pool(pin: bool | None, duration_s: float) -> dict[str
         engine_thread.join()
     return {"loop_lateness_ms": lateness, "step_ms": {k: v * 1e3 if k != "reps" else v
                                                        for k, v in summarize(step_times).items()}}
-
-
-# ---- report ------------------------------------------------------------------------------------------
-
-
-def paired_ratio(layer_results: dict[str, Any], kind: str) -> float | None:
-    """prange / SpinPool step time, both measured in alternating blocks in the same subprocess."""
-    if "error" in layer_results:
-        return None
-    return layer_results[kind]["median"] / layer_results[kind + " SpinPool (paired)"]["median"]
-
-
-def compute_ratios(report: dict[str, Any]) -> dict[str, float | None]:
-    layers = {name: measured for name, measured in report["prange_us"].items() if "error" not in measured}
-    fastest_matvec_layer = min(layers, key=lambda name: layers[name]["matvec"]["median"], default=None)
-    return {
-        "barrier round trip, 2 threads (ns)": report["barrier_ns"].get(2, {}).get("median"),
-        "tiny step: omp prange / SpinPool": paired_ratio(report["prange_us"].get("omp", {"error": ""}), "tiny"),
-        "tiny step: workqueue prange / SpinPool":
-            paired_ratio(report["prange_us"].get("workqueue", {"error": ""}), "tiny"),
-        "matvec step: fastest prange / SpinPool":
-            None if fastest_matvec_layer is None else paired_ratio(layers[fastest_matvec_layer], "matvec"),
-        "idle pool CPU (% of one core)": report["idle_cpu_percent"]["parks after 100 us"],
-    }
-
-
-def format_report(report: dict[str, Any]) -> str:
-    machine = report["machine"]
-    title = (f"# treadle bench pool: {machine['cpu']}, {machine['usable_cores']} cores, numba {machine['numba']}, "
-             f"load average {machine['load_average_before']} before, {machine['load_average_after']} after")
-    sections = [title, _barrier_table(report), _pool_run_table(report), _steps_table(report),
-                _paired_ratio_table(report), _idle_table(report), _asyncio_table(report), _targets_table(report)]
-    return "\n\n".join(sections)
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    align = ["---"] + ["---:"] * (len(header) - 1)
-    return "\n".join("| " + " | ".join(cells) + " |" for cells in [header, align, *rows])
-
-
-def _barrier_table(report: dict[str, Any]) -> str:
-    rows = [[f"{num_threads} thread(s)", f"{stats['median']:.0f}", f"{stats['p90']:.0f}"]
-            for num_threads, stats in report["barrier_ns"].items()]
-    return _table(["barrier episode", "median ns", "p90 ns"], rows)
-
-
-def _pool_run_table(report: dict[str, Any]) -> str:
-    runs = report["pool_run_us"]
-    rows = [[label, f"{runs[key]['median']:.1f}", f"{runs[key]['p90']:.1f}"]
-            for label, key in (("workers spinning", "spinning"), ("workers parked (wake-up)", "from_parked"))]
-    return _table(["pool.run(empty kernel)", "median µs", "p90 µs"], rows)
-
-
-def _steps_table(report: dict[str, Any]) -> str:
-    approaches = {name: {kind: report["steps_us"][kind][name] for kind in OP_KINDS}
-                  for name in report["steps_us"]["tiny"]}
-    for layer, measured in report["prange_us"].items():
-        approaches[f"numba prange, {layer}"] = measured
-        if "error" not in measured:
-            approaches[f"SpinPool, paired with {layer}"] = {
-                kind: measured[kind + " SpinPool (paired)"] for kind in OP_KINDS}
-    rows = []
-    for name, measured in approaches.items():
-        if "error" in measured:
-            rows.append([name, f"unavailable: {measured['error'][:60]}", "", "", ""])
-            continue
-        tiny, matvec = measured["tiny"]["median"], measured["matvec"]["median"]
-        rows.append([name, f"{tiny:.1f}", f"{tiny / NUM_OPS:.2f}", f"{matvec:.0f}", f"{matvec / NUM_OPS:.2f}"])
-    header = [f"step of {NUM_OPS} ops (median µs)", "tiny (64 floats)", "per op", "matvec 576²", "per op"]
-    return _table(header, rows)
-
-
-def _paired_ratio_table(report: dict[str, Any]) -> str:
-    rows = [[f"{layer} (same process, alternating)", f"{paired_ratio(measured, 'tiny'):.2f}",
-             f"{paired_ratio(measured, 'matvec'):.2f}"]
-            for layer, measured in report["prange_us"].items() if "error" not in measured]
-    return _table(["prange step / SpinPool step", "tiny", "matvec"], rows)
-
-
-def _idle_table(report: dict[str, Any]) -> str:
-    rows = [[label, f"{percent:.2f}"] for label, percent in report["idle_cpu_percent"].items()]
-    return _table(["idle pool, process CPU", "% of one core"], rows)
-
-
-def _asyncio_table(report: dict[str, Any]) -> str:
-    rows = []
-    for label, measured in report["asyncio"].items():
-        late, step = measured["loop_lateness_ms"], measured.get("step_ms")
-        step_cells = [f"{step['median']:.2f}", f"{step['p99']:.2f}"] if step else ["–", "–"]
-        rows.append([label, f"{late['median']:.3f}", f"{late['p99']:.3f}", f"{late['max']:.2f}", *step_cells])
-    header = ["asyncio sleep(1 ms) lateness", "p50 ms", "p99 ms", "max ms", "step p50 ms", "step p99 ms"]
-    return _table(header, rows)
-
-
-def _targets_table(report: dict[str, Any]) -> str:
-    rows = []
-    for name, (relation, wanted) in TARGETS.items():
-        value = report["ratios"][name]
-        is_met = value is not None and (value <= wanted if relation == "<=" else value >= wanted)
-        rows.append([name, "n/a" if value is None else f"{value:.2f}", f"{relation} {wanted:g}",
-                     "?" if value is None else ("yes" if is_met else "NO")])
-    return _table(["target", "measured", "wanted", "met"], rows)
 
 
 def machine_description() -> dict[str, Any]:

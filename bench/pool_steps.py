@@ -24,6 +24,8 @@ from threadpool.pool import SpinPool
 
 TINY_OP, MATVEC_OP = 0, 1
 TINY_SIZE, MATVEC_SIZE = 64, 576
+NUM_OPS = 300  # ops in one step of the benchmark
+OP_KINDS = {"tiny": TINY_OP, "matvec": MATVEC_OP}
 
 
 def make_operands(kind: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

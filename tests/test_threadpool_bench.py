@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.pool import OP_KINDS, TARGETS, compute_ratios, format_report, paired_ratio, time_interleaved
-from bench.pool_steps import MATVEC_OP, TINY_OP, make_operands, step_serial
+from bench.pool_report import TARGETS, compute_ratios, format_report, paired_ratio
+from bench.pool_steps import MATVEC_OP, OP_KINDS, TINY_OP, make_operands, step_serial
+from bench.pool_timing import time_interleaved
 
 pytestmark = pytest.mark.timeout(120)
 
