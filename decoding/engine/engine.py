@@ -208,6 +208,8 @@ class Engine:
         scheduled = self.scheduler.schedule()
         for _ in scheduled.preempted:
             self._notify("on_preemption")
+        if scheduled.preempted:
+            self._is_idle = False  # it admits nothing right after preempting: the next step will
         if not scheduled.chunks:
             return
         self._is_idle = False
