@@ -2,7 +2,9 @@ import gguf
 import numpy as np
 import pytest
 
-from decoding.model.quant import QType, dequantize, quantize
+from decoding.model.quant import BLOCK_SHAPES, QType, dequantize, quantize, row_bytes
+
+from .real_models import real_q4_k_m_file  # noqa: F401 - a fixture
 
 
 @pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.F16, QType.BF16])
@@ -31,3 +33,64 @@ def test_quantization_error_is_bounded_by_the_block_step():
         restored = dequantize(quantize(weights, qtype), qtype, 128)
         step = np.abs(weights).max() / levels * 2
         assert np.abs(restored - weights).max() <= step
+
+
+NEW_TYPES = [QType.Q5_0, QType.Q5_1, QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K]
+# byte offsets of each type's fp16 fields: random bytes there could be NaN or inf, which compare unequal
+FP16_FIELDS = {QType.Q5_0: (0,), QType.Q5_1: (0, 2), QType.Q2_K: (80, 82), QType.Q3_K: (108,),
+               QType.Q4_K: (0, 2), QType.Q5_K: (0, 2), QType.Q6_K: (208,)}
+
+
+def random_blocks(qtype: QType, rows: int, blocks_per_row: int, seed: int) -> np.ndarray:
+    """Every bit of the quantized fields random; the fp16 scales finite, of either sign."""
+    rng = np.random.default_rng(seed)
+    _, size = BLOCK_SHAPES[qtype]
+    data = rng.integers(0, 256, (rows, blocks_per_row, size), dtype=np.uint8)
+    for offset in FP16_FIELDS[qtype]:
+        scales = (rng.standard_normal((rows, blocks_per_row)) * 0.05).astype(np.float16)
+        data[..., offset : offset + 2] = scales[..., None].view(np.uint8)
+    return data.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", NEW_TYPES, ids=lambda q: q.name)
+def test_dequantize_of_random_blocks_is_bit_identical_to_the_gguf_package(qtype):
+    weights_per_block, _ = BLOCK_SHAPES[qtype]
+    data = random_blocks(qtype, rows=6, blocks_per_row=3, seed=int(qtype))
+    n_cols = 3 * weights_per_block
+    ours = dequantize(data, qtype, n_cols)
+    theirs = gguf.quants.dequantize(data, gguf.GGMLQuantizationType(int(qtype))).reshape(6, n_cols)
+    assert ours.dtype == np.float32 and ours.shape == (6, n_cols)
+    np.testing.assert_array_equal(ours, theirs.astype(np.float32))
+
+
+@pytest.mark.parametrize("qtype", [QType.Q5_0, QType.Q5_1], ids=lambda q: q.name)
+def test_q5_blocks_quantized_by_the_gguf_package_come_back_within_a_step(qtype):
+    rng = np.random.default_rng(11)
+    weights = rng.standard_normal((4, 128)).astype(np.float32)
+    stored = gguf.quants.quantize(weights, gguf.GGMLQuantizationType(int(qtype)))
+    restored = dequantize(np.asarray(stored), qtype, 128)
+    assert np.abs(restored - weights).max() <= np.abs(weights).max() / 15
+
+
+def test_row_bytes_of_every_block_type_follow_ggml():
+    for qtype in BLOCK_SHAPES:
+        ggml_weights, ggml_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(qtype))]
+        assert BLOCK_SHAPES[qtype] == (ggml_weights, ggml_bytes)
+        assert row_bytes(qtype, 4 * ggml_weights) == 4 * ggml_bytes
+
+
+@pytest.mark.slow
+def test_every_tensor_of_the_real_q4_k_m_files_dequantizes_as_the_gguf_package_does(real_q4_k_m_file):
+    reader = gguf.GGUFReader(real_q4_k_m_file)
+    seen = set()
+    for tensor in reader.tensors:
+        if int(tensor.tensor_type) not in set(QType):
+            continue
+        qtype = QType(int(tensor.tensor_type))
+        n_cols = int(tensor.shape[0])
+        rows = tensor.data.reshape(-1, row_bytes(qtype, n_cols) if qtype in BLOCK_SHAPES else n_cols)
+        ours = dequantize(rows, qtype, n_cols)
+        theirs = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(ours.shape)
+        np.testing.assert_array_equal(ours, theirs.astype(np.float32), err_msg=tensor.name)
+        seen.add(qtype)
+    assert {QType.Q4_K, QType.Q6_K, QType.Q5_0, QType.Q8_0} <= seen  # what a Q4_K_M file mixes

@@ -17,7 +17,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import ModelLoadError
-from .quant import BLOCK_BYTES, QType
+from .quant import BLOCK_BYTES, KERNEL_TYPES, QType, dequantize
 from .weights import LayerWeights, ModelWeights, WeightMatrix
 
 log = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ def _to_matrix(tensor: Any, expected_shape: tuple[int, int]) -> WeightMatrix:
         raise ModelLoadError(f"tensor {tensor.name} has shape {(n_rows, n_cols)}, expected {expected_shape}")
     raw_type = int(tensor.tensor_type)
     data = tensor.data
-    if raw_type in set(QType):
+    if raw_type in KERNEL_TYPES:
         qtype = QType(raw_type)
         if qtype in BLOCK_BYTES:
             data = data.reshape(n_rows, -1)
@@ -121,7 +121,10 @@ def _to_matrix(tensor: Any, expected_shape: tuple[int, int]) -> WeightMatrix:
         return WeightMatrix(qtype, n_rows, n_cols, data)
     log.warning("%s is stored as %s, which treadle's kernels do not run: dequantized to F32 at load",
                 tensor.name, tensor.tensor_type.name)
-    dense = gguf.quants.dequantize(data, tensor.tensor_type).astype(np.float32).reshape(n_rows, n_cols)
+    if raw_type in set(QType):
+        dense = dequantize(np.asarray(data).reshape(n_rows, -1), QType(raw_type), n_cols)
+    else:
+        dense = gguf.quants.dequantize(data, tensor.tensor_type).astype(np.float32).reshape(n_rows, n_cols)
     return WeightMatrix(QType.F32, n_rows, n_cols, dense)
 
 
