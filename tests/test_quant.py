@@ -4,8 +4,6 @@ import pytest
 
 from decoding.model.quant import BLOCK_SHAPES, QType, dequantize, quantize, row_bytes
 
-from .real_models import real_q4_k_m_file  # noqa: F401 - a fixture
-
 
 @pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.F16, QType.BF16])
 def test_dequantize_matches_the_gguf_package(qtype):
