@@ -12,7 +12,7 @@ use_numba_cache()
 GOLDEN = Path(__file__).parent / "golden"
 
 # The real Q4_K_M files, for the slow tests that skip unless their PyPI parts are installed.
-from tests.real_models import real_q4_k_m_file  # noqa: E402, F401 - a fixture for every test module
+from tests.real_models import real_q4_k_m_file  # noqa: F401 - a fixture for every test module
 
 
 @pytest.fixture(scope="session")
