@@ -98,20 +98,28 @@ def check_mixed_batches(model, n_threads: int, atol: float, kernels: str = "exac
         driver.close()
 
 
+K_TYPES = [QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K]
+
+
 def tiny_model(tmp_path_factory, qtype):
-    shape = TinyShape(n_layers=2, dim=64, hidden_dim=96, n_heads=4, n_kv_heads=2)
+    if qtype in K_TYPES:  # rows of whole 256-weight super-blocks
+        shape = TinyShape(n_layers=2, dim=256, hidden_dim=512, n_heads=4, n_kv_heads=2)
+    else:
+        shape = TinyShape(n_layers=2, dim=64, hidden_dim=96, n_heads=4, n_kv_heads=2)
     path = write_gguf(tmp_path_factory.mktemp("m") / f"{qtype.name}.gguf", shape, qtype=qtype, seed=int(qtype),
                       embedding_qtype=QType.Q8_0 if qtype == QType.Q4_1 else None)
     return load_model(path)
 
 
-@pytest.mark.parametrize("qtype", [QType.F32, QType.F16, QType.BF16, QType.Q4_0, QType.Q4_1, QType.Q8_0])
+@pytest.mark.parametrize("qtype", [QType.F32, QType.F16, QType.BF16, QType.Q4_0, QType.Q4_1, QType.Q8_0,
+                                   QType.Q5_0, QType.Q5_1, *K_TYPES], ids=lambda q: q.name)
 @pytest.mark.parametrize("n_threads", [1, 2])
 def test_exact_kernels_mixed_batch_logits_equal_the_reference(tmp_path_factory, qtype, n_threads):
     check_mixed_batches(tiny_model(tmp_path_factory, qtype), n_threads, atol=1e-4)
 
 
-@pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.F16])
+@pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.F16, QType.Q5_0, QType.Q4_K,
+                                   QType.Q6_K], ids=lambda q: q.name)
 def test_fast_kernels_stay_close_to_the_reference_and_thread_invariant(tmp_path_factory, qtype):
     model = tiny_model(tmp_path_factory, qtype)
     one = check_mixed_batches(model, 1, atol=0.05, kernels="fast")

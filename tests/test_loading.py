@@ -93,18 +93,36 @@ def test_quantized_gguf_types_load_in_their_stored_form(tmp_path, qtype):
 
 
 def test_other_ggml_types_are_dequantized_at_load_with_a_notice(tmp_path, caplog):
-    q5 = _rewrite_with_q5_0(write_gguf(tmp_path / "f32.gguf", seed=3), tmp_path / "q5_0.gguf")
+    import gguf
+
+    mxfp4 = _rewrite_ffn_up(write_gguf(tmp_path / "f32.gguf", seed=3), tmp_path / "mxfp4.gguf",
+                            gguf.GGMLQuantizationType.MXFP4)
+    with caplog.at_level("WARNING"):
+        model = load_model(mxfp4)
+    assert model.weights.layers[0].w_up.qtype == QType.F32
+    assert any("MXFP4" in r.getMessage() for r in caplog.records)
+    reference = load_model(tmp_path / "f32.gguf")
+    np.testing.assert_allclose(model.weights.layers[0].w_up.dequantize(),
+                               reference.weights.layers[0].w_up.dequantize(), atol=0.1)
+
+
+def test_5_bit_and_k_types_stay_as_stored(tmp_path, caplog):
+    import gguf
+
+    q5 = _rewrite_ffn_up(write_gguf(tmp_path / "f32.gguf", seed=3), tmp_path / "q5_1.gguf",
+                         gguf.GGMLQuantizationType.Q5_1)
     with caplog.at_level("WARNING"):
         model = load_model(q5)
-    assert model.weights.layers[0].w_up.qtype == QType.F32
-    assert any("Q5_0" in r.getMessage() for r in caplog.records)
+    assert model.weights.layers[0].w_up.qtype == QType.Q5_1 and not caplog.records
     reference = load_model(tmp_path / "f32.gguf")
     np.testing.assert_allclose(model.weights.layers[0].w_up.dequantize(),
                                reference.weights.layers[0].w_up.dequantize(), atol=0.05)
+    k_model = load_model(write_gguf(tmp_path / "q4_k.gguf", TinyShape(dim=256, hidden_dim=512), qtype=QType.Q4_K))
+    assert k_model.weights.storage_types() == {"Q4_K": 2 * 7 + 1}  # every layer matrix and the tied embedding
 
 
-def _rewrite_with_q5_0(src: Path, dst: Path) -> Path:
-    """A copy of `src` with blk.0.ffn_up stored as Q5_0, a type the kernels do not run."""
+def _rewrite_ffn_up(src: Path, dst: Path, raw_type) -> Path:  # type: ignore[no-untyped-def]
+    """A copy of `src` with blk.0.ffn_up stored as `raw_type` (quantized by the gguf package)."""
     import gguf
 
     reader = gguf.GGUFReader(src)
@@ -122,8 +140,7 @@ def _rewrite_with_q5_0(src: Path, dst: Path) -> Path:
         data = np.asarray(t.data)
         if t.name == "blk.0.ffn_up.weight":
             dense = data.reshape(int(t.shape[1]), int(t.shape[0]))
-            writer.add_tensor(t.name, gguf.quants.quantize(dense, gguf.GGMLQuantizationType.Q5_0),
-                              raw_dtype=gguf.GGMLQuantizationType.Q5_0)
+            writer.add_tensor(t.name, gguf.quants.quantize(dense, raw_type), raw_dtype=raw_type)
         else:
             writer.add_tensor(t.name, data)
     writer.write_header_to_file()

@@ -92,3 +92,17 @@ def test_every_tensor_of_the_real_q4_k_m_files_dequantizes_as_the_gguf_package_d
         np.testing.assert_array_equal(ours, theirs.astype(np.float32), err_msg=tensor.name)
         seen.add(qtype)
     assert {QType.Q4_K, QType.Q6_K, QType.Q5_0, QType.Q8_0} <= seen  # what a Q4_K_M file mixes
+
+
+@pytest.mark.parametrize("qtype", NEW_TYPES, ids=lambda q: q.name)
+def test_the_kernels_row_dequantizer_equals_the_reference_bit_for_bit(qtype):
+    from decoding.kernels.kernels import dequantize_row
+
+    weights_per_block, _ = BLOCK_SHAPES[qtype]
+    n_cols = 2 * weights_per_block
+    data = random_blocks(qtype, rows=4, blocks_per_row=2, seed=100 + int(qtype))
+    expected = dequantize(data, qtype, n_cols)
+    for r in range(4):
+        out = np.full(n_cols, np.nan, dtype=np.float32)
+        dequantize_row(np.ascontiguousarray(data[r]), int(qtype), n_cols, out)
+        np.testing.assert_array_equal(out, expected[r])

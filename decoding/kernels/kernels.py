@@ -20,6 +20,9 @@ from .numeric import bf16_bits_to_f32, f16_bits_to_f32, load_f16
 
 F32, F16, BF16 = int(QType.F32), int(QType.F16), int(QType.BF16)
 Q4_0, Q4_1, Q8_0 = int(QType.Q4_0), int(QType.Q4_1), int(QType.Q8_0)
+Q5_0, Q5_1 = int(QType.Q5_0), int(QType.Q5_1)
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = (int(QType.Q2_K), int(QType.Q3_K), int(QType.Q4_K), int(QType.Q5_K),
+                                int(QType.Q6_K))
 
 # Dot products may be reassociated so LLVM can vectorise them; the order is fixed by the compiled
 # loop, not by the batch, so results stay batch-invariant.
@@ -59,6 +62,16 @@ def dequantize_row(row, qtype, n_cols, out):
             for j in range(32):
                 q = (np.int32(row[base + 2 + j]) ^ 128) - 128  # reinterpret the byte as int8
                 out[b * 32 + j] = d * np.float32(q)
+    elif qtype == Q5_0 or qtype == Q5_1:
+        _dequantize_q5_row(row, qtype == Q5_1, n_cols, out)
+    elif qtype == Q2_K:
+        _dequantize_q2_k_row(row, n_cols, out)
+    elif qtype == Q3_K:
+        _dequantize_q3_k_row(row, n_cols, out)
+    elif qtype == Q4_K or qtype == Q5_K:
+        _dequantize_q4_k_row(row, qtype == Q5_K, n_cols, out)
+    elif qtype == Q6_K:
+        _dequantize_q6_k_row(row, n_cols, out)
     elif qtype == F32:
         values = row.view(np.float32)
         for j in range(n_cols):
@@ -69,6 +82,132 @@ def dequantize_row(row, qtype, n_cols, out):
     elif qtype == BF16:
         for j in range(n_cols):
             out[j] = bf16_bits_to_f32(row[2 * j] | (row[2 * j + 1] << 8))
+
+
+# The row dequantizers of the 5-bit and K types follow ggml's dequantize_row_* loop for loop, float
+# operations in its order, so they equal decoding.model.quant.dequantize bit for bit (tested).
+
+
+@njit(nogil=True, cache=True)
+def _dequantize_q5_row(row, has_min, n_cols, out):
+    size = 24 if has_min else 22
+    header = 4 if has_min else 2
+    for b in range(n_cols // 32):
+        base = b * size
+        d = load_f16(row, base)
+        m = load_f16(row, base + 2) if has_min else np.float32(0.0)
+        qh = (np.int64(row[base + header]) | (np.int64(row[base + header + 1]) << 8)
+              | (np.int64(row[base + header + 2]) << 16) | (np.int64(row[base + header + 3]) << 24))
+        for j in range(16):
+            byte = np.int64(row[base + header + 4 + j])
+            x0 = np.int32((byte & 15) | (((qh >> j) & 1) << 4))
+            x1 = np.int32((byte >> 4) | (((qh >> (j + 16)) & 1) << 4))
+            if has_min:
+                out[b * 32 + j] = np.float32(x0) * d + m
+                out[b * 32 + j + 16] = np.float32(x1) * d + m
+            else:
+                out[b * 32 + j] = np.float32(x0 - 16) * d
+                out[b * 32 + j + 16] = np.float32(x1 - 16) * d
+
+
+@njit(nogil=True, cache=True)
+def _dequantize_q2_k_row(row, n_cols, out):
+    for b in range(n_cols // 256):
+        base = b * 84
+        d = load_f16(row, base + 80)
+        dmin = load_f16(row, base + 82)
+        y = b * 256
+        sub = 0
+        for half in range(2):
+            q = base + 16 + 32 * half
+            for j in range(4):
+                for part in range(2):
+                    sc = np.int64(row[base + sub])
+                    dl = d * np.float32(sc & 15)
+                    ml = dmin * np.float32(sc >> 4)
+                    for l in range(16):
+                        out[y] = dl * np.float32((np.int64(row[q + 16 * part + l]) >> (2 * j)) & 3) - ml
+                        y += 1
+                    sub += 1
+
+
+@njit(nogil=True, cache=True)
+def _dequantize_q3_k_row(row, n_cols, out):
+    for b in range(n_cols // 256):
+        base = b * 110
+        d = load_f16(row, base + 108)
+        y = b * 256
+        sub = 0
+        for half in range(2):
+            q = base + 32 + 32 * half
+            for j in range(4):
+                mask = 1 << (4 * half + j)
+                for part in range(2):
+                    # scale `sub`: low 4 bits in nibble sub // 8 of byte sub % 8, high 2 bits at
+                    # 2 * (sub // 4) of byte 8 + sub % 4 (ggml's kmask unpacking)
+                    low = (np.int64(row[base + 96 + sub % 8]) >> (4 * (sub // 8))) & 15
+                    high = (np.int64(row[base + 104 + sub % 4]) >> (2 * (sub // 4))) & 3
+                    dl = d * np.float32(np.int32(low | (high << 4)) - 32)
+                    for l in range(16):
+                        value = np.int32((np.int64(row[q + 16 * part + l]) >> (2 * j)) & 3)
+                        if not np.int64(row[base + 16 * part + l]) & mask:
+                            value -= 4
+                        out[y] = dl * np.float32(value)
+                        y += 1
+                    sub += 1
+
+
+@njit(inline="always", nogil=True, cache=True)
+def _k4_scale_min(row, scales, j):
+    """Sub-block j's 6-bit scale and min in a Q4_K/Q5_K super-block (ggml's get_scale_min_k4)."""
+    if j < 4:
+        return np.int64(row[scales + j]) & 63, np.int64(row[scales + j + 4]) & 63
+    scale = (np.int64(row[scales + j + 4]) & 15) | ((np.int64(row[scales + j - 4]) >> 6) << 4)
+    minimum = (np.int64(row[scales + j + 4]) >> 4) | ((np.int64(row[scales + j]) >> 6) << 4)
+    return scale, minimum
+
+
+@njit(nogil=True, cache=True)
+def _dequantize_q4_k_row(row, has_fifth_bits, n_cols, out):
+    size = 176 if has_fifth_bits else 144
+    for b in range(n_cols // 256):
+        base = b * size
+        d = load_f16(row, base)
+        dmin = load_f16(row, base + 2)
+        qs = base + (48 if has_fifth_bits else 16)
+        y = b * 256
+        for g in range(4):
+            for nibble in range(2):
+                scale, minimum = _k4_scale_min(row, base + 4, 2 * g + nibble)
+                dl = d * np.float32(scale)
+                ml = dmin * np.float32(minimum)
+                for l in range(32):
+                    byte = np.int64(row[qs + 32 * g + l])
+                    value = (byte >> 4) if nibble else (byte & 15)
+                    if has_fifth_bits and (np.int64(row[base + 16 + l]) >> (2 * g + nibble)) & 1:
+                        value += 16
+                    out[y] = dl * np.float32(value) - ml
+                    y += 1
+
+
+@njit(nogil=True, cache=True)
+def _dequantize_q6_k_row(row, n_cols, out):
+    for b in range(n_cols // 256):
+        base = b * 210
+        d = load_f16(row, base + 208)
+        for half in range(2):
+            ql = base + 64 * half
+            qh = base + 128 + 32 * half
+            scales = base + 192 + 8 * half
+            y = b * 256 + 128 * half
+            for l in range(32):
+                high = np.int64(row[qh + l])
+                for k in range(4):
+                    low = np.int64(row[ql + l + 32 * (k & 1)])
+                    nibble = (low >> 4) if k >= 2 else (low & 15)
+                    value = np.int32(nibble | (((high >> (2 * k)) & 3) << 4)) - 32
+                    scale = np.float32((np.int64(row[scales + l // 16 + 2 * k]) ^ 128) - 128)  # the byte as int8
+                    out[y + l + 32 * k] = d * scale * np.float32(value)
 
 
 @njit(nogil=True, cache=True, fastmath=_DOT_MATH)

@@ -17,7 +17,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import ModelLoadError
-from .quant import BLOCK_BYTES, KERNEL_TYPES, QType, dequantize
+from .quant import BLOCK_SHAPES, QType
 from .weights import LayerWeights, ModelWeights, WeightMatrix
 
 log = logging.getLogger(__name__)
@@ -110,9 +110,9 @@ def _to_matrix(tensor: Any, expected_shape: tuple[int, int]) -> WeightMatrix:
         raise ModelLoadError(f"tensor {tensor.name} has shape {(n_rows, n_cols)}, expected {expected_shape}")
     raw_type = int(tensor.tensor_type)
     data = tensor.data
-    if raw_type in KERNEL_TYPES:
+    if raw_type in set(QType):
         qtype = QType(raw_type)
-        if qtype in BLOCK_BYTES:
+        if qtype in BLOCK_SHAPES:
             data = data.reshape(n_rows, -1)
         elif qtype == QType.BF16:
             data = data.view(np.uint16).reshape(n_rows, n_cols)
@@ -121,10 +121,7 @@ def _to_matrix(tensor: Any, expected_shape: tuple[int, int]) -> WeightMatrix:
         return WeightMatrix(qtype, n_rows, n_cols, data)
     log.warning("%s is stored as %s, which treadle's kernels do not run: dequantized to F32 at load",
                 tensor.name, tensor.tensor_type.name)
-    if raw_type in set(QType):
-        dense = dequantize(np.asarray(data).reshape(n_rows, -1), QType(raw_type), n_cols)
-    else:
-        dense = gguf.quants.dequantize(data, tensor.tensor_type).astype(np.float32).reshape(n_rows, n_cols)
+    dense = gguf.quants.dequantize(data, tensor.tensor_type).astype(np.float32).reshape(n_rows, n_cols)
     return WeightMatrix(QType.F32, n_rows, n_cols, dense)
 
 

@@ -39,7 +39,8 @@ QK = 32  # weights per quantized block
 
 
 class QType(enum.IntEnum):
-    """Storage types treadle reads; values are ggml's type ids."""
+    """Storage types kept as stored in memory and run by the kernels; values are ggml's type ids.
+    (A GGUF tensor of any other ggml type is dequantized to F32 when loaded.)"""
 
     F32 = 0
     F16 = 1
@@ -58,11 +59,9 @@ class QType(enum.IntEnum):
 
 QK_K = 256  # weights per K-type super-block
 
-# bytes per 32-weight block of the block-quantized types the kernels run as stored
+# bytes per 32-weight block of the types the int8 (fast) kernels repack and run as stored
 BLOCK_BYTES = {QType.Q4_0: 18, QType.Q4_1: 20, QType.Q8_0: 34}
 FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)
-# The types the kernels run as stored; a matrix of any other type is dequantized when loaded.
-KERNEL_TYPES = frozenset((*FLOAT_TYPES, *BLOCK_BYTES))
 # (weights, bytes) of one block of every block-quantized type
 BLOCK_SHAPES = {
     **{qtype: (QK, size) for qtype, size in BLOCK_BYTES.items()},

@@ -68,5 +68,7 @@ def load_model(name_or_path: str | Path = DEFAULT_MODEL) -> Model:
     else:
         cfg, weights, tok_data = load_gguf(path)
         tokenizer = Tokenizer.from_gguf(tok_data, cfg.eos_token_ids)
-    log.info("loaded %s: %d layers, dim %d, %.1f MB of weights", name, cfg.n_layers, cfg.dim, weights.nbytes / 1e6)
+    types = ", ".join(f"{qtype} x{count}" for qtype, count in weights.storage_types().items())
+    log.info("loaded %s: %d layers, dim %d, %.1f MB of weights; matrices as stored: %s", name, cfg.n_layers,
+             cfg.dim, weights.nbytes / 1e6, types)
     return Model(config=cfg, weights=weights, tokenizer=tokenizer, path=path, name=name)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .quant import BLOCK_BYTES, QType, dequantize, row_bytes
+from .quant import BLOCK_SHAPES, QType, dequantize, row_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,7 +25,7 @@ class WeightMatrix:
     data: np.ndarray  # quantized: (n_rows, row_bytes) uint8; F32: float32, F16: float16, BF16: uint16, (n_rows, n_cols)
 
     def __post_init__(self) -> None:
-        if self.qtype in BLOCK_BYTES:
+        if self.qtype in BLOCK_SHAPES:
             expected = (self.n_rows, row_bytes(self.qtype, self.n_cols))
         else:
             expected = (self.n_rows, self.n_cols)
@@ -70,6 +70,17 @@ class ModelWeights:
         """Bytes read per decode step: every layer matrix plus the LM head once."""
         mats = [self.lm_head] + [m for layer in self.layers for m in _matrices(layer)]
         return sum(m.nbytes for m in mats)
+
+    def storage_types(self) -> dict[str, int]:
+        """How many matrices are held in each storage type (the embedding and an untied head count
+        once each), most common first: what a file's mix of types became once loaded."""
+        mats = [m for layer in self.layers for m in _matrices(layer)] + [self.token_embedding]
+        if self.lm_head is not self.token_embedding:
+            mats.append(self.lm_head)
+        counts: dict[str, int] = {}
+        for m in mats:
+            counts[m.qtype.name] = counts.get(m.qtype.name, 0) + 1
+        return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
 
 
 def release_mapped_pages(array: np.ndarray) -> bool:
