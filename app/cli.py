@@ -14,6 +14,7 @@ import sys
 BENCHMARKS = {
     "pool": "bench.pool",
     "kv": "bench.kv",
+    "kernels": "bench.kernels",
     "engine": "bench.engine",
     "serve": "bench.serve",
     "soak": "bench.soak",

@@ -10,7 +10,7 @@ from numba import njit
 
 from decoding.kernels.fast_kernels import matmul_groups, quantize_activation_row
 from decoding.kernels.kernels import split_range
-from decoding.kernels.repack import is_packable, repack
+from decoding.kernels.repack import is_packable, packed_type, repack
 from decoding.model.model import Model
 from threadpool import SpinPool, barrier_wait
 
@@ -83,7 +83,7 @@ def measure_int8_gmacs(model: Model, threads: int, tokens: int = 32) -> float | 
     repeats = 50
     best = float("inf")
     with SpinPool(threads) as pool:
-        args = (packed, int(matrix.qtype), rows, cols, xq, xd, xsum, tokens, out, tmp)
+        args = (packed, int(packed_type(matrix.qtype)), rows, cols, xq, xd, xsum, tokens, out, tmp)
         pool.run(_int8_matmul_repeats, *args, 1)  # compile or load, warm the caches
         for _ in range(5):
             started = time.perf_counter()

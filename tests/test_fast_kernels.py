@@ -1,5 +1,6 @@
 """The VNNI kernels against numpy on the same int8 activations: only float rounding may differ."""
 
+import gguf
 import numpy as np
 import pytest
 
@@ -33,12 +34,18 @@ def test_activation_quantization_is_q8_0_with_round_half_away():
     assert xd[0, 0] == 1.0 and xsum[0, 0] == 1 - 1 + 2 - 3 + 127
 
 
-@pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_1, QType.Q8_0])
+def stored_matrix(weights: np.ndarray, qtype: QType) -> np.ndarray:
+    if qtype == QType.Q5_0:  # treadle does not quantize to Q5_0; the gguf package does
+        return np.asarray(gguf.quants.quantize(weights, gguf.GGMLQuantizationType.Q5_0))
+    return quantize(weights, qtype)
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q8_0], ids=lambda q: q.name)
 @pytest.mark.parametrize("tokens", [1, 3, 4, 9])
 def test_group_dot_products_equal_numpy_on_the_same_quantized_inputs(qtype, tokens):
     rng = np.random.default_rng(int(qtype) * 10 + tokens)
     rows, cols = 48, 320
-    stored = quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
+    stored = stored_matrix(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
     x = rng.standard_normal((tokens, cols)).astype(np.float32) * 3
     xq, xd, xsum = quantized_activations(x)
     expected = dequantized_activations(xq, xd, cols).astype(np.float64) @ dequantize(stored, qtype, cols).T.astype(np.float64)
@@ -83,3 +90,27 @@ def test_accumulate_adds_to_the_residual_and_swiglu_combines_both_projections():
     g = x @ dequantize(gate, QType.Q8_0, cols).T
     u = x @ dequantize(up, QType.Q4_1, cols).T
     np.testing.assert_allclose(hidden, g / (1 + np.exp(-g)) * u, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 9])
+def test_q4_k_runs_on_the_q4_1_kernel_as_its_sub_blocks_with_fp16_scale_and_min(tokens):
+    from decoding.kernels.repack import q4_k_as_q4_1
+    from tests.tinymodel import random_blocks_like
+
+    rng = np.random.default_rng(40 + tokens)
+    rows, cols = 48, 512
+    stored = random_blocks_like(rng.standard_normal((rows, cols)).astype(np.float32) / 20, QType.Q4_K, rng)
+    as_q4_1 = q4_k_as_q4_1(stored, cols)
+    exact_weights, converted = dequantize(stored, QType.Q4_K, cols), dequantize(as_q4_1, QType.Q4_1, cols)
+    # the conversion only rounds each sub-block's d·scale and dmin·min to fp16
+    np.testing.assert_allclose(converted, exact_weights, rtol=0, atol=2e-3 * np.abs(exact_weights).max())
+    x = rng.standard_normal((tokens, cols)).astype(np.float32) * 3
+    xq, xd, xsum = quantized_activations(x)
+    activations = dequantized_activations(xq, xd, cols).astype(np.float64)
+    out = np.full((tokens, rows), np.nan, np.float32)
+    matmul_groups(repack(stored, QType.Q4_K, rows, cols), int(QType.Q4_1), cols, xq, xd, xsum, tokens, out, 0,
+                  rows // 8, False, np.zeros((4, 8), np.float32))
+    expected = activations @ converted.T.astype(np.float64)
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+    against_q4_k = activations @ exact_weights.T.astype(np.float64)
+    np.testing.assert_allclose(out, against_q4_k, rtol=0, atol=5e-3 * np.abs(against_q4_k).max())

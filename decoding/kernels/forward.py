@@ -29,7 +29,7 @@ from ..model.weights import ModelWeights, WeightMatrix, release_mapped_pages
 from .fast_kernels import matmul_groups, quantize_activation_row, swiglu_groups
 from .kernels import dequantize_row, matmul_rows, rmsnorm_row, rope_row, split_range, swiglu_rows
 from .reference import rope_tables
-from .repack import is_packable, repack
+from .repack import is_packable, packed_type, repack
 
 # order of a layer's matrices in KernelWeights.matrices
 WQ, WK, WV, WO, W_GATE, W_UP, W_DOWN = range(7)
@@ -62,12 +62,14 @@ class KernelWeights:
     matrices: List  # n_layers · 7 arrays (n_rows, row_bytes) uint8, in WQ..W_DOWN order per layer
     packed: List  # the same matrices repacked for the fast kernels (flat uint8), or empty arrays
     qtypes: np.ndarray  # (n_layers, 7) int64 storage type of each matrix
+    packed_qtypes: np.ndarray  # (n_layers, 7) int64 the type whose int8 kernel runs each repacked matrix
     norms: np.ndarray  # (n_layers, 2, dim) float32: attention norm, feed-forward norm
     embedding: np.ndarray  # (vocab, row_bytes) uint8
     embedding_qtype: int
     lm_head: np.ndarray  # (vocab, row_bytes) uint8
     lm_head_qtype: int
     lm_head_packed: np.ndarray  # flat uint8, or empty
+    lm_head_packed_qtype: int
     output_norm: np.ndarray  # (dim,) float32
     rope_cos: np.ndarray  # (max_context, head_dim / 2) float32
     rope_sin: np.ndarray  # (max_context, head_dim / 2) float32
@@ -76,18 +78,21 @@ class KernelWeights:
     def build(cls, cfg: ModelConfig, weights: ModelWeights, fast: bool) -> KernelWeights:
         matrices, packed = List(), List()
         qtypes = np.zeros((cfg.n_layers, MATRICES_PER_LAYER), dtype=np.int64)
+        packed_qtypes = np.zeros_like(qtypes)
         norms = np.zeros((cfg.n_layers, 2, cfg.dim), dtype=np.float32)
         for i, layer in enumerate(weights.layers):
             for j, m in enumerate((layer.wq, layer.wk, layer.wv, layer.wo, layer.w_gate, layer.w_up, layer.w_down)):
                 matrices.append(_as_bytes(m))
                 packed.append(_packed(m, fast))
                 qtypes[i, j] = int(m.qtype)
+                packed_qtypes[i, j] = int(packed_type(m.qtype))
             norms[i, 0], norms[i, 1] = layer.attn_norm, layer.ffn_norm
         cos, sin = rope_tables(np.arange(cfg.max_context), cfg.head_dim, cfg.rope_theta)
         return cls(
-            matrices, packed, qtypes, norms,
+            matrices, packed, qtypes, packed_qtypes, norms,
             _as_bytes(weights.token_embedding), int(weights.token_embedding.qtype),
             _as_bytes(weights.lm_head), int(weights.lm_head.qtype), _packed(weights.lm_head, fast),
+            int(packed_type(weights.lm_head.qtype)),
             np.ascontiguousarray(weights.output_norm, dtype=np.float32), cos, sin,
         )  # fmt: skip
 
@@ -133,12 +138,12 @@ class RunState:
 
 
 @njit(nogil=True, cache=True)
-def project(fast, weight, packed, qtype, n_rows, n_cols, x, xq, xd, xsum, n_tokens, out, accumulate, tid, nthreads,
-            buf, group_out):
+def project(fast, weight, packed, qtype, packed_qtype, n_rows, n_cols, x, xq, xd, xsum, n_tokens, out, accumulate,
+            tid, nthreads, buf, group_out):  # fmt: skip
     """out[t, :n_rows] (+)= W · x[t]: VNNI over the repacked weights when there are some, else float32."""
     if fast and packed.shape[0] > 0:
         g0, g1 = split_range(n_rows // 8, tid, nthreads)
-        matmul_groups(packed, qtype, n_cols, xq, xd, xsum, n_tokens, out, g0, g1, accumulate, group_out)
+        matmul_groups(packed, packed_qtype, n_cols, xq, xd, xsum, n_tokens, out, g0, g1, accumulate, group_out)
     else:
         r0, r1 = split_range(n_rows, tid, nthreads)
         matmul_rows(weight, qtype, n_cols, x, n_tokens, out, 0, r0, r1, accumulate, buf)
@@ -155,8 +160,8 @@ def quantize_rows(fast, x, n_cols, row_begin, row_end, xq, xd, xsum):
 def model_step(
     tid, nthreads, barrier, fast,
     token_ids, positions, slot_mapping, block_tables, context_lens, query_start_loc, logit_rows,
-    matrices, packed, qtypes, norms, embedding, embedding_qtype, lm_head, lm_head_qtype, lm_head_packed,
-    output_norm, rope_cos, rope_sin, n_heads, n_kv_heads, head_dim, rms_eps, key_cache, value_cache,
+    matrices, packed, qtypes, packed_qtypes, norms, embedding, embedding_qtype, lm_head, lm_head_qtype,
+    lm_head_packed, lm_head_packed_qtype, output_norm, rope_cos, rope_sin, n_heads, n_kv_heads, head_dim, rms_eps, key_cache, value_cache,
     x, xb, q, k, v, attn, hb, up, final, logits, row_buffers, attn_scratch, xq, xd, xsum, group_out,
 ):  # fmt: skip
     n_tokens = token_ids.shape[0]
@@ -181,12 +186,12 @@ def model_step(
         barrier_wait(barrier, tid)
 
         # Q, K, V projections
-        project(fast, matrices[w], packed[w], qtypes[layer, 0], q_dim, dim, xb, xq, xd, xsum, n_tokens, q, False,
-                tid, nthreads, buf[0], tmp[0])
-        project(fast, matrices[w + 1], packed[w + 1], qtypes[layer, 1], kv_dim, dim, xb, xq, xd, xsum, n_tokens, k,
-                False, tid, nthreads, buf[0], tmp[0])
-        project(fast, matrices[w + 2], packed[w + 2], qtypes[layer, 2], kv_dim, dim, xb, xq, xd, xsum, n_tokens, v,
-                False, tid, nthreads, buf[0], tmp[0])
+        project(fast, matrices[w], packed[w], qtypes[layer, 0], packed_qtypes[layer, 0],
+                q_dim, dim, xb, xq, xd, xsum, n_tokens, q, False, tid, nthreads, buf[0], tmp[0])
+        project(fast, matrices[w + 1], packed[w + 1], qtypes[layer, 1], packed_qtypes[layer, 1],
+                kv_dim, dim, xb, xq, xd, xsum, n_tokens, k, False, tid, nthreads, buf[0], tmp[0])
+        project(fast, matrices[w + 2], packed[w + 2], qtypes[layer, 2], packed_qtypes[layer, 2],
+                kv_dim, dim, xb, xq, xd, xsum, n_tokens, v, False, tid, nthreads, buf[0], tmp[0])
         barrier_wait(barrier, tid)
 
         for t in range(t_begin, t_end):  # RoPE on queries and keys
@@ -209,7 +214,8 @@ def model_step(
             barrier_wait(barrier, tid)
 
         # output projection, added to the residual
-        project(fast, matrices[w + 3], packed[w + 3], qtypes[layer, 3], dim, q_dim, attn, xq, xd, xsum, n_tokens, x,
+        project(fast, matrices[w + 3], packed[w + 3], qtypes[layer, 3], packed_qtypes[layer, 3],
+                dim, q_dim, attn, xq, xd, xsum, n_tokens, x,
                 True, tid, nthreads, buf[0], tmp[0])
         barrier_wait(barrier, tid)
 
@@ -220,7 +226,7 @@ def model_step(
 
         if fast and packed[w + 4].shape[0] > 0 and packed[w + 5].shape[0] > 0:  # SwiGLU
             g0, g1 = split_range(hidden_dim // 8, tid, nthreads)
-            swiglu_groups(packed[w + 4], packed[w + 5], qtypes[layer, 4], qtypes[layer, 5], dim, xq, xd, xsum,
+            swiglu_groups(packed[w + 4], packed[w + 5], packed_qtypes[layer, 4], packed_qtypes[layer, 5], dim, xq, xd, xsum,
                           n_tokens, hb, up, g0, g1, tmp[0], tmp[1])
         else:
             r0, r1 = split_range(hidden_dim, tid, nthreads)
@@ -232,7 +238,8 @@ def model_step(
             barrier_wait(barrier, tid)
 
         # down projection, added to the residual
-        project(fast, matrices[w + 6], packed[w + 6], qtypes[layer, 6], dim, hidden_dim, hb, xq, xd, xsum, n_tokens,
+        project(fast, matrices[w + 6], packed[w + 6], qtypes[layer, 6], packed_qtypes[layer, 6],
+                dim, hidden_dim, hb, xq, xd, xsum, n_tokens,
                 x, True, tid, nthreads, buf[0], tmp[0])
         barrier_wait(barrier, tid)
 
@@ -243,5 +250,5 @@ def model_step(
     quantize_rows(fast, final, dim, i0, i1, xq, xd, xsum)
     barrier_wait(barrier, tid)
     vocab = logits.shape[1]  # LM head
-    project(fast, lm_head, lm_head_packed, lm_head_qtype, vocab, dim, final, xq, xd, xsum, n_rows, logits, False,
-            tid, nthreads, buf[0], tmp[0])
+    project(fast, lm_head, lm_head_packed, lm_head_qtype, lm_head_packed_qtype, vocab, dim, final, xq, xd, xsum,
+            n_rows, logits, False, tid, nthreads, buf[0], tmp[0])

@@ -9,7 +9,8 @@ Per 32-weight block and 8 rows, four `vpdpbusd`s multiply unsigned weight bytes 
 activation bytes and sum groups of four into 16 int32 lanes (two lanes per row). The lanes are
 scaled in float32 once per block — weight scale × activation scale — and accumulated; the Q4_1 min
 term adds m · d_x · Σq_x; unsigned storage offsets (nibble − 8 for Q4_0, byte + 128 for Q8_0) are
-taken back exactly in integers with the block's Σq_x. Every token's arithmetic is the same sequence
+taken back exactly in integers with the block's Σq_x. Q5_0 is Q4_0 with a fifth bit: its nibbles
+take 16 more where the bit is set (`_fifth_bits_vector`), and 16 is its storage offset. Every token's arithmetic is the same sequence
 of operations whether it is computed alone or with three others, so results are batch-invariant.
 """
 
@@ -27,10 +28,11 @@ from ..model.quant import QType
 LANES = 16
 GROUP_ROWS = 8
 # bytes of one (8-row group, 32-weight block) in the repacked stream, and where its scales start
-BLOCK_STRIDE = {QType.Q4_0: 144, QType.Q4_1: 160, QType.Q8_0: 272}
-SCALE_OFFSET = {QType.Q4_0: 128, QType.Q4_1: 128, QType.Q8_0: 256}
+BLOCK_STRIDE = {QType.Q4_0: 144, QType.Q4_1: 160, QType.Q5_0: 176, QType.Q8_0: 272}
+SCALE_OFFSET = {QType.Q4_0: 128, QType.Q4_1: 128, QType.Q5_0: 160, QType.Q8_0: 256}
 MIN_OFFSET = 144  # Q4_1 only
-UNSIGNED_BIAS = {QType.Q4_0: 8, QType.Q8_0: 128, QType.Q4_1: 0}
+FIFTH_BITS_OFFSET = 128  # Q5_0 only: 4 steps × 8 rows × one byte of fifth bits
+UNSIGNED_BIAS = {QType.Q4_0: 8, QType.Q5_0: 16, QType.Q8_0: 128, QType.Q4_1: 0}
 
 _i8, _i16, _i32, _i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _f32 = ir.FloatType()
@@ -83,7 +85,21 @@ def _weight_vector(builder: ir.IRBuilder, qtype: QType, block_ptr: ir.Value, ste
     high32 = builder.bitcast(high, _vec(_i32, 8))
     # row r's two lanes: its 4 low nibbles (weights 4s..4s+3), then its 4 high ones (16+4s..16+4s+3)
     interleaved = builder.shuffle_vector(low32, high32, _mask([i // 2 + (8 if i % 2 else 0) for i in range(16)]))
-    return builder.bitcast(interleaved, _vec(_i8, 64))
+    weights = builder.bitcast(interleaved, _vec(_i8, 64))
+    if qtype == QType.Q5_0:
+        weights = builder.or_(weights, _fifth_bits_vector(builder, block_ptr, step))
+    return weights
+
+
+def _fifth_bits_vector(builder: ir.IRBuilder, block_ptr: ir.Value, step: int) -> ir.Value:
+    """Q5_0: 16 where a weight's fifth bit is set, in the 64 bytes' order. Byte r of the step holds
+    row r's eight bits, bit k for the weight in byte k of the row's 8 (decoding.kernels.repack)."""
+    bits = _load(builder, block_ptr, FIFTH_BITS_OFFSET + 8 * step, _vec(_i8, 8))
+    spread = builder.shuffle_vector(bits, bits, _mask([i // 8 for i in range(64)]))  # row r's byte × 8
+    bit_of_lane = ir.Constant(_vec(_i8, 64), [(1 << (i % 8)) if i % 8 < 7 else -128 for i in range(64)])
+    zero = ir.Constant(_vec(_i8, 64), [0] * 64)
+    is_set = builder.icmp_unsigned("!=", builder.and_(spread, bit_of_lane), zero)
+    return builder.select(is_set, ir.Constant(_vec(_i8, 64), [16] * 64), zero)
 
 
 def _dpbusd_emitter(builder: ir.IRBuilder):
@@ -217,5 +233,7 @@ group_dot_q4_0_x1 = _make_group_dot(QType.Q4_0, 1)
 group_dot_q4_0_x4 = _make_group_dot(QType.Q4_0, 4)
 group_dot_q4_1_x1 = _make_group_dot(QType.Q4_1, 1)
 group_dot_q4_1_x4 = _make_group_dot(QType.Q4_1, 4)
+group_dot_q5_0_x1 = _make_group_dot(QType.Q5_0, 1)
+group_dot_q5_0_x4 = _make_group_dot(QType.Q5_0, 4)
 group_dot_q8_0_x1 = _make_group_dot(QType.Q8_0, 1)
 group_dot_q8_0_x4 = _make_group_dot(QType.Q8_0, 4)

@@ -191,7 +191,7 @@ def _dequantize_q3_k(blocks: np.ndarray) -> np.ndarray:
     return (dl * q.astype(np.float32)).reshape(-1, QK_K)
 
 
-def _k4_scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def k4_scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """12 bytes → 8 six-bit scales and 8 mins (ggml's get_scale_min_k4): sub-blocks 0-3 keep theirs
     in the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); sub-blocks 4-7 keep the low 4 bits in a
     nibble of bytes 8-11 and the high 2 bits in the top bits of bytes 0-3 (scales) and 4-7 (mins)."""
@@ -208,7 +208,7 @@ def _dequantize_q4_k(blocks: np.ndarray, fifth_bits: bool = False) -> np.ndarray
     # from their high nibbles; Q5_K adds 16 where bit 2g (low) or 2g + 1 (high) of qh[l] is set;
     # y = (d·scale)·q − (dmin·min)
     d, dmin = _fp16_at(blocks, 0), _fp16_at(blocks, 2)
-    scales, mins = _k4_scales_and_mins(blocks[:, 4:16])
+    scales, mins = k4_scales_and_mins(blocks[:, 4:16])
     start = 48 if fifth_bits else 16
     qs = blocks[:, start : start + 128].reshape(-1, 4, 1, 32)
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=2)  # (n, g, nibble, l): sub-block 2g + nibble

@@ -1,0 +1,122 @@
+"""`treadle bench kernels`: the matmul kernels per storage type — int8 (fast) and float32 (exact).
+
+    .venv/bin/treadle bench kernels [--json PATH] [--threads N] [--rows R] [--cols C]
+
+One synthetic matrix per type (R × C, random weights; K types as random super-blocks), multiplied by
+1 and by 32 activation rows on the pool's threads, as a model step splits it:
+
+- weights in cache (the matrix is small enough for L2): multiply-accumulates per second, the compute
+  ceiling of a batched step;
+- weights from DRAM (a matrix 128 times larger, read once per repeat): the bytes of stored weights
+  per second a single-stream decode can reach, against `--read-gbs` if given.
+
+Types the int8 kernels do not run yet are timed on the float32 path, which every mode falls back to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import gguf
+import numpy as np
+from numba import njit
+
+from bench.pool import machine_description
+from decoding.kernels.fast_kernels import matmul_groups, quantize_activation_row
+from decoding.kernels.kernels import matmul_rows, split_range
+from decoding.kernels.repack import is_packable, packed_type, repack
+from decoding.model.quant import BLOCK_SHAPES, QType, quantize
+from threadpool import SpinPool, barrier_wait
+from threadpool.affinity import usable_cores
+
+TYPES = (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q8_0, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.F16)
+
+
+@njit(nogil=True, cache=True)
+def _repeat_int8(tid, nthreads, barrier, packed, qtype, n_rows, n_cols, xq, xd, xsum, n_tokens, out, tmp,
+                 repeats):  # fmt: skip
+    g0, g1 = split_range(n_rows // 8, tid, nthreads)
+    for _ in range(repeats):
+        matmul_groups(packed, qtype, n_cols, xq, xd, xsum, n_tokens, out, g0, g1, False, tmp[tid])
+        barrier_wait(barrier, tid)
+
+
+@njit(nogil=True, cache=True)
+def _repeat_float(tid, nthreads, barrier, weight, qtype, n_rows, n_cols, x, n_tokens, out, buf, repeats):
+    r0, r1 = split_range(n_rows, tid, nthreads)
+    for _ in range(repeats):
+        matmul_rows(weight, qtype, n_cols, x, n_tokens, out, 0, r0, r1, False, buf[tid])
+        barrier_wait(barrier, tid)
+
+
+def stored_matrix(qtype: QType, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """(rows, row_bytes) of `qtype`: quantized from random floats where treadle or the gguf package can,
+    random super-blocks with unit-scale fp16 fields otherwise (the kernels' cost does not depend on values)."""
+    weights = rng.standard_normal((rows, cols)).astype(np.float32) / np.sqrt(cols)
+    if qtype in (QType.Q5_0, QType.Q5_1):
+        return np.asarray(gguf.quants.quantize(weights, gguf.GGMLQuantizationType(int(qtype))))
+    if qtype in BLOCK_SHAPES and qtype not in (QType.Q4_0, QType.Q4_1, QType.Q8_0):
+        per_block, size = BLOCK_SHAPES[qtype]
+        return rng.integers(0, 128, (rows, cols // per_block * size), dtype=np.uint8)
+    stored = quantize(weights, qtype)
+    return stored.view(np.uint8).reshape(rows, -1)
+
+
+def time_matmul(qtype: QType, rows: int, cols: int, tokens: int, threads: int, repeats: int) -> dict[str, Any]:
+    rng = np.random.default_rng(int(qtype))
+    stored = stored_matrix(qtype, rows, cols, rng)
+    x = rng.standard_normal((tokens, cols)).astype(np.float32)
+    out = np.zeros((tokens, rows), np.float32)
+    int8 = is_packable(qtype, rows)
+    with SpinPool(threads) as pool:
+        if int8:
+            xq = np.zeros((tokens, cols), np.int8)
+            xd = np.zeros((tokens, cols // 32), np.float32)
+            xsum = np.zeros((tokens, cols // 32), np.int32)
+            for t in range(tokens):
+                quantize_activation_row(x[t], cols, xq[t], xd[t], xsum[t])
+            args: tuple[Any, ...] = (repack(stored, qtype, rows, cols), int(packed_type(qtype)), rows, cols, xq, xd,
+                                     xsum, tokens, out, np.zeros((threads, 4, 8), np.float32))
+            kernel = _repeat_int8
+        else:
+            args = (stored, int(qtype), rows, cols, x, tokens, out, np.zeros((threads, cols), np.float32))
+            kernel = _repeat_float
+        pool.run(kernel, *args, 1)  # compile or load, warm up
+        best = float("inf")
+        for _ in range(3):
+            started = time.perf_counter()
+            pool.run(kernel, *args, repeats)
+            best = min(best, time.perf_counter() - started)
+    seconds = best / repeats
+    return {"type": qtype.name, "path": "int8" if int8 else "float32", "rows": rows, "cols": cols,
+            "tokens": tokens, "us": seconds * 1e6, "gmacs": rows * cols * tokens / seconds / 1e9,
+            "weight_gbs": stored.nbytes / seconds / 1e9, "bits_per_weight": stored.nbytes * 8 / (rows * cols)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="treadle bench kernels", description=__doc__.split("\n")[0])
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--threads", type=int, default=None, help="pool threads (default: every usable core)")
+    parser.add_argument("--rows", type=int, default=1024)
+    parser.add_argument("--cols", type=int, default=1024)
+    args = parser.parse_args(argv)
+    threads = args.threads or len(usable_cores())
+    results = []
+    for qtype in TYPES:
+        in_cache = [time_matmul(qtype, args.rows, args.cols, tokens, threads, 50) for tokens in (1, 32)]
+        from_dram = time_matmul(qtype, 128 * args.rows, args.cols, 1, threads, 5)
+        results.append({"in_cache": in_cache, "from_dram": from_dram})
+    print(f"Matmul kernels per storage type, {threads} threads, {args.rows} x {args.cols} in cache, "
+          f"{128 * args.rows} x {args.cols} from DRAM")
+    print(f"{'type':<6} {'path':<8} {'bits/w':>6} {'GMAC/s x1':>10} {'GMAC/s x32':>11} {'DRAM GB/s x1':>13}")
+    for r in results:
+        one, many = r["in_cache"]
+        print(f"{one['type']:<6} {one['path']:<8} {one['bits_per_weight']:>6.2f} {one['gmacs']:>10.1f} "
+              f"{many['gmacs']:>11.1f} {r['from_dram']['weight_gbs']:>13.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine_description(), "threads": threads, "results": results}, f, indent=2)
+    return 0
