@@ -94,12 +94,12 @@ def test_accumulate_adds_to_the_residual_and_swiglu_combines_both_projections():
 
 @pytest.mark.parametrize("tokens", [1, 4, 9])
 def test_q4_k_runs_on_the_q4_1_kernel_as_its_sub_blocks_with_fp16_scale_and_min(tokens):
+    from bench.kernels import random_k_blocks_like
     from decoding.kernels.repack import q4_k_as_q4_1
-    from tests.tinymodel import random_blocks_like
 
     rng = np.random.default_rng(40 + tokens)
     rows, cols = 48, 512
-    stored = random_blocks_like(rng.standard_normal((rows, cols)).astype(np.float32) / 20, QType.Q4_K, rng)
+    stored = random_k_blocks_like(rng.standard_normal((rows, cols)).astype(np.float32) / 20, QType.Q4_K, rng)
     as_q4_1 = q4_k_as_q4_1(stored, cols)
     exact_weights, converted = dequantize(stored, QType.Q4_K, cols), dequantize(as_q4_1, QType.Q4_1, cols)
     # the conversion only rounds each sub-block's d·scale and dmin·min to fp16
@@ -114,3 +114,18 @@ def test_q4_k_runs_on_the_q4_1_kernel_as_its_sub_blocks_with_fp16_scale_and_min(
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
     against_q4_k = activations @ exact_weights.T.astype(np.float64)
     np.testing.assert_allclose(out, against_q4_k, rtol=0, atol=5e-3 * np.abs(against_q4_k).max())
+
+
+def test_a_q4_k_matrix_whose_scales_overflow_fp16_stays_on_the_float_path():
+    from bench.kernels import random_k_blocks_like
+    from decoding.kernels.forward import _packed
+    from decoding.kernels.repack import q4_k_as_q4_1
+    from decoding.model.weights import WeightMatrix
+
+    rng = np.random.default_rng(5)
+    stored = random_k_blocks_like(rng.standard_normal((8, 256)).astype(np.float32), QType.Q4_K, rng)
+    stored[:, 0:2] = np.float16(60000.0).reshape(1, 1).view(np.uint8)  # d: times a 6-bit scale, past fp16
+    stored[:, 4:16] = 63  # every scale at its largest
+    with pytest.raises(ValueError, match="fp16"):
+        q4_k_as_q4_1(stored, 256)
+    assert _packed(WeightMatrix(QType.Q4_K, 8, 256, stored), fast=True).shape[0] == 0

@@ -17,7 +17,8 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tokenizers.pre_tokenizers import ByteLevel
 
-from decoding.model.quant import BLOCK_SHAPES, QType, dequantize, quantize
+from bench.kernels import K_FP16_FIELDS, random_k_blocks_like
+from decoding.model.quant import QType, quantize
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -87,26 +88,9 @@ _GGUF_NAMES = {
 }
 
 
-# Neither treadle nor the gguf package quantizes to the K types; tests store random super-blocks
-# (every quantized bit random) whose scales are set so the weights have the float weights' spread.
+# Neither treadle nor the gguf package quantizes to the K types: tests store random super-blocks.
 QUANTIZED_BY_GGUF = (QType.Q5_0, QType.Q5_1)
-RANDOM_BLOCK_TYPES = (QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K)
-_FP16_FIELDS = {QType.Q2_K: (80, 82), QType.Q3_K: (108,), QType.Q4_K: (0, 2), QType.Q5_K: (0, 2), QType.Q6_K: (208,)}
-
-
-def random_blocks_like(weights: np.ndarray, qtype: QType, rng: np.random.Generator) -> np.ndarray:
-    """(rows, row_bytes) uint8 of random `qtype` super-blocks whose dequantized spread matches `weights`."""
-    rows, cols = weights.shape
-    weights_per_block, size = BLOCK_SHAPES[qtype]
-    blocks = rng.integers(0, 256, (rows, cols // weights_per_block, size), dtype=np.uint8)
-    for offset in _FP16_FIELDS[qtype]:
-        blocks[..., offset : offset + 2] = np.ones(blocks.shape[:2], np.float16)[..., None].view(np.uint8)
-    spread = dequantize(blocks.reshape(rows, -1), qtype, cols).std()
-    factor = weights.std() / spread
-    for offset in _FP16_FIELDS[qtype]:
-        scale = (factor * (0.5 + rng.random(blocks.shape[:2]))).astype(np.float16)
-        blocks[..., offset : offset + 2] = scale[..., None].view(np.uint8)
-    return blocks.reshape(rows, -1)
+RANDOM_BLOCK_TYPES = tuple(K_FP16_FIELDS)
 
 
 def write_gguf(path: Path, shape: TinyShape = TinyShape(), qtype: QType = QType.F32, seed: int = 0,
@@ -143,7 +127,7 @@ def write_gguf(path: Path, shape: TinyShape = TinyShape(), qtype: QType = QType.
         if tensor_qtype in QUANTIZED_BY_GGUF:
             stored = gguf.quants.quantize(array, raw)
         elif tensor_qtype in RANDOM_BLOCK_TYPES:
-            stored = random_blocks_like(array, tensor_qtype, rng)
+            stored = random_k_blocks_like(array, tensor_qtype, rng)
         else:
             stored = quantize(array, tensor_qtype)
         writer.add_tensor(name, stored, raw_dtype=None if tensor_qtype == QType.F32 else raw)

@@ -45,7 +45,10 @@ def _packed(matrix: WeightMatrix, fast: bool) -> np.ndarray:
     as it is made: the process holds the model once, not twice (see `release_mapped_pages`).
     """
     if fast and is_packable(matrix.qtype, matrix.n_rows):
-        packed = repack(matrix.data, matrix.qtype, matrix.n_rows, matrix.n_cols)
+        try:
+            packed = repack(matrix.data, matrix.qtype, matrix.n_rows, matrix.n_cols)
+        except ValueError:  # a conversion the values do not allow (Q4_K scales beyond fp16)
+            return _NOT_PACKED
         release_mapped_pages(matrix.data)
         return packed
     return _NOT_PACKED

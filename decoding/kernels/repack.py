@@ -72,9 +72,13 @@ def q4_k_as_q4_1(data: np.ndarray, n_cols: int) -> np.ndarray:
     scales, mins = k4_scales_and_mins(blocks[:, 4:16])
     qs = blocks[:, 16:144].reshape(-1, 4, 32)
     q = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32)  # sub-block 2g + nibble
+    with np.errstate(over="ignore", invalid="ignore"):
+        scale, minimum = (d * scales).astype(np.float16), (-(dmin * mins)).astype(np.float16)
+    if not (np.isfinite(scale).all() and np.isfinite(minimum).all()):
+        raise ValueError("a Q4_K sub-block's scale or min does not fit in fp16: it stays on the float32 path")
     out = np.empty((blocks.shape[0], 8, 20), dtype=np.uint8)
-    out[..., 0:2] = (d * scales).astype(np.float16)[..., None].view(np.uint8)
-    out[..., 2:4] = (-(dmin * mins)).astype(np.float16)[..., None].view(np.uint8)
+    out[..., 0:2] = scale[..., None].view(np.uint8)
+    out[..., 2:4] = minimum[..., None].view(np.uint8)
     out[..., 4:20] = q[..., :16] | (q[..., 16:] << 4)
     return out.reshape(rows, n_cols // 32 * 20)
 
