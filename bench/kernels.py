@@ -32,7 +32,8 @@ from decoding.model.quant import BLOCK_SHAPES, QType, dequantize, quantize
 from threadpool import SpinPool, barrier_wait
 from threadpool.affinity import usable_cores
 
-TYPES = (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q8_0, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.F16)
+TYPES = (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0, QType.Q4_K, QType.Q5_K, QType.Q6_K,
+         QType.F16)
 
 
 @njit(nogil=True, cache=True)

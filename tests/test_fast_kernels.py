@@ -35,12 +35,12 @@ def test_activation_quantization_is_q8_0_with_round_half_away():
 
 
 def stored_matrix(weights: np.ndarray, qtype: QType) -> np.ndarray:
-    if qtype == QType.Q5_0:  # treadle does not quantize to Q5_0; the gguf package does
-        return np.asarray(gguf.quants.quantize(weights, gguf.GGMLQuantizationType.Q5_0))
+    if qtype in (QType.Q5_0, QType.Q5_1):  # treadle does not quantize to these; the gguf package does
+        return np.asarray(gguf.quants.quantize(weights, gguf.GGMLQuantizationType(int(qtype))))
     return quantize(weights, qtype)
 
 
-@pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0], ids=lambda q: q.name)
 @pytest.mark.parametrize("tokens", [1, 3, 4, 9])
 def test_group_dot_products_equal_numpy_on_the_same_quantized_inputs(qtype, tokens):
     rng = np.random.default_rng(int(qtype) * 10 + tokens)
@@ -92,28 +92,30 @@ def test_accumulate_adds_to_the_residual_and_swiglu_combines_both_projections():
     np.testing.assert_allclose(hidden, g / (1 + np.exp(-g)) * u, rtol=1e-3, atol=1e-4)
 
 
+@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q5_K], ids=lambda q: q.name)
 @pytest.mark.parametrize("tokens", [1, 4, 9])
-def test_q4_k_runs_on_the_q4_1_kernel_as_its_sub_blocks_with_fp16_scale_and_min(tokens):
+def test_k_types_run_on_the_kernel_of_their_sub_blocks_form_with_fp16_scale_and_min(qtype, tokens):
     from bench.kernels import random_k_blocks_like
-    from decoding.kernels.repack import q4_k_as_q4_1
+    from decoding.kernels.repack import packed_type, q4_k_as_q4_1, q5_k_as_q5_1
 
-    rng = np.random.default_rng(40 + tokens)
+    rng = np.random.default_rng(40 + tokens + int(qtype))
     rows, cols = 48, 512
-    stored = random_k_blocks_like(rng.standard_normal((rows, cols)).astype(np.float32) / 20, QType.Q4_K, rng)
-    as_q4_1 = q4_k_as_q4_1(stored, cols)
-    exact_weights, converted = dequantize(stored, QType.Q4_K, cols), dequantize(as_q4_1, QType.Q4_1, cols)
+    stored = random_k_blocks_like(rng.standard_normal((rows, cols)).astype(np.float32) / 20, qtype, rng)
+    form = packed_type(qtype)
+    converted_rows = (q4_k_as_q4_1 if qtype == QType.Q4_K else q5_k_as_q5_1)(stored, cols)
+    exact_weights, converted = dequantize(stored, qtype, cols), dequantize(converted_rows, form, cols)
     # the conversion only rounds each sub-block's d·scale and dmin·min to fp16
     np.testing.assert_allclose(converted, exact_weights, rtol=0, atol=2e-3 * np.abs(exact_weights).max())
     x = rng.standard_normal((tokens, cols)).astype(np.float32) * 3
     xq, xd, xsum = quantized_activations(x)
     activations = dequantized_activations(xq, xd, cols).astype(np.float64)
     out = np.full((tokens, rows), np.nan, np.float32)
-    matmul_groups(repack(stored, QType.Q4_K, rows, cols), int(QType.Q4_1), cols, xq, xd, xsum, tokens, out, 0,
+    matmul_groups(repack(stored, qtype, rows, cols), int(form), cols, xq, xd, xsum, tokens, out, 0,
                   rows // 8, False, np.zeros((4, 8), np.float32))
     expected = activations @ converted.T.astype(np.float64)
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
-    against_q4_k = activations @ exact_weights.T.astype(np.float64)
-    np.testing.assert_allclose(out, against_q4_k, rtol=0, atol=5e-3 * np.abs(against_q4_k).max())
+    against_stored = activations @ exact_weights.T.astype(np.float64)
+    np.testing.assert_allclose(out, against_stored, rtol=0, atol=5e-3 * np.abs(against_stored).max())
 
 
 def test_a_q4_k_matrix_whose_scales_overflow_fp16_stays_on_the_float_path():

@@ -118,8 +118,8 @@ def test_exact_kernels_mixed_batch_logits_equal_the_reference(tmp_path_factory, 
     check_mixed_batches(tiny_model(tmp_path_factory, qtype), n_threads, atol=1e-4)
 
 
-@pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.F16, QType.Q5_0, QType.Q4_K,
-                                   QType.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.F16, QType.Q5_0, QType.Q5_1, QType.Q4_K,
+                                   QType.Q5_K, QType.Q6_K], ids=lambda q: q.name)
 def test_fast_kernels_stay_close_to_the_reference_and_thread_invariant(tmp_path_factory, qtype):
     model = tiny_model(tmp_path_factory, qtype)
     one = check_mixed_batches(model, 1, atol=0.05, kernels="fast")

@@ -22,13 +22,16 @@ from .vnni import (
     group_dot_q4_1_x4,
     group_dot_q5_0_x1,
     group_dot_q5_0_x4,
+    group_dot_q5_1_x1,
+    group_dot_q5_1_x4,
     group_dot_q8_0_x1,
     group_dot_q8_0_x4,
 )
 
 Q4_0, Q4_1, Q5_0, Q8_0 = int(QType.Q4_0), int(QType.Q4_1), int(QType.Q5_0), int(QType.Q8_0)
 _STRIDE_Q4_0, _STRIDE_Q4_1, _STRIDE_Q8_0 = BLOCK_STRIDE[QType.Q4_0], BLOCK_STRIDE[QType.Q4_1], BLOCK_STRIDE[QType.Q8_0]
-_STRIDE_Q5_0 = BLOCK_STRIDE[QType.Q5_0]
+_STRIDE_Q5_0, _STRIDE_Q5_1 = BLOCK_STRIDE[QType.Q5_0], BLOCK_STRIDE[QType.Q5_1]
+Q5_1 = int(QType.Q5_1)
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -71,6 +74,8 @@ def group_stride(qtype, n_blocks):
         return _STRIDE_Q4_0 * n_blocks
     if qtype == Q5_0:
         return _STRIDE_Q5_0 * n_blocks
+    if qtype == Q5_1:
+        return _STRIDE_Q5_1 * n_blocks
     return _STRIDE_Q8_0 * n_blocks
 
 
@@ -82,6 +87,11 @@ def group_dot(packed, qtype, offset, n_blocks, xq, xd, xsum, token, num_tokens, 
             group_dot_q4_1_x4(packed, offset, n_blocks, xq, xd, xsum, token, out)
         else:
             group_dot_q4_1_x1(packed, offset, n_blocks, xq, xd, xsum, token, out)
+    elif qtype == Q5_1:
+        if num_tokens == 4:
+            group_dot_q5_1_x4(packed, offset, n_blocks, xq, xd, xsum, token, out)
+        else:
+            group_dot_q5_1_x1(packed, offset, n_blocks, xq, xd, xsum, token, out)
     elif qtype == Q5_0:
         if num_tokens == 4:
             group_dot_q5_0_x4(packed, offset, n_blocks, xq, xd, xsum, token, out)

@@ -3,7 +3,8 @@
 Rows are taken in groups of 8; for each 32-weight block the group's bytes are contiguous:
 
     Q4_0 / Q4_1: 4 steps × 8 rows × 4 bytes of nibbles (128 B), 8 fp16 scales (16 B)[, 8 fp16 mins (16 B)]
-    Q5_0:        the nibbles as Q4_0 (128 B), 4 steps × 8 rows × 1 byte of fifth bits (32 B), 8 fp16 scales
+    Q5_0 / Q5_1: the nibbles as Q4_0 (128 B), 4 steps × 8 rows × 1 byte of fifth bits (32 B), 8 fp16
+                 scales[, 8 fp16 mins]
     Q8_0:        4 steps × 8 rows × 8 bytes, each weight + 128 as an unsigned byte (256 B), 8 fp16 scales
 
 Step s of a row holds its weights 4s..4s+3 and 16+4s..16+4s+3: in a Q4 byte the low nibble is weight j
@@ -20,11 +21,11 @@ import numpy as np
 from ..model.quant import BLOCK_SHAPES, QK, QType, k4_scales_and_mins, row_bytes
 from .vnni import GROUP_ROWS
 
-PACKABLE = (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q8_0)
+PACKABLE = (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0)
 # Types the int8 kernels run in the form of another: a Q4_K sub-block of 32 is w = (d·scale)·q − dmin·min,
 # the form of a Q4_1 block (w = D·q + M), so it is converted at load, D and M rounded to fp16 (a relative
 # 2^-11 at most, far inside the int8 activations' error), and runs on the Q4_1 kernel.
-PACKED_AS = {QType.Q4_K: QType.Q4_1}
+PACKED_AS = {QType.Q4_K: QType.Q4_1, QType.Q5_K: QType.Q5_1}  # Q5_K likewise, with its fifth bits
 _GROUPS_PER_SLICE = 256  # 2048 rows: a few MB of temporaries at a time
 # activation byte i of a block holds weight ACTIVATION_ORDER[i]: step s = [4s..4s+3, 16+4s..16+4s+3]
 ACTIVATION_ORDER = np.array([4 * s + k for s in range(4) for k in (0, 1, 2, 3, 16, 17, 18, 19)], dtype=np.int64)
@@ -58,6 +59,8 @@ def repack(data: np.ndarray, qtype: QType, n_rows: int, n_cols: int) -> np.ndarr
         rows = data[first * GROUP_ROWS : last * GROUP_ROWS]
         if qtype == QType.Q4_K:
             rows = q4_k_as_q4_1(rows, n_cols)
+        elif qtype == QType.Q5_K:
+            rows = q5_k_as_q5_1(rows, n_cols)
         out[first * group_bytes : last * group_bytes] = _repack_groups(rows, target, last - first, n_cols)
     return out
 
@@ -65,22 +68,37 @@ def repack(data: np.ndarray, qtype: QType, n_rows: int, n_cols: int) -> np.ndarr
 def q4_k_as_q4_1(data: np.ndarray, n_cols: int) -> np.ndarray:
     """(rows, Q4_K row bytes) → (rows, Q4_1 row bytes): each 32-weight sub-block as a Q4_1 block with
     D = fp16(d·scale), M = fp16(−dmin·min) and the same 4-bit q (decoding.model.quant has the layouts)."""
+    return _k_sub_blocks_as_affine(data, n_cols, fifth_bits=False)
+
+
+def q5_k_as_q5_1(data: np.ndarray, n_cols: int) -> np.ndarray:
+    """(rows, Q5_K row bytes) → (rows, Q5_1 row bytes), as `q4_k_as_q4_1` with the fifth bits."""
+    return _k_sub_blocks_as_affine(data, n_cols, fifth_bits=True)
+
+
+def _k_sub_blocks_as_affine(data: np.ndarray, n_cols: int, fifth_bits: bool) -> np.ndarray:
     rows = data.shape[0]
-    blocks = data.reshape(-1, 144)
+    blocks = data.reshape(-1, 176 if fifth_bits else 144)
     d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
     dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
     scales, mins = k4_scales_and_mins(blocks[:, 4:16])
-    qs = blocks[:, 16:144].reshape(-1, 4, 32)
+    start = 48 if fifth_bits else 16
+    qs = blocks[:, start : start + 128].reshape(-1, 4, 32)
     q = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32)  # sub-block 2g + nibble
     with np.errstate(over="ignore", invalid="ignore"):
         scale, minimum = (d * scales).astype(np.float16), (-(dmin * mins)).astype(np.float16)
     if not (np.isfinite(scale).all() and np.isfinite(minimum).all()):
-        raise ValueError("a Q4_K sub-block's scale or min does not fit in fp16: it stays on the float32 path")
-    out = np.empty((blocks.shape[0], 8, 20), dtype=np.uint8)
+        raise ValueError("a K sub-block's scale or min does not fit in fp16: it stays on the float32 path")
+    size = 24 if fifth_bits else 20
+    out = np.empty((blocks.shape[0], 8, size), dtype=np.uint8)
     out[..., 0:2] = scale[..., None].view(np.uint8)
     out[..., 2:4] = minimum[..., None].view(np.uint8)
-    out[..., 4:20] = q[..., :16] | (q[..., 16:] << 4)
-    return out.reshape(rows, n_cols // 32 * 20)
+    out[..., size - 16 :] = q[..., :16] | (q[..., 16:] << 4)
+    if fifth_bits:  # sub-block 2g + nibble's fifth bits are bit 2g + nibble of qh[l], l < 32
+        qh = blocks[:, 16:48]
+        bits = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # (n, sub-block, l)
+        out[..., 4:8] = np.packbits(bits, axis=-1, bitorder="little")
+    return out.reshape(rows, n_cols // 32 * size)
 
 
 def _repack_groups(data: np.ndarray, qtype: QType, n_groups: int, n_cols: int) -> np.ndarray:
@@ -92,14 +110,17 @@ def _repack_groups(data: np.ndarray, qtype: QType, n_groups: int, n_cols: int) -
         weights = weights[..., ACTIVATION_ORDER]  # (g, r, b, 32) in step order
         steps = weights.reshape(n_groups, GROUP_ROWS, n_blocks, 4, 8).transpose(0, 2, 3, 1, 4)
         parts = [steps.reshape(n_groups, n_blocks, 256), scales]
-    elif qtype == QType.Q5_0:
-        nibbles = blocks[..., 6:22].reshape(n_groups, GROUP_ROWS, n_blocks, 4, 4)
+    elif qtype in (QType.Q5_0, QType.Q5_1):
+        high = 2 if qtype == QType.Q5_0 else 4  # where qh starts; the nibbles follow it
+        nibbles = blocks[..., high + 4 : high + 20].reshape(n_groups, GROUP_ROWS, n_blocks, 4, 4)
         # bit k of (step s, row r) is the fifth bit of the weight in byte k of the row's step: the
         # weights in ACTIVATION_ORDER
-        fifth = np.unpackbits(blocks[..., 2:6], axis=-1, bitorder="little")[..., ACTIVATION_ORDER]
+        fifth = np.unpackbits(blocks[..., high : high + 4], axis=-1, bitorder="little")[..., ACTIVATION_ORDER]
         step_bits = np.packbits(fifth.reshape(n_groups, GROUP_ROWS, n_blocks, 4, 8), axis=-1, bitorder="little")
         parts = [nibbles.transpose(0, 2, 3, 1, 4).reshape(n_groups, n_blocks, 128),
                  step_bits[..., 0].transpose(0, 2, 3, 1).reshape(n_groups, n_blocks, 32), scales]
+        if qtype == QType.Q5_1:
+            parts.append(blocks[..., 2:4].transpose(0, 2, 1, 3).reshape(n_groups, n_blocks, 16))
     else:
         first = 4 if qtype == QType.Q4_1 else 2
         nibbles = blocks[..., first : first + 16].reshape(n_groups, GROUP_ROWS, n_blocks, 4, 4)

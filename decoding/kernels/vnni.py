@@ -9,7 +9,7 @@ Per 32-weight block and 8 rows, four `vpdpbusd`s multiply unsigned weight bytes 
 activation bytes and sum groups of four into 16 int32 lanes (two lanes per row). The lanes are
 scaled in float32 once per block — weight scale × activation scale — and accumulated; the Q4_1 min
 term adds m · d_x · Σq_x; unsigned storage offsets (nibble − 8 for Q4_0, byte + 128 for Q8_0) are
-taken back exactly in integers with the block's Σq_x. Q5_0 is Q4_0 with a fifth bit: its nibbles
+taken back exactly in integers with the block's Σq_x. Q5_0 is Q4_0 (and Q5_1 is Q4_1) with a fifth bit: its nibbles
 take 16 more where the bit is set (`_fifth_bits_vector`), and 16 is its storage offset. Every token's arithmetic is the same sequence
 of operations whether it is computed alone or with three others, so results are batch-invariant.
 """
@@ -28,11 +28,11 @@ from ..model.quant import QType
 LANES = 16
 GROUP_ROWS = 8
 # bytes of one (8-row group, 32-weight block) in the repacked stream, and where its scales start
-BLOCK_STRIDE = {QType.Q4_0: 144, QType.Q4_1: 160, QType.Q5_0: 176, QType.Q8_0: 272}
-SCALE_OFFSET = {QType.Q4_0: 128, QType.Q4_1: 128, QType.Q5_0: 160, QType.Q8_0: 256}
-MIN_OFFSET = 144  # Q4_1 only
-FIFTH_BITS_OFFSET = 128  # Q5_0 only: 4 steps × 8 rows × one byte of fifth bits
-UNSIGNED_BIAS = {QType.Q4_0: 8, QType.Q5_0: 16, QType.Q8_0: 128, QType.Q4_1: 0}
+BLOCK_STRIDE = {QType.Q4_0: 144, QType.Q4_1: 160, QType.Q5_0: 176, QType.Q5_1: 192, QType.Q8_0: 272}
+SCALE_OFFSET = {QType.Q4_0: 128, QType.Q4_1: 128, QType.Q5_0: 160, QType.Q5_1: 160, QType.Q8_0: 256}
+MIN_OFFSET = {QType.Q4_1: 144, QType.Q5_1: 176}  # the types with a min term
+FIFTH_BITS_OFFSET = 128  # Q5_0 and Q5_1: 4 steps × 8 rows × one byte of fifth bits
+UNSIGNED_BIAS = {QType.Q4_0: 8, QType.Q5_0: 16, QType.Q8_0: 128, QType.Q4_1: 0, QType.Q5_1: 0}
 
 _i8, _i16, _i32, _i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _f32 = ir.FloatType()
@@ -86,7 +86,7 @@ def _weight_vector(builder: ir.IRBuilder, qtype: QType, block_ptr: ir.Value, ste
     # row r's two lanes: its 4 low nibbles (weights 4s..4s+3), then its 4 high ones (16+4s..16+4s+3)
     interleaved = builder.shuffle_vector(low32, high32, _mask([i // 2 + (8 if i % 2 else 0) for i in range(16)]))
     weights = builder.bitcast(interleaved, _vec(_i8, 64))
-    if qtype == QType.Q5_0:
+    if qtype in (QType.Q5_0, QType.Q5_1):
         weights = builder.or_(weights, _fifth_bits_vector(builder, block_ptr, step))
     return weights
 
@@ -172,8 +172,8 @@ def _make_group_dot(qtype: QType, num_tokens: int):  # noqa: C901 - one IR loop,
             scales = builder.fpext(builder.bitcast(_load(builder, block_ptr, scale_offset, _vec(_i16, 8)),
                                                    _vec(ir.HalfType(), 8)), _vec(_f32, 8))
             scales16 = builder.shuffle_vector(scales, scales, duplicate)
-            if qtype == QType.Q4_1:
-                mins = builder.fpext(builder.bitcast(_load(builder, block_ptr, MIN_OFFSET, _vec(_i16, 8)),
+            if qtype in MIN_OFFSET:
+                mins = builder.fpext(builder.bitcast(_load(builder, block_ptr, MIN_OFFSET[qtype], _vec(_i16, 8)),
                                                      _vec(ir.HalfType(), 8)), _vec(_f32, 8))
                 mins16 = builder.shuffle_vector(mins, ir.Constant(_vec(_f32, 8), [0.0] * 8), even_only)
             next_accs = []
@@ -188,7 +188,7 @@ def _make_group_dot(qtype: QType, num_tokens: int):  # noqa: C901 - one IR loop,
                     acc_i = dpbusd(acc_i, weight_vectors[s], x_vec)
                 block_bytes = builder.mul(block, ir.Constant(_i64, 4))
                 x_scale = _load(builder, xd_base, builder.add(builder.mul(row, xd_row_bytes), block_bytes), _f32, align=4)
-                if bias or qtype == QType.Q4_1:
+                if bias or qtype in MIN_OFFSET:
                     x_sum = _load(builder, xs_base, builder.add(builder.mul(row, xs_row_bytes), block_bytes), _i32,
                                   align=4)
                 if bias:  # take back the unsigned storage offset: Σ(w + bias)·x − bias·Σx, once per row
@@ -199,7 +199,7 @@ def _make_group_dot(qtype: QType, num_tokens: int):  # noqa: C901 - one IR loop,
                 lanes = builder.sitofp(acc_i, _vec(_f32, LANES))
                 scaled = builder.fmul(lanes, builder.fmul(scales16, _splat(builder, x_scale, LANES)))
                 acc = builder.fadd(accs[k], scaled)
-                if qtype == QType.Q4_1:
+                if qtype in MIN_OFFSET:
                     x_mass = builder.fmul(builder.sitofp(x_sum, _f32), x_scale)
                     acc = builder.fadd(acc, builder.fmul(mins16, _splat(builder, x_mass, LANES)))
                 next_accs.append(acc)
@@ -235,5 +235,7 @@ group_dot_q4_1_x1 = _make_group_dot(QType.Q4_1, 1)
 group_dot_q4_1_x4 = _make_group_dot(QType.Q4_1, 4)
 group_dot_q5_0_x1 = _make_group_dot(QType.Q5_0, 1)
 group_dot_q5_0_x4 = _make_group_dot(QType.Q5_0, 4)
+group_dot_q5_1_x1 = _make_group_dot(QType.Q5_1, 1)
+group_dot_q5_1_x4 = _make_group_dot(QType.Q5_1, 4)
 group_dot_q8_0_x1 = _make_group_dot(QType.Q8_0, 1)
 group_dot_q8_0_x4 = _make_group_dot(QType.Q8_0, 4)
