@@ -7,8 +7,8 @@ One synthetic matrix per type (R × C, random weights; K types as random super-b
 
 - weights in cache (the matrix is small enough for L2): multiply-accumulates per second, the compute
   ceiling of a batched step;
-- weights from DRAM (a matrix 128 times larger, read once per repeat): the bytes of stored weights
-  per second a single-stream decode can reach, against `--read-gbs` if given.
+- weights from DRAM (a matrix 128 times larger, read once per repeat): the bytes of weights, as held
+  in memory (repacked), per second a single-stream decode reads.
 
 Types the int8 kernels do not run yet are timed on the float32 path, which every mode falls back to.
 """
@@ -99,10 +99,13 @@ def time_matmul(qtype: QType, rows: int, cols: int, tokens: int, threads: int, r
             xsum = np.zeros((tokens, cols // 32), np.int32)
             for t in range(tokens):
                 quantize_activation_row(x[t], cols, xq[t], xd[t], xsum[t])
-            args: tuple[Any, ...] = (repack(stored, qtype, rows, cols), int(packed_type(qtype)), rows, cols, xq, xd,
-                                     xsum, tokens, out, np.zeros((threads, 4, 8), np.float32))
+            packed = repack(stored, qtype, rows, cols)
+            resident = packed.nbytes
+            args: tuple[Any, ...] = (packed, int(packed_type(qtype)), rows, cols, xq, xd, xsum, tokens, out,
+                                     np.zeros((threads, 4, 8), np.float32))
             kernel = _repeat_int8
         else:
+            resident = stored.nbytes
             args = (stored, int(qtype), rows, cols, x, tokens, out, np.zeros((threads, cols), np.float32))
             kernel = _repeat_float
         pool.run(kernel, *args, 1)  # compile or load, warm up
@@ -114,7 +117,8 @@ def time_matmul(qtype: QType, rows: int, cols: int, tokens: int, threads: int, r
     seconds = best / repeats
     return {"type": qtype.name, "path": "int8" if int8 else "float32", "rows": rows, "cols": cols,
             "tokens": tokens, "us": seconds * 1e6, "gmacs": rows * cols * tokens / seconds / 1e9,
-            "weight_gbs": stored.nbytes / seconds / 1e9, "bits_per_weight": stored.nbytes * 8 / (rows * cols)}
+            "weight_gbs": resident / seconds / 1e9, "bits_per_weight": stored.nbytes * 8 / (rows * cols),
+            "resident_bits_per_weight": resident * 8 / (rows * cols)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,11 +136,12 @@ def main(argv: list[str] | None = None) -> int:
         results.append({"in_cache": in_cache, "from_dram": from_dram})
     print(f"Matmul kernels per storage type, {threads} threads, {args.rows} x {args.cols} in cache, "
           f"{128 * args.rows} x {args.cols} from DRAM")
-    print(f"{'type':<6} {'path':<8} {'bits/w':>6} {'GMAC/s x1':>10} {'GMAC/s x32':>11} {'DRAM GB/s x1':>13}")
+    print(f"{'type':<6} {'path':<8} {'bits/w stored':>13} {'in memory':>9} {'GMAC/s x1':>10} {'GMAC/s x32':>11} "
+          f"{'DRAM GB/s x1':>13}")
     for r in results:
         one, many = r["in_cache"]
-        print(f"{one['type']:<6} {one['path']:<8} {one['bits_per_weight']:>6.2f} {one['gmacs']:>10.1f} "
-              f"{many['gmacs']:>11.1f} {r['from_dram']['weight_gbs']:>13.1f}")
+        print(f"{one['type']:<6} {one['path']:<8} {one['bits_per_weight']:>13.2f} {one['resident_bits_per_weight']:>9.2f} "
+              f"{one['gmacs']:>10.1f} {many['gmacs']:>11.1f} {r['from_dram']['weight_gbs']:>13.1f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": machine_description(), "threads": threads, "results": results}, f, indent=2)

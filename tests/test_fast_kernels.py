@@ -131,3 +131,28 @@ def test_a_q4_k_matrix_whose_scales_overflow_fp16_stays_on_the_float_path():
     with pytest.raises(ValueError, match="fp16"):
         q4_k_as_q4_1(stored, 256)
     assert _packed(WeightMatrix(QType.Q4_K, 8, 256, stored), fast=True).shape[0] == 0
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 9])
+def test_q6_k_runs_with_a_scale_per_16_weights_rounded_to_fp16(tokens):
+    from bench.kernels import random_k_blocks_like
+    from decoding.model.quant import dequantize_q6_k_codes
+
+    rng = np.random.default_rng(60 + tokens)
+    rows, cols = 48, 512
+    stored = random_k_blocks_like(rng.standard_normal((rows, cols)).astype(np.float32) / 20, QType.Q6_K, rng)
+    super_blocks = stored.reshape(-1, 210)
+    d = super_blocks[:, 208:210].copy().view(np.float16).astype(np.float32)
+    half_scales = (d * super_blocks[:, 192:208].view(np.int8).astype(np.float32)).astype(np.float16)
+    form = (dequantize_q6_k_codes(super_blocks).reshape(-1, 16, 16) * half_scales[..., None].astype(np.float32))
+    form = form.reshape(rows, cols)  # what the kernel multiplies: d·scale rounded to fp16, times q6 − 32
+    exact_weights = dequantize(stored, QType.Q6_K, cols)
+    np.testing.assert_allclose(form, exact_weights, rtol=0, atol=1e-3 * np.abs(exact_weights).max())
+    x = rng.standard_normal((tokens, cols)).astype(np.float32) * 3
+    xq, xd, xsum = quantized_activations(x)
+    activations = dequantized_activations(xq, xd, cols).astype(np.float64)
+    out = np.full((tokens, rows), np.nan, np.float32)
+    matmul_groups(repack(stored, QType.Q6_K, rows, cols), int(QType.Q6_K), cols, xq, xd, xsum, tokens, out, 0,
+                  rows // 8, False, np.zeros((4, 8), np.float32))
+    expected = activations @ form.T.astype(np.float64)
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())

@@ -24,6 +24,8 @@ from .vnni import (
     group_dot_q5_0_x4,
     group_dot_q5_1_x1,
     group_dot_q5_1_x4,
+    group_dot_q6_k_x1,
+    group_dot_q6_k_x4,
     group_dot_q8_0_x1,
     group_dot_q8_0_x4,
 )
@@ -31,7 +33,8 @@ from .vnni import (
 Q4_0, Q4_1, Q5_0, Q8_0 = int(QType.Q4_0), int(QType.Q4_1), int(QType.Q5_0), int(QType.Q8_0)
 _STRIDE_Q4_0, _STRIDE_Q4_1, _STRIDE_Q8_0 = BLOCK_STRIDE[QType.Q4_0], BLOCK_STRIDE[QType.Q4_1], BLOCK_STRIDE[QType.Q8_0]
 _STRIDE_Q5_0, _STRIDE_Q5_1 = BLOCK_STRIDE[QType.Q5_0], BLOCK_STRIDE[QType.Q5_1]
-Q5_1 = int(QType.Q5_1)
+Q5_1, Q6_K = int(QType.Q5_1), int(QType.Q6_K)
+_STRIDE_Q6_K = BLOCK_STRIDE[QType.Q6_K]
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -76,6 +79,8 @@ def group_stride(qtype, n_blocks):
         return _STRIDE_Q5_0 * n_blocks
     if qtype == Q5_1:
         return _STRIDE_Q5_1 * n_blocks
+    if qtype == Q6_K:
+        return _STRIDE_Q6_K * n_blocks
     return _STRIDE_Q8_0 * n_blocks
 
 
@@ -87,6 +92,11 @@ def group_dot(packed, qtype, offset, n_blocks, xq, xd, xsum, token, num_tokens, 
             group_dot_q4_1_x4(packed, offset, n_blocks, xq, xd, xsum, token, out)
         else:
             group_dot_q4_1_x1(packed, offset, n_blocks, xq, xd, xsum, token, out)
+    elif qtype == Q6_K:
+        if num_tokens == 4:
+            group_dot_q6_k_x4(packed, offset, n_blocks, xq, xd, xsum, token, out)
+        else:
+            group_dot_q6_k_x1(packed, offset, n_blocks, xq, xd, xsum, token, out)
     elif qtype == Q5_1:
         if num_tokens == 4:
             group_dot_q5_1_x4(packed, offset, n_blocks, xq, xd, xsum, token, out)

@@ -5,6 +5,8 @@ Rows are taken in groups of 8; for each 32-weight block the group's bytes are co
     Q4_0 / Q4_1: 4 steps × 8 rows × 4 bytes of nibbles (128 B), 8 fp16 scales (16 B)[, 8 fp16 mins (16 B)]
     Q5_0 / Q5_1: the nibbles as Q4_0 (128 B), 4 steps × 8 rows × 1 byte of fifth bits (32 B), 8 fp16
                  scales[, 8 fp16 mins]
+    Q6_K:        as Q8_0, each 6-bit q a byte (q6, offset 32; 256 B), then 16 fp16 scales d·scale, row r's
+                 for its weights 0..15 and 16..31 (32 B): 9 bits a weight instead of 6.56
     Q8_0:        4 steps × 8 rows × 8 bytes, each weight + 128 as an unsigned byte (256 B), 8 fp16 scales
 
 Step s of a row holds its weights 4s..4s+3 and 16+4s..16+4s+3: in a Q4 byte the low nibble is weight j
@@ -18,10 +20,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..model.quant import BLOCK_SHAPES, QK, QType, k4_scales_and_mins, row_bytes
-from .vnni import GROUP_ROWS
+from ..model.quant import BLOCK_SHAPES, QK, QType, dequantize_q6_k_codes, k4_scales_and_mins
+from .vnni import BLOCK_STRIDE, GROUP_ROWS
 
-PACKABLE = (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0)
+PACKABLE = (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0, QType.Q6_K)
 # Types the int8 kernels run in the form of another: a Q4_K sub-block of 32 is w = (d·scale)·q − dmin·min,
 # the form of a Q4_1 block (w = D·q + M), so it is converted at load, D and M rounded to fp16 (a relative
 # 2^-11 at most, far inside the int8 activations' error), and runs on the Q4_1 kernel.
@@ -52,7 +54,7 @@ def repack(data: np.ndarray, qtype: QType, n_rows: int, n_cols: int) -> np.ndarr
     data = np.asarray(data, dtype=np.uint8).reshape(n_rows, -1)
     target = packed_type(qtype)
     n_groups = n_rows // GROUP_ROWS
-    group_bytes = row_bytes(target, n_cols) * GROUP_ROWS
+    group_bytes = n_cols // QK * BLOCK_STRIDE[target]
     out = np.empty(n_groups * group_bytes, dtype=np.uint8)
     for first in range(0, n_groups, _GROUPS_PER_SLICE):
         last = min(first + _GROUPS_PER_SLICE, n_groups)
@@ -101,7 +103,29 @@ def _k_sub_blocks_as_affine(data: np.ndarray, n_cols: int, fifth_bits: bool) -> 
     return out.reshape(rows, n_cols // 32 * size)
 
 
+def _repack_q6_k_groups(data: np.ndarray, n_groups: int, n_cols: int) -> np.ndarray:
+    """Q6_K rows → the int8 kernels' Q6_K form: per (group, 32 weights), the q6 bytes in step order,
+    then each row's two fp16 scales d·scale (one per 16 weights, rounded from float32)."""
+    n_blocks = n_cols // QK
+    rows = data.shape[0]
+    super_blocks = data.reshape(-1, 210)
+    d = super_blocks[:, 208:210].copy().view(np.float16).astype(np.float32)
+    scales16 = super_blocks[:, 192:208].view(np.int8).astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        half_scales = (d * scales16).astype(np.float16)  # (n, 16): sub-block i holds weights 16i..16i+15
+    if not np.isfinite(half_scales).all():
+        raise ValueError("a Q6_K sub-block's scale does not fit in fp16: it stays on the float32 path")
+    q6 = (dequantize_q6_k_codes(super_blocks) + 32).astype(np.uint8)  # (n, 256), 0..63
+    q6 = q6.reshape(rows, n_blocks, 32)[..., ACTIVATION_ORDER]
+    steps = q6.reshape(n_groups, GROUP_ROWS, n_blocks, 4, 8).transpose(0, 2, 3, 1, 4).reshape(n_groups, n_blocks, 256)
+    scales = half_scales.reshape(n_groups, GROUP_ROWS, n_blocks, 2).transpose(0, 2, 1, 3)
+    parts = [steps, scales.reshape(n_groups, n_blocks, 16).copy().view(np.uint8)]
+    return np.concatenate(parts, axis=-1).reshape(-1)
+
+
 def _repack_groups(data: np.ndarray, qtype: QType, n_groups: int, n_cols: int) -> np.ndarray:
+    if qtype == QType.Q6_K:
+        return _repack_q6_k_groups(data, n_groups, n_cols)
     n_blocks = n_cols // QK
     blocks = data.reshape(n_groups, GROUP_ROWS, n_blocks, BLOCK_SHAPES[qtype][1])
     scales = blocks[..., 0:2].transpose(0, 2, 1, 3).reshape(n_groups, n_blocks, 16)

@@ -10,7 +10,9 @@ activation bytes and sum groups of four into 16 int32 lanes (two lanes per row).
 scaled in float32 once per block — weight scale × activation scale — and accumulated; the Q4_1 min
 term adds m · d_x · Σq_x; unsigned storage offsets (nibble − 8 for Q4_0, byte + 128 for Q8_0) are
 taken back exactly in integers with the block's Σq_x. Q5_0 is Q4_0 (and Q5_1 is Q4_1) with a fifth bit: its nibbles
-take 16 more where the bit is set (`_fifth_bits_vector`), and 16 is its storage offset. Every token's arithmetic is the same sequence
+take 16 more where the bit is set (`_fifth_bits_vector`), and 16 is its storage offset. Q6_K runs in
+a form of its own: Q8_0's bytes (q6, offset 32) with a scale per 16 weights, one per lane, and the
+offset taken back per lane with the lane's Σx from a `vpdpbusd` against ones. Every token's arithmetic is the same sequence
 of operations whether it is computed alone or with three others, so results are batch-invariant.
 """
 
@@ -28,11 +30,16 @@ from ..model.quant import QType
 LANES = 16
 GROUP_ROWS = 8
 # bytes of one (8-row group, 32-weight block) in the repacked stream, and where its scales start
-BLOCK_STRIDE = {QType.Q4_0: 144, QType.Q4_1: 160, QType.Q5_0: 176, QType.Q5_1: 192, QType.Q8_0: 272}
-SCALE_OFFSET = {QType.Q4_0: 128, QType.Q4_1: 128, QType.Q5_0: 160, QType.Q5_1: 160, QType.Q8_0: 256}
+BLOCK_STRIDE = {QType.Q4_0: 144, QType.Q4_1: 160, QType.Q5_0: 176, QType.Q5_1: 192, QType.Q8_0: 272,
+                QType.Q6_K: 288}
+SCALE_OFFSET = {QType.Q4_0: 128, QType.Q4_1: 128, QType.Q5_0: 160, QType.Q5_1: 160, QType.Q8_0: 256,
+                QType.Q6_K: 256}
 MIN_OFFSET = {QType.Q4_1: 144, QType.Q5_1: 176}  # the types with a min term
 FIFTH_BITS_OFFSET = 128  # Q5_0 and Q5_1: 4 steps × 8 rows × one byte of fifth bits
-UNSIGNED_BIAS = {QType.Q4_0: 8, QType.Q5_0: 16, QType.Q8_0: 128, QType.Q4_1: 0, QType.Q5_1: 0}
+UNSIGNED_BIAS = {QType.Q4_0: 8, QType.Q5_0: 16, QType.Q8_0: 128, QType.Q4_1: 0, QType.Q5_1: 0, QType.Q6_K: 32}
+# Q6_K's form has a scale per 16 weights, one per lane: lane 2r holds row r's weights 0..15 of the
+# block, lane 2r+1 its weights 16..31 (the step order of decoding.kernels.repack)
+HALF_SCALES = (QType.Q6_K,)
 
 _i8, _i16, _i32, _i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _f32 = ir.FloatType()
@@ -76,7 +83,7 @@ def _row_stride_bytes(context, builder, arr_type, arr_value) -> ir.Value:
 
 def _weight_vector(builder: ir.IRBuilder, qtype: QType, block_ptr: ir.Value, step: int) -> ir.Value:
     """The 64 unsigned weight bytes of step `step` (0..3) of a block: 8 bytes for each of 8 rows."""
-    if qtype == QType.Q8_0:
+    if qtype in (QType.Q8_0, QType.Q6_K):
         return _load(builder, block_ptr, 64 * step, _vec(_i8, 64))
     packed = _load(builder, block_ptr, 32 * step, _vec(_i8, 32))  # 4 bytes of nibbles per row
     low = builder.and_(packed, ir.Constant(_vec(_i8, 32), [15] * 32))
@@ -169,9 +176,13 @@ def _make_group_dot(qtype: QType, num_tokens: int):  # noqa: C901 - one IR loop,
                 accs.append(acc)
             block_ptr = builder.gep(w_base, [builder.mul(block, ir.Constant(_i64, stride))])
             weight_vectors = [_weight_vector(builder, qtype, block_ptr, s) for s in range(4)]
-            scales = builder.fpext(builder.bitcast(_load(builder, block_ptr, scale_offset, _vec(_i16, 8)),
-                                                   _vec(ir.HalfType(), 8)), _vec(_f32, 8))
-            scales16 = builder.shuffle_vector(scales, scales, duplicate)
+            if qtype in HALF_SCALES:
+                scales16 = builder.fpext(builder.bitcast(_load(builder, block_ptr, scale_offset, _vec(_i16, 16)),
+                                                         _vec(ir.HalfType(), 16)), _vec(_f32, 16))
+            else:
+                scales = builder.fpext(builder.bitcast(_load(builder, block_ptr, scale_offset, _vec(_i16, 8)),
+                                                       _vec(ir.HalfType(), 8)), _vec(_f32, 8))
+                scales16 = builder.shuffle_vector(scales, scales, duplicate)
             if qtype in MIN_OFFSET:
                 mins = builder.fpext(builder.bitcast(_load(builder, block_ptr, MIN_OFFSET[qtype], _vec(_i16, 8)),
                                                      _vec(ir.HalfType(), 8)), _vec(_f32, 8))
@@ -182,16 +193,21 @@ def _make_group_dot(qtype: QType, num_tokens: int):  # noqa: C901 - one IR loop,
                 x_ptr = builder.gep(xq_base, [builder.add(builder.mul(row, xq_row_bytes),
                                                           builder.mul(block, ir.Constant(_i64, 32)))])
                 acc_i = zero_i
+                half_sums = zero_i  # Q6_K: Σx over each lane's 16 activations (even: 0..15, odd: 16..31)
                 for s in range(4):
                     x8 = _load(builder, x_ptr, 8 * s, _i64)
                     x_vec = builder.bitcast(_splat(builder, x8, 8), _vec(_i8, 64))
                     acc_i = dpbusd(acc_i, weight_vectors[s], x_vec)
+                    if qtype in HALF_SCALES:
+                        half_sums = dpbusd(half_sums, ir.Constant(_vec(_i8, 64), [1] * 64), x_vec)
                 block_bytes = builder.mul(block, ir.Constant(_i64, 4))
                 x_scale = _load(builder, xd_base, builder.add(builder.mul(row, xd_row_bytes), block_bytes), _f32, align=4)
-                if bias or qtype in MIN_OFFSET:
+                if (bias and qtype not in HALF_SCALES) or qtype in MIN_OFFSET:
                     x_sum = _load(builder, xs_base, builder.add(builder.mul(row, xs_row_bytes), block_bytes), _i32,
                                   align=4)
-                if bias:  # take back the unsigned storage offset: Σ(w + bias)·x − bias·Σx, once per row
+                if qtype in HALF_SCALES:  # each lane has its own scale: take its offset back in the lane
+                    acc_i = builder.sub(acc_i, builder.mul(half_sums, ir.Constant(_vec(_i32, 16), [bias] * 16)))
+                elif bias:  # take back the unsigned storage offset: Σ(w + bias)·x − bias·Σx, once per row
                     correction = builder.mul(x_sum, ir.Constant(_i32, bias))
                     corr16 = builder.shuffle_vector(_splat(builder, correction, 8), ir.Constant(_vec(_i32, 8), [0] * 8),
                                                     even_only)
@@ -237,5 +253,7 @@ group_dot_q5_0_x1 = _make_group_dot(QType.Q5_0, 1)
 group_dot_q5_0_x4 = _make_group_dot(QType.Q5_0, 4)
 group_dot_q5_1_x1 = _make_group_dot(QType.Q5_1, 1)
 group_dot_q5_1_x4 = _make_group_dot(QType.Q5_1, 4)
+group_dot_q6_k_x1 = _make_group_dot(QType.Q6_K, 1)
+group_dot_q6_k_x4 = _make_group_dot(QType.Q6_K, 4)
 group_dot_q8_0_x1 = _make_group_dot(QType.Q8_0, 1)
 group_dot_q8_0_x4 = _make_group_dot(QType.Q8_0, 4)

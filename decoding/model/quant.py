@@ -221,19 +221,27 @@ def _dequantize_q4_k(blocks: np.ndarray, fifth_bits: bool = False) -> np.ndarray
     return (dl * q.astype(np.float32) - ml).reshape(-1, QK_K)
 
 
-def _dequantize_q6_k(blocks: np.ndarray) -> np.ndarray:
-    # for each half h of 128 and l < 32: weights 128h + l + 32k (k = 0..3) take the low nibble of
-    # ql[64h + l] (k = 0), of ql[64h + 32 + l] (k = 1), their high nibbles (k = 2, 3), and bits 2k..2k+1
-    # of qh[32h + l]; sub-block 8h + l // 16 + 2k's int8 scale; y = (d·scale)·(q6 − 32)
+def dequantize_q6_k_codes(blocks: np.ndarray) -> np.ndarray:
+    """(n, 210) Q6_K super-blocks → (n, 256) int8 q6 − 32, in weight order.
+
+    For each half h of 128 and l < 32: weights 128h + l + 32k (k = 0..3) take the low nibble of
+    ql[64h + l] (k = 0), of ql[64h + 32 + l] (k = 1), their high nibbles (k = 2, 3), and bits
+    2k..2k+1 of qh[32h + l]."""
     ql = blocks[:, 0:128].reshape(-1, 2, 2, 32)  # (n, half, 0 or 32, l)
     qh = blocks[:, 128:192].reshape(-1, 2, 1, 32)
-    scales = blocks[:, 192:208].view(np.int8).astype(np.float32).reshape(-1, 2, 4, 2, 1)  # (n, h, k, l//16)
-    d = _fp16_at(blocks, 208)
     low = np.concatenate([ql & 0x0F, ql >> 4], axis=2)  # (n, half, k, l)
     high = (qh >> (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)) & 3
-    q = (low | (high << 4)).astype(np.int8) - np.int8(32)
-    dl = (d.reshape(-1, 1, 1, 1, 1) * scales)
-    return (dl * q.reshape(-1, 2, 4, 2, 16).astype(np.float32)).reshape(-1, QK_K)
+    return ((low | (high << 4)).astype(np.int8) - np.int8(32)).reshape(-1, QK_K)
+
+
+def _dequantize_q6_k(blocks: np.ndarray) -> np.ndarray:
+    # weight i's scale is sub-block i // 16's int8 (sub-block 8h + 2k + l // 16 in ggml's loop);
+    # y = (d·scale)·(q6 − 32)
+    q = dequantize_q6_k_codes(blocks).reshape(-1, 16, 16)
+    scales = blocks[:, 192:208].view(np.int8).astype(np.float32)
+    d = _fp16_at(blocks, 208)
+    dl = (d * scales).reshape(-1, 16, 1)
+    return (dl * q.astype(np.float32)).reshape(-1, QK_K)
 
 
 def _k_dequantizer(kernel):  # type: ignore[no-untyped-def]
