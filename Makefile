@@ -63,6 +63,12 @@ golden: install $(GOLDEN_STAMP)
 BENCH_VENV := .venv-bench
 BENCH_STAMP := $(BENCH_VENV)/.installed
 LLAMA_CPP_PYTHON := llama-cpp-python[server]==0.3.36
+# Built for the instruction sets named here, not for whatever the build machine reports: on Intel
+# guests that list AMX without granting its state, a native build (llama-cpp-python's default)
+# segfaults on its first multi-token batch. Every AVX/AVX2/AVX-512/VNNI/BF16 option on, AMX off.
+LLAMA_CPP_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 
 $(BENCH_STAMP): bench/requirements-transformers.txt
 	$(PYTHON) -m venv $(BENCH_VENV)
@@ -71,7 +77,8 @@ $(BENCH_STAMP): bench/requirements-transformers.txt
 	touch $(BENCH_STAMP)
 
 bench: install $(BENCH_STAMP)
-	$(PY) -c "import llama_cpp.server" 2>/dev/null || $(PIP) install '$(LLAMA_CPP_PYTHON)'
+	$(PY) -c "import llama_cpp.server" 2>/dev/null || \
+		CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" FORCE_CMAKE=1 $(PIP) install --no-binary llama-cpp-python '$(LLAMA_CPP_PYTHON)'
 	$(PY) bench/side_by_side.py --plot docs/bench-serve.png --update-readme bench/README.md
 
 clean:
