@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -85,7 +85,7 @@ async def respond(request: Request, generation: Generation, is_streamed: bool, p
                        send_timeout=send_timeout_seconds)
 
 
-async def _relay(generation: Generation, framing: Framing) -> AsyncIterator[bytes]:
+async def _relay(generation: Generation, framing: Framing) -> AsyncGenerator[bytes, None]:
     """The stream's body. Its `finally` runs on completion, on cancellation (the client left: the
     response cancels us) and on close, so the engine never generates for nobody."""
     formatter = generation.formatter
@@ -156,11 +156,23 @@ async def run_until_disconnect(receive: Receive, work: Callable[[], Awaitable[No
 
 class SSEResponse(EventSourceResponse):
     """sse-starlette's response (pings, disconnect watcher, send timeouts), plus the abort for a client
-    that left before the body's generator ever started (its `finally` would then never run)."""
+    that left before the body's generator ever started (its `finally` would then never run), and no
+    ping after the last event: sse-starlette's ping task could otherwise write one between
+    `data: [DONE]` and the end of the response (clients that stop at [DONE] never see it; strict
+    parsers and tests that check the stream's end do)."""
 
-    def __init__(self, generation: Generation, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, generation: Generation, content: AsyncGenerator[bytes, None], *args: Any,
+                 **kwargs: Any) -> None:
+        super().__init__(self._then_stop_pinging(content), *args, **kwargs)
         self.generation = generation
+
+    async def _then_stop_pinging(self, content: AsyncGenerator[bytes, None]) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in content:
+                yield chunk
+            self.active = False  # the last chunk is written (we were resumed after it): pings stop here
+        finally:
+            await content.aclose()  # closed with us (client gone), so the relay's own `finally` runs now
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:

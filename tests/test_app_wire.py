@@ -126,3 +126,17 @@ def test_openapi_describes_every_route_with_resolvable_schemas(server):
 def test_health_is_ok_once_ready(server):
     response = httpx.get(f"{server.base_url}/health")
     assert response.status_code == 200 and response.json() == {"status": "ok"}
+
+
+def test_nothing_follows_done_on_an_sse_stream_even_with_pings_every_few_milliseconds(tmp_path):
+    """sse-starlette's ping task could write `: ping` between `data: [DONE]` and the end of the response."""
+    from tests.reliability import running_server, write_tiny_gguf
+    from tests.tinymodel import CHAT_TEMPLATE
+
+    model = write_tiny_gguf(tmp_path / "tiny.gguf", CHAT_TEMPLATE)
+    with running_server(["--model", str(model), "--sse-ping-seconds", "0.002"]) as server:
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True}
+        for _ in range(60):
+            response = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
+            assert response.status_code == 200
+            assert response.text.endswith("data: [DONE]\n\n"), response.text[-200:]
