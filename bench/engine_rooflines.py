@@ -52,7 +52,7 @@ def measure_gemm_gflops() -> float:
 
 
 @njit(nogil=True, cache=True)
-def _int8_matmul_repeats(tid, nthreads, barrier, packed, qtype, n_rows, n_cols, xq, xd, xsum, n_tokens, out, tmp,
+def int8_matmul_repeats(tid, nthreads, barrier, packed, qtype, n_rows, n_cols, xq, xd, xsum, n_tokens, out, tmp,
                          repeats):  # fmt: skip
     g0, g1 = split_range(n_rows // 8, tid, nthreads)
     for _ in range(repeats):
@@ -84,9 +84,9 @@ def measure_int8_gmacs(model: Model, threads: int, tokens: int = 32) -> float | 
     best = float("inf")
     with SpinPool(threads) as pool:
         args = (packed, int(packed_type(matrix.qtype)), rows, cols, xq, xd, xsum, tokens, out, tmp)
-        pool.run(_int8_matmul_repeats, *args, 1)  # compile or load, warm the caches
+        pool.run(int8_matmul_repeats, *args, 1)  # compile or load, warm the caches
         for _ in range(5):
             started = time.perf_counter()
-            pool.run(_int8_matmul_repeats, *args, repeats)
+            pool.run(int8_matmul_repeats, *args, repeats)
             best = min(best, time.perf_counter() - started)
     return repeats * rows * cols * tokens / best / 1e9

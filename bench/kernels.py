@@ -24,8 +24,9 @@ import gguf
 import numpy as np
 from numba import njit
 
+from bench.engine_rooflines import int8_matmul_repeats
 from bench.pool import machine_description
-from decoding.kernels.fast_kernels import matmul_groups, quantize_activation_row
+from decoding.kernels.fast_kernels import quantize_activation_row
 from decoding.kernels.kernels import matmul_rows, split_range
 from decoding.kernels.repack import is_packable, packed_type, repack
 from decoding.model.quant import BLOCK_SHAPES, QType, dequantize, quantize
@@ -34,15 +35,6 @@ from threadpool.affinity import usable_cores
 
 TYPES = (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0, QType.Q4_K, QType.Q5_K, QType.Q6_K,
          QType.F16)
-
-
-@njit(nogil=True, cache=True)
-def _repeat_int8(tid, nthreads, barrier, packed, qtype, n_rows, n_cols, xq, xd, xsum, n_tokens, out, tmp,
-                 repeats):  # fmt: skip
-    g0, g1 = split_range(n_rows // 8, tid, nthreads)
-    for _ in range(repeats):
-        matmul_groups(packed, qtype, n_cols, xq, xd, xsum, n_tokens, out, g0, g1, False, tmp[tid])
-        barrier_wait(barrier, tid)
 
 
 @njit(nogil=True, cache=True)
@@ -103,7 +95,7 @@ def time_matmul(qtype: QType, rows: int, cols: int, tokens: int, threads: int, r
             resident = packed.nbytes
             args: tuple[Any, ...] = (packed, int(packed_type(qtype)), rows, cols, xq, xd, xsum, tokens, out,
                                      np.zeros((threads, 4, 8), np.float32))
-            kernel = _repeat_int8
+            kernel = int8_matmul_repeats
         else:
             resident = stored.nbytes
             args = (stored, int(qtype), rows, cols, x, tokens, out, np.zeros((threads, cols), np.float32))
