@@ -187,6 +187,16 @@ def _reader(path: Path) -> Any:
     return PlainViewGGUFReader(path, "r")
 
 
+def read_gguf_tokenizer(path: Path) -> GGUFTokenizerData:
+    """Only the tokenizer of a GGUF file, whatever its architecture (no weights are touched)."""
+    try:
+        return _read_tokenizer(_reader(path))
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the gguf package raises many kinds on bad bytes
+        raise ModelLoadError(f"{path.name}: no readable tokenizer ({type(exc).__name__}: {exc})") from None
+
+
 def load_gguf(path: Path) -> tuple[ModelConfig, ModelWeights, GGUFTokenizerData]:
     try:
         reader = _reader(path)

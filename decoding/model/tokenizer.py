@@ -28,6 +28,11 @@ _TOKEN_USER_DEFINED = 4
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen2's split (llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN2, the tokenizer.json of Qwen2/2.5): llama 3's,
+# but every digit alone
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 def _byte_level(use_regex: bool = True) -> pre_tokenizers.PreTokenizer:
@@ -37,8 +42,9 @@ def _byte_level(use_regex: bool = True) -> pre_tokenizers.PreTokenizer:
 def _pre_tokenizer(name: str) -> pre_tokenizers.PreTokenizer:
     if name == "smollm":
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _byte_level()])
-    if name in ("llama-bpe", "llama3", "llama-v3"):
-        split = pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated", invert=False)
+    if name in ("llama-bpe", "llama3", "llama-v3", "qwen2"):
+        pattern = _QWEN2_SPLIT if name == "qwen2" else _LLAMA3_SPLIT
+        split = pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False)
         return pre_tokenizers.Sequence([split, _byte_level(use_regex=False)])
     if name not in ("default", "gpt-2", "gpt2"):
         log.warning("pre-tokenizer %r is not known to treadle: using the GPT-2 byte-level split", name)
