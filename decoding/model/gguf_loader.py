@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ SUPPORTED_ARCHITECTURES = ("llama",)
 class GGUFTokenizerData:
     """What `tokenizer.ggml.*` metadata says; turned into a `tokenizers.Tokenizer` by decoding.model.tokenizer."""
 
-    model: str  # "gpt2" = byte-level BPE
+    model: str  # "gpt2" = byte-level BPE; "llama" = a SentencePiece vocabulary with scores
     pre: str  # pre-tokenizer name, e.g. "smollm", "llama-bpe", "default"
     tokens: list[str]
     token_types: list[int]  # ggml token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
@@ -38,6 +38,8 @@ class GGUFTokenizerData:
     eos_token_id: int | None
     add_bos_token: bool
     chat_template: str | None
+    scores: list[float] = field(default_factory=list)  # SentencePiece: each piece's score (merge priority)
+    unknown_token_id: int | None = None
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
@@ -98,6 +100,8 @@ def _read_tokenizer(reader: Any) -> GGUFTokenizerData:
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
         add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", True)),
         chat_template=_field(reader, "tokenizer.chat_template"),
+        scores=[float(s) for s in _field(reader, "tokenizer.ggml.scores", [])],
+        unknown_token_id=_field(reader, "tokenizer.ggml.unknown_token_id"),
     )
 
 

@@ -1,4 +1,5 @@
-"""Tokenizer: byte-level BPE built with the `tokenizers` library, from GGUF metadata or tokenizer.json.
+"""Tokenizer: built with the `tokenizers` library from GGUF metadata (byte-level BPE, or a SentencePiece
+vocabulary with scores) or from a tokenizer.json.
 
 GGUF files name their pre-tokenizer (`tokenizer.ggml.pre`); we rebuild the same split llama.cpp uses
 for that name. SmolLM2's (`smollm`) splits every digit off individually before the GPT-2 byte-level
@@ -13,7 +14,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from .chat_template import ChatTemplate
@@ -52,22 +53,52 @@ def _pre_tokenizer(name: str) -> pre_tokenizers.PreTokenizer:
 
 
 def _from_gguf(data: GGUFTokenizerData) -> HFTokenizer:
-    if data.model != "gpt2":
+    if data.model == "gpt2":
+        vocab = {token: i for i, token in enumerate(data.tokens)}
+        merges = [tuple(m.split(" ", 1)) for m in data.merges]
+        tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+        tok.pre_tokenizer = _pre_tokenizer(data.pre)
+        tok.decoder = decoders.ByteLevel()
+    elif data.model == "llama" and data.scores:
+        tok = _sentencepiece_bpe(data)
+    else:
         raise ModelLoadError(
-            f"tokenizer model {data.model!r} is not supported from GGUF (byte-level BPE 'gpt2' is); "
-            "load the Hugging Face directory with its tokenizer.json instead"
+            f"tokenizer model {data.model!r} is not supported from GGUF (byte-level BPE 'gpt2' and SentencePiece "
+            "'llama' with scores are); load the Hugging Face directory with its tokenizer.json instead"
         )
-    vocab = {token: i for i, token in enumerate(data.tokens)}
-    merges = [tuple(m.split(" ", 1)) for m in data.merges]
-    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    tok.pre_tokenizer = _pre_tokenizer(data.pre)
-    tok.decoder = decoders.ByteLevel()
     types = data.token_types or [1] * len(data.tokens)
     specials = [AddedToken(t, special=True, normalized=False) for t, ty in zip(data.tokens, types) if ty == _TOKEN_CONTROL]
     user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(data.tokens, types) if ty == _TOKEN_USER_DEFINED]
     tok.add_special_tokens(specials)
     tok.add_tokens(user)
     return tok
+
+
+def _sentencepiece_bpe(data: GGUFTokenizerData) -> HFTokenizer:
+    """A SentencePiece BPE vocabulary (GGUF tokenizer model `llama`: pieces with scores, "▁" for a
+    space, bytes as <0xNN> pieces) as a `tokenizers` BPE: merges ranked by the score of the piece they
+    make, unknown characters spelled in bytes."""
+    vocab = {token: i for i, token in enumerate(data.tokens)}
+    unknown = data.tokens[data.unknown_token_id] if data.unknown_token_id is not None else None
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=_merges_by_score(data.tokens, data.scores), unk_token=unknown,
+                                 fuse_unk=True, byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return tok
+
+
+def _merges_by_score(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """SentencePiece merges: every split of a piece into two pieces of the vocabulary, ranked by the
+    score of the piece they make (highest first), then by the longer left and right parts; within one
+    piece, by the ids of its parts (as the SentencePiece-to-BPE conversions of tokenizers do)."""
+    ids = {token: i for i, token in enumerate(tokens)}
+    candidates: list[tuple[str, str, float]] = []
+    for piece, score in zip(tokens, scores):
+        splits = [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in ids and piece[k:] in ids]
+        splits.sort(key=lambda pair: (ids[pair[0]], ids[pair[1]]))
+        candidates.extend((left, right, score) for left, right in splits)
+    candidates.sort(key=lambda c: (c[2], len(c[0]), len(c[1])), reverse=True)
+    return [(left, right) for left, right, _ in candidates]
 
 
 class Tokenizer:
