@@ -94,7 +94,11 @@ def test_curl_example_streams_chat_and_completions(server, how):
     assert completion[-1] == "[DONE]"
     pieces = [json.loads(e) for e in completion[:-1]]
     assert all(p["object"] == "text_completion" for p in pieces)
-    assert "".join(p["choices"][0]["text"] for p in pieces if p["choices"]).strip()
+    text = "".join(p["choices"][0]["text"] for p in pieces if p["choices"])
+    finish = [p["choices"][0]["finish_reason"] for p in pieces if p["choices"] and p["choices"][0]["finish_reason"]]
+    # sampled (the example sets no temperature): an end of text may come first, and twelve tokens may be
+    # whitespace only, but a stream that ran to max_tokens carried text
+    assert finish in (["length"], ["stop"]) and (text or finish == ["stop"])
 
 
 def test_curl_example_fails_loudly_when_no_server_listens():
