@@ -65,7 +65,8 @@ def test_openai_client_streams_through_the_proxy(base_url: str) -> None:
     client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", timeout=60, max_retries=0)
     model = client.models.list().data[0].id
     stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hi."}],
-                                            max_tokens=8, stream=True, stream_options={"include_usage": True})
+                                            max_tokens=8, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})  # greedy: text, not chance
     chunks = list(stream)
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
