@@ -29,7 +29,7 @@ from bench.pool import machine_description
 from decoding.kernels.fast_kernels import quantize_activation_row
 from decoding.kernels.kernels import matmul_rows, split_range
 from decoding.kernels.repack import is_packable, packed_type, repack
-from decoding.model.quant import BLOCK_SHAPES, QType, dequantize, quantize
+from decoding.model.quant import BLOCK_SHAPES, FP16_FIELDS, K_TYPES, QType, dequantize, quantize
 from threadpool import SpinPool, barrier_wait
 from threadpool.affinity import usable_cores
 
@@ -45,11 +45,6 @@ def _repeat_float(tid, nthreads, barrier, weight, qtype, n_rows, n_cols, x, n_to
         barrier_wait(barrier, tid)
 
 
-# byte offsets of each K type's fp16 fields (d, and dmin where there is one)
-K_FP16_FIELDS = {QType.Q2_K: (80, 82), QType.Q3_K: (108,), QType.Q4_K: (0, 2), QType.Q5_K: (0, 2),
-                 QType.Q6_K: (208,)}
-
-
 def random_k_blocks_like(weights: np.ndarray, qtype: QType, rng: np.random.Generator) -> np.ndarray:
     """(rows, row_bytes) uint8 of random `qtype` super-blocks (every quantized bit random) whose fp16
     scales make the dequantized weights spread like `weights`: neither treadle nor the gguf package
@@ -57,25 +52,30 @@ def random_k_blocks_like(weights: np.ndarray, qtype: QType, rng: np.random.Gener
     rows, cols = weights.shape
     per_block, size = BLOCK_SHAPES[qtype]
     blocks = rng.integers(0, 256, (rows, cols // per_block, size), dtype=np.uint8)
-    for offset in K_FP16_FIELDS[qtype]:
+    for offset in FP16_FIELDS[qtype]:
         blocks[..., offset : offset + 2] = np.ones(blocks.shape[:2], np.float16)[..., None].view(np.uint8)
     factor = weights.std() / dequantize(blocks.reshape(rows, -1), qtype, cols).std()
-    for offset in K_FP16_FIELDS[qtype]:
+    for offset in FP16_FIELDS[qtype]:
         scale = (factor * (0.5 + rng.random(blocks.shape[:2]))).astype(np.float16)
         blocks[..., offset : offset + 2] = scale[..., None].view(np.uint8)
     return blocks.reshape(rows, -1)
 
 
-def stored_matrix(qtype: QType, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """(rows, row_bytes) of `qtype`: quantized from random floats where treadle or the gguf package can,
-    random super-blocks with unit-scale fp16 fields otherwise (the kernels' cost does not depend on values)."""
-    weights = rng.standard_normal((rows, cols)).astype(np.float32) / np.sqrt(cols)
+def store_as(weights: np.ndarray, qtype: QType, rng: np.random.Generator) -> np.ndarray:
+    """float32 (rows, cols) weights in storage type `qtype`, as a GGUF tensor holds them: quantized by
+    treadle, or by the gguf package for Q5_0/Q5_1; for the K types, which neither quantizes, random
+    super-blocks of the same spread (the benchmarks' and tests' kernels care for the layout, not values)."""
     if qtype in (QType.Q5_0, QType.Q5_1):
         return np.asarray(gguf.quants.quantize(weights, gguf.GGMLQuantizationType(int(qtype))))
-    if qtype in K_FP16_FIELDS:
+    if qtype in K_TYPES:
         return random_k_blocks_like(weights, qtype, rng)
-    stored = quantize(weights, qtype)
-    return stored.view(np.uint8).reshape(rows, -1)
+    return quantize(weights, qtype)
+
+
+def stored_matrix(qtype: QType, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """(rows, row_bytes) uint8 of `qtype` holding random weights."""
+    weights = rng.standard_normal((rows, cols)).astype(np.float32) / np.sqrt(cols)
+    return store_as(weights, qtype, rng).view(np.uint8).reshape(rows, -1)
 
 
 def time_matmul(qtype: QType, rows: int, cols: int, tokens: int, threads: int, repeats: int) -> dict[str, Any]:

@@ -1,9 +1,9 @@
 """The VNNI kernels against numpy on the same int8 activations: only float rounding may differ."""
 
-import gguf
 import numpy as np
 import pytest
 
+from bench.kernels import store_as
 from decoding.kernels.fast_kernels import matmul_groups, quantize_activation_row, swiglu_groups
 from decoding.kernels.repack import ACTIVATION_ORDER, repack
 from decoding.model.quant import QType, dequantize, quantize
@@ -34,18 +34,12 @@ def test_activation_quantization_is_q8_0_with_round_half_away():
     assert xd[0, 0] == 1.0 and xsum[0, 0] == 1 - 1 + 2 - 3 + 127
 
 
-def stored_matrix(weights: np.ndarray, qtype: QType) -> np.ndarray:
-    if qtype in (QType.Q5_0, QType.Q5_1):  # treadle does not quantize to these; the gguf package does
-        return np.asarray(gguf.quants.quantize(weights, gguf.GGMLQuantizationType(int(qtype))))
-    return quantize(weights, qtype)
-
-
 @pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0], ids=lambda q: q.name)
 @pytest.mark.parametrize("tokens", [1, 3, 4, 9])
 def test_group_dot_products_equal_numpy_on_the_same_quantized_inputs(qtype, tokens):
     rng = np.random.default_rng(int(qtype) * 10 + tokens)
     rows, cols = 48, 320
-    stored = stored_matrix(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
+    stored = store_as(rng.standard_normal((rows, cols)).astype(np.float32), qtype, rng)
     x = rng.standard_normal((tokens, cols)).astype(np.float32) * 3
     xq, xd, xsum = quantized_activations(x)
     expected = dequantized_activations(xq, xd, cols).astype(np.float64) @ dequantize(stored, qtype, cols).T.astype(np.float64)
@@ -95,12 +89,11 @@ def test_accumulate_adds_to_the_residual_and_swiglu_combines_both_projections():
 @pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q5_K], ids=lambda q: q.name)
 @pytest.mark.parametrize("tokens", [1, 4, 9])
 def test_k_types_run_on_the_kernel_of_their_sub_blocks_form_with_fp16_scale_and_min(qtype, tokens):
-    from bench.kernels import random_k_blocks_like
     from decoding.kernels.repack import packed_type, q4_k_as_q4_1, q5_k_as_q5_1
 
     rng = np.random.default_rng(40 + tokens + int(qtype))
     rows, cols = 48, 512
-    stored = random_k_blocks_like(rng.standard_normal((rows, cols)).astype(np.float32) / 20, qtype, rng)
+    stored = store_as(rng.standard_normal((rows, cols)).astype(np.float32) / 20, qtype, rng)
     form = packed_type(qtype)
     converted_rows = (q4_k_as_q4_1 if qtype == QType.Q4_K else q5_k_as_q5_1)(stored, cols)
     exact_weights, converted = dequantize(stored, qtype, cols), dequantize(converted_rows, form, cols)
@@ -119,13 +112,12 @@ def test_k_types_run_on_the_kernel_of_their_sub_blocks_form_with_fp16_scale_and_
 
 
 def test_a_q4_k_matrix_whose_scales_overflow_fp16_stays_on_the_float_path():
-    from bench.kernels import random_k_blocks_like
     from decoding.kernels.forward import _packed
     from decoding.kernels.repack import q4_k_as_q4_1
     from decoding.model.weights import WeightMatrix
 
     rng = np.random.default_rng(5)
-    stored = random_k_blocks_like(rng.standard_normal((8, 256)).astype(np.float32), QType.Q4_K, rng)
+    stored = store_as(rng.standard_normal((8, 256)).astype(np.float32), QType.Q4_K, rng)
     stored[:, 0:2] = np.float16(60000.0).reshape(1, 1).view(np.uint8)  # d: times a 6-bit scale, past fp16
     stored[:, 4:16] = 63  # every scale at its largest
     with pytest.raises(ValueError, match="fp16"):
@@ -135,12 +127,11 @@ def test_a_q4_k_matrix_whose_scales_overflow_fp16_stays_on_the_float_path():
 
 @pytest.mark.parametrize("tokens", [1, 4, 9])
 def test_q6_k_runs_with_a_scale_per_16_weights_rounded_to_fp16(tokens):
-    from bench.kernels import random_k_blocks_like
     from decoding.model.quant import dequantize_q6_k_codes
 
     rng = np.random.default_rng(60 + tokens)
     rows, cols = 48, 512
-    stored = random_k_blocks_like(rng.standard_normal((rows, cols)).astype(np.float32) / 20, QType.Q6_K, rng)
+    stored = store_as(rng.standard_normal((rows, cols)).astype(np.float32) / 20, QType.Q6_K, rng)
     super_blocks = stored.reshape(-1, 210)
     d = super_blocks[:, 208:210].copy().view(np.float16).astype(np.float32)
     half_scales = (d * super_blocks[:, 192:208].view(np.int8).astype(np.float32)).astype(np.float16)

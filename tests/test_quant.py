@@ -2,7 +2,7 @@ import gguf
 import numpy as np
 import pytest
 
-from decoding.model.quant import BLOCK_SHAPES, QType, dequantize, quantize, row_bytes
+from decoding.model.quant import BLOCK_SHAPES, FP16_FIELDS, QType, dequantize, quantize, row_bytes
 
 
 @pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.F16, QType.BF16])
@@ -34,13 +34,9 @@ def test_quantization_error_is_bounded_by_the_block_step():
 
 
 NEW_TYPES = [QType.Q5_0, QType.Q5_1, QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K]
-# byte offsets of each type's fp16 fields: random bytes there could be NaN or inf, which compare unequal
-FP16_FIELDS = {QType.Q5_0: (0,), QType.Q5_1: (0, 2), QType.Q2_K: (80, 82), QType.Q3_K: (108,),
-               QType.Q4_K: (0, 2), QType.Q5_K: (0, 2), QType.Q6_K: (208,)}
-
-
 def random_blocks(qtype: QType, rows: int, blocks_per_row: int, seed: int) -> np.ndarray:
-    """Every bit of the quantized fields random; the fp16 scales finite, of either sign."""
+    """Every bit of the quantized fields random; the fp16 scales finite, of either sign (random bytes
+    there could be NaN or inf, which compare unequal)."""
     rng = np.random.default_rng(seed)
     _, size = BLOCK_SHAPES[qtype]
     data = rng.integers(0, 256, (rows, blocks_per_row, size), dtype=np.uint8)

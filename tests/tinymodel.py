@@ -17,7 +17,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tokenizers.pre_tokenizers import ByteLevel
 
-from bench.kernels import K_FP16_FIELDS, random_k_blocks_like
+from bench.kernels import store_as
 from decoding.model.quant import QType, quantize
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -88,11 +88,6 @@ _GGUF_NAMES = {
 }
 
 
-# Neither treadle nor the gguf package quantizes to the K types: tests store random super-blocks.
-QUANTIZED_BY_GGUF = (QType.Q5_0, QType.Q5_1)
-RANDOM_BLOCK_TYPES = tuple(K_FP16_FIELDS)
-
-
 def write_gguf(path: Path, shape: TinyShape = TinyShape(), qtype: QType = QType.F32, seed: int = 0,
                architecture: str = "llama", embedding_qtype: QType | None = None) -> Path:
     tokens, merges, types = tiny_vocab()
@@ -124,12 +119,7 @@ def write_gguf(path: Path, shape: TinyShape = TinyShape(), qtype: QType = QType.
             writer.add_tensor(name, array.astype(np.float32))
             return
         raw = gguf.GGMLQuantizationType(int(tensor_qtype))
-        if tensor_qtype in QUANTIZED_BY_GGUF:
-            stored = gguf.quants.quantize(array, raw)
-        elif tensor_qtype in RANDOM_BLOCK_TYPES:
-            stored = random_k_blocks_like(array, tensor_qtype, rng)
-        else:
-            stored = quantize(array, tensor_qtype)
+        stored = store_as(array, tensor_qtype, rng)  # K types: random super-blocks (nobody quantizes to them)
         writer.add_tensor(name, stored, raw_dtype=None if tensor_qtype == QType.F32 else raw)
 
     add("token_embd.weight", weights["model.embed_tokens.weight"], embedding_qtype or qtype)

@@ -261,6 +261,8 @@ class Engine:
 
     def _abort_slow_readers(self) -> None:
         """End requests whose client has read nothing for the timeout while the engine waited on it."""
+        if not self.num_paused_requests:  # counted after the last step; a pause is timed in seconds
+            return
         timeout = self.config.slow_reader_timeout_seconds
         now = time.monotonic()
         for request in list(self._requests.values()):

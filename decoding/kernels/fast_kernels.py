@@ -31,10 +31,11 @@ from .vnni import (
 )
 
 Q4_0, Q4_1, Q5_0, Q8_0 = int(QType.Q4_0), int(QType.Q4_1), int(QType.Q5_0), int(QType.Q8_0)
-_STRIDE_Q4_0, _STRIDE_Q4_1, _STRIDE_Q8_0 = BLOCK_STRIDE[QType.Q4_0], BLOCK_STRIDE[QType.Q4_1], BLOCK_STRIDE[QType.Q8_0]
-_STRIDE_Q5_0, _STRIDE_Q5_1 = BLOCK_STRIDE[QType.Q5_0], BLOCK_STRIDE[QType.Q5_1]
 Q5_1, Q6_K = int(QType.Q5_1), int(QType.Q6_K)
-_STRIDE_Q6_K = BLOCK_STRIDE[QType.Q6_K]
+# bytes of one (8-row group, 32-weight block) of each packed type, indexed by type id (numba freezes it)
+_GROUP_BLOCK_BYTES = np.zeros(max(BLOCK_STRIDE) + 1, dtype=np.int64)
+for _qtype, _stride in BLOCK_STRIDE.items():
+    _GROUP_BLOCK_BYTES[int(_qtype)] = _stride
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -71,17 +72,7 @@ def quantize_activation_row(x, n_cols, xq, xd, xsum):
 
 @njit(nogil=True, cache=True)
 def group_stride(qtype, n_blocks):
-    if qtype == Q4_1:
-        return _STRIDE_Q4_1 * n_blocks
-    if qtype == Q4_0:
-        return _STRIDE_Q4_0 * n_blocks
-    if qtype == Q5_0:
-        return _STRIDE_Q5_0 * n_blocks
-    if qtype == Q5_1:
-        return _STRIDE_Q5_1 * n_blocks
-    if qtype == Q6_K:
-        return _STRIDE_Q6_K * n_blocks
-    return _STRIDE_Q8_0 * n_blocks
+    return _GROUP_BLOCK_BYTES[qtype] * n_blocks
 
 
 @njit(nogil=True, cache=True)

@@ -32,6 +32,7 @@ run in ggml's order, so the results are bit-identical to ggml's (and to the `ggu
 from __future__ import annotations
 
 import enum
+from functools import partial
 
 import numpy as np
 
@@ -69,6 +70,14 @@ BLOCK_SHAPES = {
     QType.Q2_K: (QK_K, 84), QType.Q3_K: (QK_K, 110), QType.Q4_K: (QK_K, 144), QType.Q5_K: (QK_K, 176),
     QType.Q6_K: (QK_K, 210),
 }
+
+
+# byte offsets of each block type's fp16 fields: the scale d, and the min m (or dmin) where there is one
+FP16_FIELDS = {
+    QType.Q4_0: (0,), QType.Q4_1: (0, 2), QType.Q5_0: (0,), QType.Q5_1: (0, 2), QType.Q8_0: (0,),
+    QType.Q2_K: (80, 82), QType.Q3_K: (108,), QType.Q4_K: (0, 2), QType.Q5_K: (0, 2), QType.Q6_K: (208,),
+}
+K_TYPES = tuple(qtype for qtype, (weights, _) in BLOCK_SHAPES.items() if weights == QK_K)
 
 
 def row_bytes(qtype: QType, n_cols: int) -> int:
@@ -111,9 +120,10 @@ def dequantize(data: np.ndarray, qtype: QType, n_cols: int) -> np.ndarray:
     if qtype == QType.BF16:
         return bf16_to_f32(np.asarray(data).view(np.uint16)).reshape(rows, n_cols)
     blocks = _blocks(np.asarray(data), qtype)
-    if qtype in _K_DEQUANTIZERS or qtype in (QType.Q5_0, QType.Q5_1):
-        out = (_K_DEQUANTIZERS.get(qtype) or _dequantize_q5)(blocks, qtype)
-        return out.reshape(rows, n_cols)
+    if qtype in _SUPER_BLOCK_DEQUANTIZERS:  # (n, bytes) super-blocks in, (n, 256) weights out
+        return _SUPER_BLOCK_DEQUANTIZERS[qtype](blocks.reshape(-1, blocks.shape[-1])).reshape(rows, n_cols)
+    if qtype in (QType.Q5_0, QType.Q5_1):
+        return _dequantize_q5(blocks, qtype).reshape(rows, n_cols)
     d = _fp16_field(blocks, 0)
     if qtype == QType.Q8_0:
         q = blocks[..., 2:].view(np.int8).astype(np.float32)
@@ -142,11 +152,6 @@ def _dequantize_q5(blocks: np.ndarray, qtype: QType) -> np.ndarray:
     if qtype == QType.Q5_0:
         return d * (q.astype(np.float32) - 16.0)
     return d * q.astype(np.float32) + _fp16_field(blocks, 2)
-
-
-def _k_super_blocks(blocks: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]]:
-    """(rows, n, bytes) → (rows·n, bytes), and the leading shape to restore."""
-    return blocks.reshape(-1, blocks.shape[-1]), blocks.shape[:-1]
 
 
 def _fp16_at(blocks: np.ndarray, offset: int) -> np.ndarray:
@@ -244,19 +249,12 @@ def _dequantize_q6_k(blocks: np.ndarray) -> np.ndarray:
     return (dl * q.astype(np.float32)).reshape(-1, QK_K)
 
 
-def _k_dequantizer(kernel):  # type: ignore[no-untyped-def]
-    def dequantize_blocks(blocks: np.ndarray, qtype: QType) -> np.ndarray:
-        flat, leading = _k_super_blocks(blocks)
-        return kernel(flat).reshape(*leading, QK_K)
-    return dequantize_blocks
-
-
-_K_DEQUANTIZERS = {
-    QType.Q2_K: _k_dequantizer(_dequantize_q2_k),
-    QType.Q3_K: _k_dequantizer(_dequantize_q3_k),
-    QType.Q4_K: _k_dequantizer(_dequantize_q4_k),
-    QType.Q5_K: _k_dequantizer(lambda blocks: _dequantize_q4_k(blocks, fifth_bits=True)),
-    QType.Q6_K: _k_dequantizer(_dequantize_q6_k),
+_SUPER_BLOCK_DEQUANTIZERS = {
+    QType.Q2_K: _dequantize_q2_k,
+    QType.Q3_K: _dequantize_q3_k,
+    QType.Q4_K: _dequantize_q4_k,
+    QType.Q5_K: partial(_dequantize_q4_k, fifth_bits=True),
+    QType.Q6_K: _dequantize_q6_k,
 }
 
 
