@@ -1,4 +1,4 @@
-"""The `treadle` command line: serve, generate, chat, bench.
+"""The `treadle` command line: serve, generate, chat, pull, models, bench.
 
 Each subcommand imports its module lazily so that `treadle --help` stays instant and a
 benchmark of one package does not pay for loading the others.
@@ -25,6 +25,8 @@ COMMANDS = {
     "serve": "app.serve",
     "generate": "app.generate",
     "chat": "app.chat",
+    "pull": "app.pull",
+    "models": "app.models",
 }
 
 
