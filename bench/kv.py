@@ -174,13 +174,15 @@ def _time_attention(
     out = np.empty_like(query)
     scratch = attention_scratch(num_threads, N_HEADS, n_kv_heads, head_dim, block_size)
     args = (out, query, key_cache, value_cache, block_tables, context_lens, query_start_loc, scratch)
+    shape = (1.0 / np.sqrt(head_dim), 0)  # scale, no sliding window
 
     def run_layer() -> None:
         if num_threads == 1:  # no hand-off to time
-            paged_attention_rows(*args, 0, 1)
+            paged_attention_rows(*args, 0, 1, *shape)
             return
         futures = [
-            executor.submit(paged_attention_rows, *args, tid, num_threads) for tid in range(num_threads)
+            executor.submit(paged_attention_rows, *args, tid, num_threads, *shape)
+            for tid in range(num_threads)
         ]
         for future in futures:
             future.result()

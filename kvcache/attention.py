@@ -11,8 +11,8 @@ One layer's step is
 
 One flat batch holds decodes (one query row) and prefill chunks (several) alike. The query rows of
 sequence s are its last positions: row `query_start_loc[s] + i` sits at position
-`context_lens[s] - query_len + i` and attends to positions 0..itself, so a chunk sees all earlier
-context and itself causally.
+`context_lens[s] - query_len + i` and attends to positions 0..itself (or, on a sliding-window
+layer, to the last `window` of them), so a chunk sees all earlier context and itself causally.
 
 Work is split into (query row, KV head) items dealt round-robin to threads; one item computes the
 outputs of every query head of that KV head's group, reading each K/V tile once for the group. The
@@ -35,8 +35,6 @@ kept in memory waits on store-to-load forwarding.
 """
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 from numba import njit
@@ -104,12 +102,15 @@ def write_kv_rows(key, value, key_cache, value_cache, slot_mapping, tid, nthread
 
 @njit(nogil=True, cache=True, fastmath=False)
 def paged_attention_rows(
-    out, query, key_cache, value_cache, block_tables, context_lens, query_start_loc, scratch, tid, nthreads
-):
+    out, query, key_cache, value_cache, block_tables, context_lens, query_start_loc, scratch, tid, nthreads,
+    scale, window,
+):  # fmt: skip
     """Causal grouped-query attention of every query row over its sequence's paged KV.
 
     out, query:      (num_tokens, n_heads, head_dim) float32; query head h reads KV head
-                     h // (n_heads // n_kv_heads); scale 1 / sqrt(head_dim)
+                     h // (n_heads // n_kv_heads); scores are q·k · scale (1 / sqrt(head_dim) for most models)
+    window:          0, or the keys a position sees, itself included (sliding-window layers): position p
+                     then attends to max(0, p - window + 1) .. p; blocks wholly before that are not read
     key_cache:       (num_blocks, n_kv_heads, head_dim, block_size) float32, or uint16 half floats
                      (read as float32: the arithmetic is the same for both), one layer
     value_cache:     (num_blocks, n_kv_heads, block_size, head_dim) like key_cache, one layer
@@ -136,13 +137,25 @@ def paged_attention_rows(
                 # Round-robin over items balances the causal triangle of a prefill chunk.
                 if item % nthreads == tid:
                     _attend_row_group(
-                        out, query, key_cache, value_cache, block_table, row, position, kv_head, work
+                        out,
+                        query,
+                        key_cache,
+                        value_cache,
+                        block_table,
+                        row,
+                        position,
+                        kv_head,
+                        work,
+                        scale,
+                        window,
                     )
                 item += 1
 
 
 @njit(nogil=True, cache=True, fastmath=False)
-def _attend_row_group(out, query, key_cache, value_cache, block_table, row, position, kv_head, work):
+def _attend_row_group(
+    out, query, key_cache, value_cache, block_table, row, position, kv_head, work, scale, window
+):
     """Outputs of query row `row` (at `position`) for the query heads of `kv_head`'s group.
 
     work: (group_size, 2 * head_dim + block_size + 2) float32; row g serves query head
@@ -157,7 +170,7 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
     block_size = value_cache.shape[2]
     first_head = kv_head * group_size
     acc_begin, weights_begin, stats_begin = head_dim, 2 * head_dim, 2 * head_dim + block_size
-    scale = np.float32(1.0 / math.sqrt(head_dim))
+    scale = np.float32(scale)
     for g in range(group_size):
         work_row = work[g]
         q = query[row, first_head + g]
@@ -168,7 +181,9 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
         work_row[stats_begin + 1] = 0.0  # running sum of exp(score - running max)
 
     last_block = position // block_size
-    for logical_block in range(last_block + 1):
+    first_key = max(0, position - window + 1) if window > 0 else 0
+    first_block = first_key // block_size
+    for logical_block in range(first_block, last_block + 1):
         block_id = block_table[logical_block]
         keys = key_cache[block_id, kv_head]  # (head_dim, block_size)
         values = value_cache[block_id, kv_head]  # (block_size, head_dim)
@@ -177,6 +192,19 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
             prefetch_tile(key_cache[next_block_id, kv_head])
             prefetch_tile(value_cache[next_block_id, kv_head])
         num_keys = min(block_size, position + 1 - logical_block * block_size)  # causal within the last block
+        skipped = first_key - logical_block * block_size  # keys before the window, in its first block
+        if skipped > 0:  # the window opens inside this block: only its later keys count
+            for g in range(group_size):
+                work_row = work[g]
+                acc = work_row[acc_begin:weights_begin]
+                weights = work_row[weights_begin:stats_begin]
+                _block_scores(weights, keys[:, skipped:], work_row[:acc_begin], num_keys - skipped)
+                correction = _softmax_block_update(weights, num_keys - skipped, work_row[stats_begin:])
+                if correction != 1.0:
+                    for d in range(head_dim):
+                        acc[d] *= correction
+                _accumulate_values(acc, values[skipped:], weights, num_keys - skipped)
+            continue
         if block_size == SIMD_BLOCK_SIZE and (head_dim == 64 or head_dim == 128):  # vector IR
             _attend_group_simd(work, keys, values, num_keys, head_dim, group_size)
             continue

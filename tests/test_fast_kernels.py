@@ -5,6 +5,8 @@ import pytest
 
 from bench.kernels import store_as
 from decoding.kernels.fast_kernels import matmul_groups, quantize_activation_row, swiglu_groups
+from decoding.kernels.kernels import GATE_GELU_TANH, GATE_SILU
+from decoding.kernels.reference import gate_activation
 from decoding.kernels.repack import ACTIVATION_ORDER, repack
 from decoding.model.quant import QType, dequantize, quantize
 
@@ -65,7 +67,8 @@ def test_groups_of_four_tokens_give_the_same_bits_as_one_at_a_time():
         np.testing.assert_array_equal(alone[0], together[t])
 
 
-def test_accumulate_adds_to_the_residual_and_swiglu_combines_both_projections():
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_accumulate_adds_to_the_residual_and_the_gated_unit_combines_both_projections(activation):
     rng = np.random.default_rng(4)
     rows, cols, tokens = 16, 64, 5
     gate = quantize(rng.standard_normal((rows, cols)).astype(np.float32), QType.Q8_0)
@@ -80,10 +83,10 @@ def test_accumulate_adds_to_the_residual_and_swiglu_combines_both_projections():
     hidden, up_scratch = np.zeros((tokens, rows), np.float32), np.zeros((tokens, rows), np.float32)
     swiglu_groups(repack(gate, QType.Q8_0, rows, cols), repack(up, QType.Q4_1, rows, cols), int(QType.Q8_0),
                   int(QType.Q4_1), cols, xq, xd, xsum, tokens, hidden, up_scratch, 0, 2, np.zeros((4, 8), np.float32),
-                  np.zeros((4, 8), np.float32))
+                  np.zeros((4, 8), np.float32), GATE_GELU_TANH if activation == "gelu_tanh" else GATE_SILU)
     g = x @ dequantize(gate, QType.Q8_0, cols).T
     u = x @ dequantize(up, QType.Q4_1, cols).T
-    np.testing.assert_allclose(hidden, g / (1 + np.exp(-g)) * u, rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(hidden, gate_activation(g, activation) * u, rtol=1e-3, atol=1e-4)
 
 
 @pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q5_K], ids=lambda q: q.name)

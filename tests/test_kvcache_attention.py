@@ -74,8 +74,13 @@ def _as_stored(x: np.ndarray, storage: str) -> np.ndarray:
 
 
 def run_paged(
-    case: PagedCase, seqs: list[int], context_lens: list[int], query_lens: list[int], nthreads: int = 1,
+    case: PagedCase,
+    seqs: list[int],
+    context_lens: list[int],
+    query_lens: list[int],
+    nthreads: int = 1,
     scratch: np.ndarray | None = None,
+    window: int = 0,
 ) -> np.ndarray:
     """Attention of the last query_lens[i] positions of seqs[i], its context cut at context_lens[i];
     the threads are simulated one after another. scratch: default `attention_scratch`'s."""
@@ -100,14 +105,17 @@ def run_paged(
             scratch,
             tid,
             nthreads,
+            1.0 / np.sqrt(head_dim),
+            window,
         )
     return out
 
 
 def dense_causal_attention(
-    keys: np.ndarray, values: np.ndarray, queries: np.ndarray, query_len: int
+    keys: np.ndarray, values: np.ndarray, queries: np.ndarray, query_len: int, window: int = 0
 ) -> np.ndarray:
-    """Plain float64 softmax(q k^T / sqrt(d)) v over positions 0..p, for the last query_len positions p."""
+    """Plain float64 softmax(q k^T / sqrt(d)) v over positions 0..p (p - window + 1..p with a window),
+    for the last query_len positions p."""
     context_len, n_kv_heads, head_dim = keys.shape
     n_heads = queries.shape[1]
     group_size = n_heads // n_kv_heads
@@ -115,8 +123,9 @@ def dense_causal_attention(
     for i in range(query_len):
         position = context_len - query_len + i
         for head in range(n_heads):
-            k = keys[: position + 1, head // group_size].astype(np.float64)
-            v = values[: position + 1, head // group_size].astype(np.float64)
+            first = max(0, position - window + 1) if window else 0
+            k = keys[first : position + 1, head // group_size].astype(np.float64)
+            v = values[first : position + 1, head // group_size].astype(np.float64)
             scores = k @ queries[position, head].astype(np.float64) / np.sqrt(head_dim)
             weights = np.exp(scores - scores.max())
             out[i, head] = weights @ v / weights.sum()
@@ -162,8 +171,45 @@ def test_paged_attention_equals_dense_causal_attention(
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
 
 
-def dense(case: PagedCase, seq: int, query_len: int) -> np.ndarray:
-    return dense_causal_attention(case.keys[seq], case.values[seq], case.queries[seq], query_len)
+def dense(case: PagedCase, seq: int, query_len: int, window: int = 0) -> np.ndarray:
+    return dense_causal_attention(case.keys[seq], case.values[seq], case.queries[seq], query_len, window)
+
+
+# (context_lens, query_lens, block_size, n_heads, n_kv_heads, head_dim, window)
+WINDOW_CASES = [
+    ([100, 37, 9], [1, 1, 1], 16, 4, 1, 256, 20),  # Gemma 3's heads; the window opens inside a block
+    ([90, 64], [40, 64], 16, 8, 2, 64, 32),  # prefill chunks, a window of exactly two blocks (vector IR)
+    ([200], [13], 16, 4, 2, 128, 17),  # every row's window starts at a different offset
+    ([30, 5], [30, 5], 8, 2, 2, 16, 64),  # a window longer than the context: plain causal attention
+    ([50], [50], 16, 2, 1, 64, 1),  # a window of one: each position sees only itself
+]
+
+
+@pytest.mark.parametrize("storage", STORAGE)
+@pytest.mark.parametrize(
+    ("context_lens", "query_lens", "block_size", "n_heads", "n_kv_heads", "head_dim", "window"), WINDOW_CASES
+)
+def test_sliding_window_attention_equals_dense_windowed_attention(
+    context_lens: list[int], query_lens: list[int], block_size: int, n_heads: int, n_kv_heads: int,
+    head_dim: int, window: int, storage: str,
+) -> None:  # fmt: skip
+    case = make_case(
+        np.random.default_rng(window), context_lens, block_size, n_heads, n_kv_heads, head_dim, storage
+    )
+    seqs = list(range(len(context_lens)))
+    out = run_paged(case, seqs, context_lens, query_lens, nthreads=2, window=window)
+    expected = np.concatenate(
+        [dense(case, seq, query_len, window) for seq, query_len in zip(seqs, query_lens, strict=True)]
+    )
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_windowed_position_is_bit_identical_however_the_prompt_is_chunked() -> None:
+    case = make_case(np.random.default_rng(12), [120], 16, 4, 1, 256)
+    whole = run_paged(case, [0], [120], [120], window=40)
+    chunked = np.concatenate([run_paged(case, [0], [end], [end - begin], nthreads=3, window=40)
+                              for begin, end in ((0, 7), (7, 64), (64, 65), (65, 120))])  # fmt: skip
+    np.testing.assert_array_equal(whole, chunked)
 
 
 @pytest.mark.parametrize("storage", STORAGE)
@@ -214,6 +260,8 @@ def test_each_output_is_written_by_exactly_one_thread(nthreads: int) -> None:
             attention_scratch(nthreads, 6, 2, 16, 8),
             tid,
             nthreads,
+            0.25,
+            0,
         )
         written.append(~np.isnan(out).all(axis=2))  # (num_tokens, n_heads): which outputs this thread wrote
     assert (np.sum(written, axis=0) == 1).all()
@@ -249,8 +297,10 @@ def _strided_view(array: np.ndarray, how: str) -> np.ndarray:
     return view
 
 
-@pytest.mark.parametrize(("which", "how"), [("key_cache", "transposed"), ("value_cache", "padded_rows"),
-                                            ("scratch", "every_other")])
+@pytest.mark.parametrize(
+    ("which", "how"),
+    [("key_cache", "transposed"), ("value_cache", "padded_rows"), ("scratch", "every_other")],
+)
 def test_arrays_the_vector_ir_reads_by_pointer_must_be_c_contiguous(which: str, how: str) -> None:
     """16-key blocks at head_dim 64 take the vector-IR path, which reads K/V tiles and scratch rows
     by pointer: a strided or transposed view is refused with an error naming it, never misread;
@@ -267,7 +317,10 @@ def test_arrays_the_vector_ir_reads_by_pointer_must_be_c_contiguous(which: str, 
         scratch = _strided_view(scratch, how)
     with pytest.raises(TypingError, match=f"{which} .*C-contiguous"):
         run_paged(case, [0, 1], context_lens, query_lens, scratch=scratch)
-    case.key_cache, case.value_cache = np.ascontiguousarray(case.key_cache), np.ascontiguousarray(case.value_cache)
+    case.key_cache, case.value_cache = (
+        np.ascontiguousarray(case.key_cache),
+        np.ascontiguousarray(case.value_cache),
+    )
     out = run_paged(case, [0, 1], context_lens, query_lens, scratch=np.ascontiguousarray(scratch))
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
 

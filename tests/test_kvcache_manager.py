@@ -318,6 +318,8 @@ def test_manager_storage_and_kernels_together_equal_dense_attention() -> None:
                 scratch,
                 tid,
                 2,
+                1.0 / np.sqrt(queries.shape[-1]),
+                0,
             )
 
     kv.allocate(1, token_ids[:10])

@@ -10,7 +10,7 @@ from kvcache.batch import KVBatchArrays
 from kvcache.storage import KVCacheStorage
 from threadpool import SpinPool
 
-from ..kernels.forward import KERNEL_MODES, KernelWeights, RunState, model_step
+from ..kernels.forward import KERNEL_MODES, KernelWeights, RunState, architecture_switches, model_step
 from ..model.model import Model
 
 
@@ -29,8 +29,15 @@ class StepBatch:
 
 
 class ModelRunner:
-    def __init__(self, model: Model, storage: KVCacheStorage, pool: SpinPool, max_num_tokens: int,
-                 max_logit_rows: int, kernels: str = "fast") -> None:
+    def __init__(
+        self,
+        model: Model,
+        storage: KVCacheStorage,
+        pool: SpinPool,
+        max_num_tokens: int,
+        max_logit_rows: int,
+        kernels: str = "fast",
+    ) -> None:
         if kernels not in KERNEL_MODES:
             raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {kernels!r}")
         cfg = model.config
@@ -41,7 +48,9 @@ class ModelRunner:
         self.max_num_tokens = max_num_tokens
         self.max_logit_rows = max_logit_rows
         self.weights = KernelWeights.build(cfg, model.weights, fast=kernels == "fast")
-        self.state = RunState.allocate(cfg, max_num_tokens, max_logit_rows, pool.n_threads, storage.spec.block_size)
+        self.state = RunState.allocate(
+            cfg, max_num_tokens, max_logit_rows, pool.n_threads, storage.spec.block_size
+        )
 
     def forward(self, batch: StepBatch) -> np.ndarray:
         """Run one step; returns logits (num_logit_rows, vocab), a view valid until the next step."""
@@ -56,9 +65,10 @@ class ModelRunner:
             model_step, self.kernels == "fast",
             batch.token_ids, kv.positions, kv.slot_mapping, kv.block_tables, kv.context_lens, kv.query_start_loc,
             batch.logit_rows,
-            w.matrices, w.packed, w.qtypes, w.packed_qtypes, w.norms, w.embedding, w.embedding_qtype, w.lm_head,
+            w.matrices, w.packed, w.qtypes, w.packed_qtypes, w.norms, w.biases, w.head_norms, w.layer_windows,
+            w.layer_ropes, w.embedding, w.embedding_qtype, w.lm_head,
             w.lm_head_qtype, w.lm_head_packed, w.lm_head_packed_qtype, w.output_norm, w.rope_cos, w.rope_sin,
-            cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, np.float32(cfg.rms_eps),
+            cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, np.float32(cfg.rms_eps), *architecture_switches(cfg),
             self.storage.key_cache, self.storage.value_cache,
             s.x, s.xb, s.q, s.k, s.v, s.attn, s.hb, s.up, s.final, s.logits, s.row_buffers, s.attn_scratch,
             s.xq, s.xd, s.xsum, s.group_out,

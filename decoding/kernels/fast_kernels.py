@@ -14,6 +14,7 @@ from numba import njit
 from kvcache.fastmath import exp_f32
 
 from ..model.quant import QType
+from .kernels import gate_sigmoid_argument
 from .vnni import (
     BLOCK_STRIDE,
     group_dot_q4_0_x1,
@@ -111,7 +112,9 @@ def group_dot(packed, qtype, offset, n_blocks, xq, xd, xsum, token, num_tokens, 
 
 
 @njit(nogil=True, cache=True)
-def matmul_groups(packed, qtype, n_cols, xq, xd, xsum, n_tokens, out, group_begin, group_end, accumulate, tmp):
+def matmul_groups(
+    packed, qtype, n_cols, xq, xd, xsum, n_tokens, out, group_begin, group_end, accumulate, tmp
+):
     """out[t, 8g + i] (+)= row 8g+i · x[t] for groups [group_begin, group_end); tmp: (4, 8) float32."""
     n_blocks = n_cols // 32
     stride = group_stride(qtype, n_blocks)
@@ -131,8 +134,9 @@ def matmul_groups(packed, qtype, n_cols, xq, xd, xsum, n_tokens, out, group_begi
 
 @njit(nogil=True, cache=True, error_model="numpy")
 def swiglu_groups(gate, up, qtype_gate, qtype_up, n_cols, xq, xd, xsum, n_tokens, out, up_out, group_begin,
-                  group_end, tmp_gate, tmp_up):  # fmt: skip
-    """out[t, r] = silu(gate_r · x[t]) · (up_r · x[t]) for the rows of groups [group_begin, group_end).
+                  group_end, tmp_gate, tmp_up, activation):  # fmt: skip
+    """out[t, r] = act(gate_r · x[t]) · (up_r · x[t]) for the rows of groups [group_begin, group_end);
+    act is SiLU or the tanh GELU (kernels.gate_sigmoid_argument).
 
     The dot products land first in `out` (gate) and `up_out` (up); the SiLU then runs as one
     contiguous pass over the thread's own columns, where `exp_f32` vectorises (a libm expf per
@@ -160,4 +164,4 @@ def swiglu_groups(gate, up, qtype_gate, qtype_up, n_cols, xq, xd, xsum, n_tokens
         gates, ups = out[t, 8 * group_begin : 8 * group_end], up_out[t, 8 * group_begin : 8 * group_end]
         for j in range(gates.shape[0]):
             g_val = gates[j]
-            gates[j] = g_val / (np.float32(1.0) + exp_f32(-g_val)) * ups[j]
+            gates[j] = g_val / (np.float32(1.0) + exp_f32(-gate_sigmoid_argument(g_val, activation))) * ups[j]

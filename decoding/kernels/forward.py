@@ -1,8 +1,13 @@
 """The model step: every layer of one engine step inside one `pool.run`, a barrier between phases.
 
-    embed → for each layer: RMSNorm → Q,K,V → RoPE, write K/V to the paged cache → paged attention
-    → output projection (+ residual) → RMSNorm → SwiGLU gate·up → down projection (+ residual)
-    → final RMSNorm of the rows that sample → LM head
+    embed (· scale) → for each layer: RMSNorm → Q,K,V (+ biases) → (head RMSNorm) → RoPE,
+    write K/V to the paged cache → paged attention (windowed on sliding layers)
+    → output projection (→ RMSNorm) + residual → RMSNorm → gate·up (SiLU or GELU gate)
+    → down projection (→ RMSNorm) + residual → final RMSNorm of the rows that sample → LM head
+
+The parenthesised phases are the architecture switches of `ModelConfig` (qwen2's biases, qwen3's
+and gemma3's head norms, gemma3's post-norms, embedding scale and GELU, per-layer windows and
+rotary bases): one step body for every architecture, each switch a branch on a scalar.
 
 Three lifetimes, as in llama2.c: `ModelConfig` (shape), `KernelWeights` (read-only, stored form),
 `RunState` (scratch sized once for the largest step; nothing is allocated per step).
@@ -27,7 +32,17 @@ from threadpool import barrier_wait
 from ..model.config import ModelConfig
 from ..model.weights import ModelWeights, WeightMatrix, release_mapped_pages
 from .fast_kernels import matmul_groups, quantize_activation_row, swiglu_groups
-from .kernels import dequantize_row, matmul_rows, rmsnorm_row, rope_row, split_range, swiglu_rows
+from .kernels import (
+    GATE_GELU_TANH,
+    GATE_SILU,
+    dequantize_row,
+    head_rmsnorm_row,
+    matmul_rows,
+    rmsnorm_row,
+    rope_row,
+    split_range,
+    swiglu_rows,
+)
 from .reference import rope_tables
 from .repack import is_packable, packed_type, repack
 
@@ -66,7 +81,13 @@ class KernelWeights:
     packed: List  # the same matrices repacked for the fast kernels (flat uint8), or empty arrays
     qtypes: np.ndarray  # (n_layers, 7) int64 storage type of each matrix
     packed_qtypes: np.ndarray  # (n_layers, 7) int64 the type whose int8 kernel runs each repacked matrix
-    norms: np.ndarray  # (n_layers, 2, dim) float32: attention norm, feed-forward norm
+    norms: (
+        np.ndarray
+    )  # (n_layers, 4, dim) float32: attention, feed-forward, post-attention, post-feed-forward
+    biases: np.ndarray  # (n_layers, q_dim + 2 kv_dim) float32: Q, K, V biases back to back (zeros if none)
+    head_norms: np.ndarray  # (n_layers, 2, head_dim) float32: query and key head norms (ones if none)
+    layer_windows: np.ndarray  # (n_layers,) int64: keys each layer attends to, 0 = all
+    layer_ropes: np.ndarray  # (n_layers,) int64: which rotary table each layer uses
     embedding: np.ndarray  # (vocab, row_bytes) uint8
     embedding_qtype: int
     lm_head: np.ndarray  # (vocab, row_bytes) uint8
@@ -74,30 +95,52 @@ class KernelWeights:
     lm_head_packed: np.ndarray  # flat uint8, or empty
     lm_head_packed_qtype: int
     output_norm: np.ndarray  # (dim,) float32
-    rope_cos: np.ndarray  # (max_context, head_dim / 2) float32
-    rope_sin: np.ndarray  # (max_context, head_dim / 2) float32
+    rope_cos: np.ndarray  # (n_tables, max_context, head_dim / 2) float32
+    rope_sin: np.ndarray  # (n_tables, max_context, head_dim / 2) float32
 
     @classmethod
     def build(cls, cfg: ModelConfig, weights: ModelWeights, fast: bool) -> KernelWeights:
         matrices, packed = List(), List()
         qtypes = np.zeros((cfg.n_layers, MATRICES_PER_LAYER), dtype=np.int64)
         packed_qtypes = np.zeros_like(qtypes)
-        norms = np.zeros((cfg.n_layers, 2, cfg.dim), dtype=np.float32)
+        norms = np.zeros((cfg.n_layers, 4, cfg.dim), dtype=np.float32)
+        biases = np.zeros((cfg.n_layers, cfg.q_dim + 2 * cfg.kv_dim), dtype=np.float32)
+        head_norms = np.ones((cfg.n_layers, 2, cfg.head_dim), dtype=np.float32)
         for i, layer in enumerate(weights.layers):
-            for j, m in enumerate((layer.wq, layer.wk, layer.wv, layer.wo, layer.w_gate, layer.w_up, layer.w_down)):
+            for j, m in enumerate(
+                (layer.wq, layer.wk, layer.wv, layer.wo, layer.w_gate, layer.w_up, layer.w_down)
+            ):
                 matrices.append(_as_bytes(m))
                 packed.append(_packed(m, fast))
                 qtypes[i, j] = int(m.qtype)
                 packed_qtypes[i, j] = int(packed_type(m.qtype))
             norms[i, 0], norms[i, 1] = layer.attn_norm, layer.ffn_norm
-        cos, sin = rope_tables(np.arange(cfg.max_context), cfg.head_dim, cfg.rope_theta)
+            if cfg.post_norms:
+                norms[i, 2], norms[i, 3] = layer.post_attn_norm, layer.post_ffn_norm
+            if cfg.qkv_bias:
+                biases[i] = np.concatenate([layer.q_bias, layer.k_bias, layer.v_bias])
+            if cfg.qk_norm:
+                head_norms[i, 0], head_norms[i, 1] = layer.q_norm, layer.k_norm
+        ropes = sorted({cfg.layer_rope(i) for i in range(cfg.n_layers)})
+        tables = [rope_tables(np.arange(cfg.max_context), cfg.head_dim, theta, cfg.rope_freq_factors, factor)
+                  for theta, factor in ropes]  # fmt: skip
         return cls(
-            matrices, packed, qtypes, packed_qtypes, norms,
+            matrices, packed, qtypes, packed_qtypes, norms, biases, head_norms,
+            np.array([cfg.layer_window(i) for i in range(cfg.n_layers)], dtype=np.int64),
+            np.array([ropes.index(cfg.layer_rope(i)) for i in range(cfg.n_layers)], dtype=np.int64),
             _as_bytes(weights.token_embedding), int(weights.token_embedding.qtype),
             _as_bytes(weights.lm_head), int(weights.lm_head.qtype), _packed(weights.lm_head, fast),
             int(packed_type(weights.lm_head.qtype)),
-            np.ascontiguousarray(weights.output_norm, dtype=np.float32), cos, sin,
+            np.ascontiguousarray(weights.output_norm, dtype=np.float32),
+            np.stack([cos for cos, _ in tables]), np.stack([sin for _, sin in tables]),
         )  # fmt: skip
+
+
+def architecture_switches(cfg: ModelConfig) -> tuple:
+    """model_step's switch arguments, in its order: qkv_bias .. rope_neox."""
+    activation = GATE_GELU_TANH if cfg.activation == "gelu_tanh" else GATE_SILU
+    return (cfg.qkv_bias, cfg.qk_norm, cfg.post_norms, activation, np.float32(cfg.embedding_scale),
+            np.float32(cfg.query_scale), cfg.rope_neox)  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -122,8 +165,9 @@ class RunState:
     group_out: np.ndarray  # (n_threads, 2, 4, 8) float32 results of one 8-row group for up to 4 tokens
 
     @classmethod
-    def allocate(cls, cfg: ModelConfig, max_tokens: int, max_logit_rows: int, n_threads: int,
-                 block_size: int) -> RunState:
+    def allocate(
+        cls, cfg: ModelConfig, max_tokens: int, max_logit_rows: int, n_threads: int, block_size: int
+    ) -> RunState:
         def zeros(*shape: int) -> np.ndarray:
             return np.zeros(shape, dtype=np.float32)
 
@@ -146,7 +190,9 @@ def project(fast, weight, packed, qtype, packed_qtype, n_rows, n_cols, x, xq, xd
     """out[t, :n_rows] (+)= W · x[t]: VNNI over the repacked weights when there are some, else float32."""
     if fast and packed.shape[0] > 0:
         g0, g1 = split_range(n_rows // 8, tid, nthreads)
-        matmul_groups(packed, packed_qtype, n_cols, xq, xd, xsum, n_tokens, out, g0, g1, accumulate, group_out)
+        matmul_groups(
+            packed, packed_qtype, n_cols, xq, xd, xsum, n_tokens, out, g0, g1, accumulate, group_out
+        )
     else:
         r0, r1 = split_range(n_rows, tid, nthreads)
         matmul_rows(weight, qtype, n_cols, x, n_tokens, out, 0, r0, r1, accumulate, buf)
@@ -160,11 +206,22 @@ def quantize_rows(fast, x, n_cols, row_begin, row_end, xq, xd, xsum):
 
 
 @njit(nogil=True, cache=True)
+def add_normed(x, out, weight, eps, t_begin, t_end):
+    """x[t] += RMSNorm(out[t]) (a post-norm block joining the residual); `out` is normed in place."""
+    for t in range(t_begin, t_end):
+        rmsnorm_row(out[t], weight, eps, out[t])
+        x[t] += out[t]
+
+
+@njit(nogil=True, cache=True)
 def model_step(
     tid, nthreads, barrier, fast,
     token_ids, positions, slot_mapping, block_tables, context_lens, query_start_loc, logit_rows,
-    matrices, packed, qtypes, packed_qtypes, norms, embedding, embedding_qtype, lm_head, lm_head_qtype,
-    lm_head_packed, lm_head_packed_qtype, output_norm, rope_cos, rope_sin, n_heads, n_kv_heads, head_dim, rms_eps, key_cache, value_cache,
+    matrices, packed, qtypes, packed_qtypes, norms, biases, head_norms, layer_windows, layer_ropes,
+    embedding, embedding_qtype, lm_head, lm_head_qtype,
+    lm_head_packed, lm_head_packed_qtype, output_norm, rope_cos, rope_sin, n_heads, n_kv_heads, head_dim, rms_eps,
+    qkv_bias, qk_norm, post_norms, activation, embedding_scale, query_scale, rope_neox,
+    key_cache, value_cache,
     x, xb, q, k, v, attn, hb, up, final, logits, row_buffers, attn_scratch, xq, xd, xsum, group_out,
 ):  # fmt: skip
     n_tokens = token_ids.shape[0]
@@ -179,6 +236,9 @@ def model_step(
 
     for t in range(t_begin, t_end):  # token embeddings
         dequantize_row(embedding[token_ids[t]], embedding_qtype, dim, x[t])
+        if embedding_scale != 1.0:
+            for j in range(dim):
+                x[t, j] *= embedding_scale
     barrier_wait(barrier, tid)
 
     for layer in range(n_layers):
@@ -189,18 +249,85 @@ def model_step(
         barrier_wait(barrier, tid)
 
         # Q, K, V projections
-        project(fast, matrices[w], packed[w], qtypes[layer, 0], packed_qtypes[layer, 0],
-                q_dim, dim, xb, xq, xd, xsum, n_tokens, q, False, tid, nthreads, buf[0], tmp[0])
-        project(fast, matrices[w + 1], packed[w + 1], qtypes[layer, 1], packed_qtypes[layer, 1],
-                kv_dim, dim, xb, xq, xd, xsum, n_tokens, k, False, tid, nthreads, buf[0], tmp[0])
-        project(fast, matrices[w + 2], packed[w + 2], qtypes[layer, 2], packed_qtypes[layer, 2],
-                kv_dim, dim, xb, xq, xd, xsum, n_tokens, v, False, tid, nthreads, buf[0], tmp[0])
+        project(
+            fast,
+            matrices[w],
+            packed[w],
+            qtypes[layer, 0],
+            packed_qtypes[layer, 0],
+            q_dim,
+            dim,
+            xb,
+            xq,
+            xd,
+            xsum,
+            n_tokens,
+            q,
+            False,
+            tid,
+            nthreads,
+            buf[0],
+            tmp[0],
+        )
+        project(
+            fast,
+            matrices[w + 1],
+            packed[w + 1],
+            qtypes[layer, 1],
+            packed_qtypes[layer, 1],
+            kv_dim,
+            dim,
+            xb,
+            xq,
+            xd,
+            xsum,
+            n_tokens,
+            k,
+            False,
+            tid,
+            nthreads,
+            buf[0],
+            tmp[0],
+        )
+        project(
+            fast,
+            matrices[w + 2],
+            packed[w + 2],
+            qtypes[layer, 2],
+            packed_qtypes[layer, 2],
+            kv_dim,
+            dim,
+            xb,
+            xq,
+            xd,
+            xsum,
+            n_tokens,
+            v,
+            False,
+            tid,
+            nthreads,
+            buf[0],
+            tmp[0],
+        )
         barrier_wait(barrier, tid)
 
-        for t in range(t_begin, t_end):  # RoPE on queries and keys
+        rope = layer_ropes[layer]
+        for t in range(t_begin, t_end):  # biases, head norms and RoPE on queries and keys
+            if qkv_bias:
+                bias = biases[layer]
+                for j in range(q_dim):
+                    q[t, j] += bias[j]
+                for j in range(kv_dim):
+                    k[t, j] += bias[q_dim + j]
+                    v[t, j] += bias[q_dim + kv_dim + j]
+            if qk_norm:
+                head_rmsnorm_row(q[t], n_heads, head_dim, head_norms[layer, 0], rms_eps)
+                head_rmsnorm_row(k[t], n_kv_heads, head_dim, head_norms[layer, 1], rms_eps)
             position = positions[t]
-            rope_row(q[t], n_heads, head_dim, rope_cos[position], rope_sin[position])
-            rope_row(k[t], n_kv_heads, head_dim, rope_cos[position], rope_sin[position])
+            rope_row(q[t], n_heads, head_dim, rope_cos[rope, position], rope_sin[rope, position], rope_neox)
+            rope_row(
+                k[t], n_kv_heads, head_dim, rope_cos[rope, position], rope_sin[rope, position], rope_neox
+            )
         barrier_wait(barrier, tid)
         keys = k[:n_tokens].reshape((n_tokens, n_kv_heads, head_dim))
         values = v[:n_tokens].reshape((n_tokens, n_kv_heads, head_dim))
@@ -209,42 +336,124 @@ def model_step(
 
         queries = q.reshape((q.shape[0], n_heads, head_dim))  # paged attention
         attn_out = attn.reshape((attn.shape[0], n_heads, head_dim))
-        paged_attention_rows(attn_out, queries, key_cache[layer], value_cache[layer], block_tables, context_lens,
-                             query_start_loc, attn_scratch, tid, nthreads)
+        paged_attention_rows(
+            attn_out,
+            queries,
+            key_cache[layer],
+            value_cache[layer],
+            block_tables,
+            context_lens,
+            query_start_loc,
+            attn_scratch,
+            tid,
+            nthreads,
+            query_scale,
+            layer_windows[layer],
+        )
         barrier_wait(barrier, tid)
         if fast:
             quantize_rows(fast, attn, q_dim, t_begin, t_end, xq, xd, xsum)
             barrier_wait(barrier, tid)
 
-        # output projection, added to the residual
-        project(fast, matrices[w + 3], packed[w + 3], qtypes[layer, 3], packed_qtypes[layer, 3],
-                dim, q_dim, attn, xq, xd, xsum, n_tokens, x,
-                True, tid, nthreads, buf[0], tmp[0])
+        # output projection, added to the residual (through its own RMSNorm where there are post-norms)
+        project(
+            fast,
+            matrices[w + 3],
+            packed[w + 3],
+            qtypes[layer, 3],
+            packed_qtypes[layer, 3],
+            dim,
+            q_dim,
+            attn,
+            xq,
+            xd,
+            xsum,
+            n_tokens,
+            xb if post_norms else x,
+            not post_norms,
+            tid,
+            nthreads,
+            buf[0],
+            tmp[0],
+        )
         barrier_wait(barrier, tid)
+        if post_norms:
+            add_normed(
+                x, xb, norms[layer, 2], rms_eps, t_begin, t_end
+            )  # same rows as this thread's norm below
 
         for t in range(t_begin, t_end):  # feed-forward RMSNorm
             rmsnorm_row(x[t], norms[layer, 1], rms_eps, xb[t])
         quantize_rows(fast, xb, dim, t_begin, t_end, xq, xd, xsum)
         barrier_wait(barrier, tid)
 
-        if fast and packed[w + 4].shape[0] > 0 and packed[w + 5].shape[0] > 0:  # SwiGLU
+        if fast and packed[w + 4].shape[0] > 0 and packed[w + 5].shape[0] > 0:  # gated feed-forward
             g0, g1 = split_range(hidden_dim // 8, tid, nthreads)
-            swiglu_groups(packed[w + 4], packed[w + 5], packed_qtypes[layer, 4], packed_qtypes[layer, 5], dim, xq, xd, xsum,
-                          n_tokens, hb, up, g0, g1, tmp[0], tmp[1])
+            swiglu_groups(
+                packed[w + 4],
+                packed[w + 5],
+                packed_qtypes[layer, 4],
+                packed_qtypes[layer, 5],
+                dim,
+                xq,
+                xd,
+                xsum,
+                n_tokens,
+                hb,
+                up,
+                g0,
+                g1,
+                tmp[0],
+                tmp[1],
+                activation,
+            )
         else:
             r0, r1 = split_range(hidden_dim, tid, nthreads)
-            swiglu_rows(matrices[w + 4], qtypes[layer, 4], matrices[w + 5], qtypes[layer, 5], dim, xb, n_tokens, hb,
-                        r0, r1, buf[0], buf[1])
+            swiglu_rows(
+                matrices[w + 4],
+                qtypes[layer, 4],
+                matrices[w + 5],
+                qtypes[layer, 5],
+                dim,
+                xb,
+                n_tokens,
+                hb,
+                r0,
+                r1,
+                buf[0],
+                buf[1],
+                activation,
+            )
         barrier_wait(barrier, tid)
         if fast:
             quantize_rows(fast, hb, hidden_dim, t_begin, t_end, xq, xd, xsum)
             barrier_wait(barrier, tid)
 
-        # down projection, added to the residual
-        project(fast, matrices[w + 6], packed[w + 6], qtypes[layer, 6], packed_qtypes[layer, 6],
-                dim, hidden_dim, hb, xq, xd, xsum, n_tokens,
-                x, True, tid, nthreads, buf[0], tmp[0])
+        # down projection, added to the residual (through its own RMSNorm where there are post-norms)
+        project(
+            fast,
+            matrices[w + 6],
+            packed[w + 6],
+            qtypes[layer, 6],
+            packed_qtypes[layer, 6],
+            dim,
+            hidden_dim,
+            hb,
+            xq,
+            xd,
+            xsum,
+            n_tokens,
+            xb if post_norms else x,
+            not post_norms,
+            tid,
+            nthreads,
+            buf[0],
+            tmp[0],
+        )
         barrier_wait(barrier, tid)
+        if post_norms:
+            add_normed(x, xb, norms[layer, 3], rms_eps, t_begin, t_end)
+            barrier_wait(barrier, tid)
 
     n_rows = logit_rows.shape[0]
     i0, i1 = split_range(n_rows, tid, nthreads)
@@ -253,5 +462,23 @@ def model_step(
     quantize_rows(fast, final, dim, i0, i1, xq, xd, xsum)
     barrier_wait(barrier, tid)
     vocab = logits.shape[1]  # LM head
-    project(fast, lm_head, lm_head_packed, lm_head_qtype, lm_head_packed_qtype, vocab, dim, final, xq, xd, xsum,
-            n_rows, logits, False, tid, nthreads, buf[0], tmp[0])
+    project(
+        fast,
+        lm_head,
+        lm_head_packed,
+        lm_head_qtype,
+        lm_head_packed_qtype,
+        vocab,
+        dim,
+        final,
+        xq,
+        xd,
+        xsum,
+        n_rows,
+        logits,
+        False,
+        tid,
+        nthreads,
+        buf[0],
+        tmp[0],
+    )

@@ -21,8 +21,13 @@ from .numeric import bf16_bits_to_f32, f16_bits_to_f32, load_f16
 F32, F16, BF16 = int(QType.F32), int(QType.F16), int(QType.BF16)
 Q4_0, Q4_1, Q8_0 = int(QType.Q4_0), int(QType.Q4_1), int(QType.Q8_0)
 Q5_0, Q5_1 = int(QType.Q5_0), int(QType.Q5_1)
-Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = (int(QType.Q2_K), int(QType.Q3_K), int(QType.Q4_K), int(QType.Q5_K),
-                                int(QType.Q6_K))
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = (
+    int(QType.Q2_K),
+    int(QType.Q3_K),
+    int(QType.Q4_K),
+    int(QType.Q5_K),
+    int(QType.Q6_K),
+)
 
 # Dot products may be reassociated so LLVM can vectorise them; the order is fixed by the compiled
 # loop, not by the batch, so results stay batch-invariant.
@@ -96,8 +101,12 @@ def _dequantize_q5_row(row, has_min, n_cols, out):
         base = b * size
         d = load_f16(row, base)
         m = load_f16(row, base + 2) if has_min else np.float32(0.0)
-        qh = (np.int64(row[base + header]) | (np.int64(row[base + header + 1]) << 8)
-              | (np.int64(row[base + header + 2]) << 16) | (np.int64(row[base + header + 3]) << 24))
+        qh = (
+            np.int64(row[base + header])
+            | (np.int64(row[base + header + 1]) << 8)
+            | (np.int64(row[base + header + 2]) << 16)
+            | (np.int64(row[base + header + 3]) << 24)
+        )
         for j in range(16):
             byte = np.int64(row[base + header + 4 + j])
             x0 = np.int32((byte & 15) | (((qh >> j) & 1) << 4))
@@ -206,7 +215,9 @@ def _dequantize_q6_k_row(row, n_cols, out):
                     low = np.int64(row[ql + l + 32 * (k & 1)])
                     nibble = (low >> 4) if k >= 2 else (low & 15)
                     value = np.int32(nibble | (((high >> (2 * k)) & 3) << 4)) - 32
-                    scale = np.float32((np.int64(row[scales + l // 16 + 2 * k]) ^ 128) - 128)  # the byte as int8
+                    scale = np.float32(
+                        (np.int64(row[scales + l // 16 + 2 * k]) ^ 128) - 128
+                    )  # the byte as int8
                     out[y + l + 32 * k] = d * scale * np.float32(value)
 
 
@@ -234,16 +245,30 @@ def matmul_rows(weight, qtype, n_cols, x, n_tokens, out, out_offset, row_begin, 
                 out[t, out_offset + r] = value
 
 
+GATE_SILU, GATE_GELU_TANH = 0, 1  # the gate activation of a gated feed-forward (SwiGLU, GeGLU)
+_GELU_TANH_SCALE = np.float32(2.0 * np.sqrt(2.0 / np.pi))
+
+
+@njit(nogil=True, cache=True, inline="always")
+def gate_sigmoid_argument(gate, activation):
+    """The gated unit is gate · sigmoid(u) · up, with u = gate for SiLU; for the tanh GELU,
+    0.5 · (1 + tanh(z)) = sigmoid(2z) makes u = 2 · sqrt(2/π) · (gate + 0.044715 · gate³)."""
+    if activation == GATE_GELU_TANH:
+        return _GELU_TANH_SCALE * (gate + np.float32(0.044715) * gate * gate * gate)
+    return gate
+
+
 @njit(nogil=True, cache=True)
-def swiglu_rows(w_gate, gate_qtype, w_up, up_qtype, n_cols, x, n_tokens, out, row_begin, row_end, buf_gate, buf_up):
-    """out[t, r] = silu(W_gate[r] · x[t]) · (W_up[r] · x[t]): both projections of a row by one thread."""
+def swiglu_rows(w_gate, gate_qtype, w_up, up_qtype, n_cols, x, n_tokens, out, row_begin, row_end, buf_gate, buf_up,
+                activation):  # fmt: skip
+    """out[t, r] = act(W_gate[r] · x[t]) · (W_up[r] · x[t]): both projections of a row by one thread."""
     for r in range(row_begin, row_end):
         dequantize_row(w_gate[r], gate_qtype, n_cols, buf_gate)
         dequantize_row(w_up[r], up_qtype, n_cols, buf_up)
         for t in range(n_tokens):
             gate = dot(buf_gate, x[t], n_cols)
             up = dot(buf_up, x[t], n_cols)
-            out[t, r] = gate / (np.float32(1.0) + np.exp(-gate)) * up
+            out[t, r] = gate / (np.float32(1.0) + np.exp(-gate_sigmoid_argument(gate, activation))) * up
 
 
 @njit(nogil=True, cache=True, fastmath=_DOT_MATH)
@@ -258,13 +283,24 @@ def rmsnorm_row(x, weight, eps, out):
 
 
 @njit(nogil=True, cache=True)
-def rope_row(vec, n_heads, head_dim, cos, sin):
-    """Rotate each head's adjacent pairs (2i, 2i+1) in place by the position's angles (ggml's order)."""
+def rope_row(vec, n_heads, head_dim, cos, sin, neox):
+    """Rotate each head's pairs in place by the position's angles: (i, i + head_dim/2) if `neox`
+    (Hugging Face's layout), else adjacent pairs (2i, 2i+1) (ggml's llama files)."""
     half = head_dim // 2
+    first_stride, pair_offset = (1, half) if neox else (2, 1)
     for h in range(n_heads):
         base = h * head_dim
         for i in range(half):
-            a = vec[base + 2 * i]
-            b = vec[base + 2 * i + 1]
-            vec[base + 2 * i] = a * cos[i] - b * sin[i]
-            vec[base + 2 * i + 1] = a * sin[i] + b * cos[i]
+            j = base + first_stride * i
+            a = vec[j]
+            b = vec[j + pair_offset]
+            vec[j] = a * cos[i] - b * sin[i]
+            vec[j + pair_offset] = a * sin[i] + b * cos[i]
+
+
+@njit(nogil=True, cache=True, fastmath=_DOT_MATH)
+def head_rmsnorm_row(vec, n_heads, head_dim, weight, eps):
+    """RMSNorm of each head's slice of a query or key row, in place, with one weight for all heads."""
+    for h in range(n_heads):
+        head = vec[h * head_dim : (h + 1) * head_dim]
+        rmsnorm_row(head, weight, eps, head)

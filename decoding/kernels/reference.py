@@ -1,8 +1,8 @@
 """The reference forward pass: one sequence, plain numpy, float32, written to be read.
 
 This is the oracle every faster kernel is tested against, not a serving path. It follows the
-llama architecture step by step (llama2.c's `forward`, for the whole sequence at once), with the
-weights dequantized from their stored form.
+architecture step by step (llama2.c's `forward`, for the whole sequence at once, with each
+ModelConfig switch where it acts), with the weights dequantized from their stored form.
 """
 
 from __future__ import annotations
@@ -24,59 +24,86 @@ def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return (x / np.sqrt(mean_square + np.float32(eps))) * weight
 
 
-def rope_tables(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+def rope_tables(positions: np.ndarray, head_dim: int, theta: float, freq_factors: Sequence[float] = (),
+                linear_factor: float = 1.0) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """cos and sin of each position's rotation angles: (n, head_dim / 2) each.
 
-    Pair i of a head rotates by position · theta^(−2i / head_dim); angles are computed in float64
-    and rounded once, so positions in the thousands keep their precision.
+    Pair i of a head rotates by (position / linear_factor) · theta^(−2i / head_dim) / freq_factors[i];
+    angles are computed in float64 and rounded once, so positions in the thousands keep their precision.
     """
     inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    angles = positions.astype(np.float64)[:, None] * inv_freq[None, :]
+    if len(freq_factors):
+        inv_freq = inv_freq / np.asarray(freq_factors, dtype=np.float64)
+    angles = (positions.astype(np.float64)[:, None] / linear_factor) * inv_freq[None, :]
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
-def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """x: (n, heads, head_dim) with ggml's pairing of adjacent dimensions (2i, 2i+1)."""
-    even, odd = x[..., 0::2], x[..., 1::2]
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool = False) -> np.ndarray:
+    """x: (n, heads, head_dim), rotating pairs (i, i + head_dim/2) if `neox` (Hugging Face's
+    rotate-half), else ggml's adjacent pairs (2i, 2i+1)."""
+    half = x.shape[-1] // 2
+    first, second = (x[..., :half], x[..., half:]) if neox else (x[..., 0::2], x[..., 1::2])
     c, s = cos[:, None, :], sin[:, None, :]
     out = np.empty_like(x)
-    out[..., 0::2] = even * c - odd * s
-    out[..., 1::2] = even * s + odd * c
+    if neox:
+        out[..., :half], out[..., half:] = first * c - second * s, first * s + second * c
+    else:
+        out[..., 0::2], out[..., 1::2] = first * c - second * s, first * s + second * c
     return out
 
 
-def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """q: (n, n_heads, hd); k, v: (n, n_kv_heads, hd) → (n, n_heads, hd), grouped-query, causal."""
-    n, n_heads, head_dim = q.shape
-    group = n_heads // k.shape[1]
+def causal_attention(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, window: int = 0
+) -> np.ndarray:
+    """q: (n, n_heads, hd); k, v: (n, n_kv_heads, hd) → (n, n_heads, hd), grouped-query, causal;
+    with a window, position p sees only positions p - window + 1 .. p."""
+    n = q.shape[0]
+    group = q.shape[1] // k.shape[1]
     k = np.repeat(k, group, axis=1)  # each KV head serves `group` consecutive query heads
     v = np.repeat(v, group, axis=1)
-    scores = np.einsum("qhd,khd->hqk", q, k) / np.float32(np.sqrt(head_dim))
-    scores = np.where(np.tril(np.ones((n, n), dtype=bool))[None], scores, -np.inf)
+    scores = np.einsum("qhd,khd->hqk", q, k) * np.float32(scale)
+    visible = np.tril(np.ones((n, n), dtype=bool))
+    if window:
+        visible &= ~np.tril(np.ones((n, n), dtype=bool), -window)
+    scores = np.where(visible[None], scores, -np.inf)
     scores = scores - scores.max(axis=-1, keepdims=True)
     probs = np.exp(scores)
     probs /= probs.sum(axis=-1, keepdims=True)
     return np.einsum("hqk,khd->qhd", probs, v).astype(np.float32)
 
 
-def _layer(x: np.ndarray, w: LayerWeights, model: Model, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+def gate_activation(gate: np.ndarray, activation: str) -> np.ndarray:
+    if activation == "gelu_tanh":
+        inner = np.float32(np.sqrt(2.0 / np.pi)) * (gate + np.float32(0.044715) * gate**3)
+        return np.float32(0.5) * gate * (np.float32(1.0) + np.tanh(inner))
+    return gate / (np.float32(1.0) + np.exp(-gate))
+
+
+def _layer(x: np.ndarray, w: LayerWeights, model: Model, index: int, positions: np.ndarray) -> np.ndarray:
     cfg = model.config
     n = x.shape[0]
     dense = model.dense_weight
     # attention block
     h = rmsnorm(x, w.attn_norm, cfg.rms_eps)
-    q = (h @ dense(w.wq).T).reshape(n, cfg.n_heads, cfg.head_dim)
-    k = (h @ dense(w.wk).T).reshape(n, cfg.n_kv_heads, cfg.head_dim)
-    v = (h @ dense(w.wv).T).reshape(n, cfg.n_kv_heads, cfg.head_dim)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    attn = causal_attention(q, k, v).reshape(n, cfg.q_dim)
-    x = x + attn @ dense(w.wo).T
-    # feed-forward block: SwiGLU
+    q, k, v = h @ dense(w.wq).T, h @ dense(w.wk).T, h @ dense(w.wv).T
+    if cfg.qkv_bias:
+        q, k, v = q + w.q_bias, k + w.k_bias, v + w.v_bias
+    q = q.reshape(n, cfg.n_heads, cfg.head_dim)
+    k = k.reshape(n, cfg.n_kv_heads, cfg.head_dim)
+    v = v.reshape(n, cfg.n_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q, k = rmsnorm(q, w.q_norm, cfg.rms_eps), rmsnorm(k, w.k_norm, cfg.rms_eps)
+    theta, linear_factor = cfg.layer_rope(index)
+    cos, sin = rope_tables(positions, cfg.head_dim, theta, cfg.rope_freq_factors, linear_factor)
+    q, k = apply_rope(q, cos, sin, cfg.rope_neox), apply_rope(k, cos, sin, cfg.rope_neox)
+    attn = causal_attention(q, k, v, cfg.query_scale, cfg.layer_window(index)).reshape(n, cfg.q_dim)
+    out = attn @ dense(w.wo).T
+    x = x + (rmsnorm(out, w.post_attn_norm, cfg.rms_eps) if cfg.post_norms else out)
+    # feed-forward block: a gated linear unit (SwiGLU, GeGLU)
     h = rmsnorm(x, w.ffn_norm, cfg.rms_eps)
-    gate = h @ dense(w.w_gate).T
-    up = h @ dense(w.w_up).T
-    silu = gate / (np.float32(1.0) + np.exp(-gate))
-    return x + (silu * up) @ dense(w.w_down).T
+    gated = gate_activation(h @ dense(w.w_gate).T, cfg.activation) * (h @ dense(w.w_up).T)
+    out = gated @ dense(w.w_down).T
+    return x + (rmsnorm(out, w.post_ffn_norm, cfg.rms_eps) if cfg.post_norms else out)
 
 
 def forward_hidden(model: Model, ids: Sequence[int]) -> np.ndarray:
@@ -87,10 +114,10 @@ def forward_hidden(model: Model, ids: Sequence[int]) -> np.ndarray:
         raise ValueError("forward needs a non-empty 1-D sequence of token ids")
     if token_ids.min() < 0 or token_ids.max() >= cfg.vocab_size:
         raise ValueError(f"token ids must lie in [0, {cfg.vocab_size})")
-    x = model.weights.token_embedding.dequantize_rows(token_ids)
-    cos, sin = rope_tables(np.arange(len(token_ids)), cfg.head_dim, cfg.rope_theta)
-    for layer in model.weights.layers:
-        x = _layer(x, layer, model, cos, sin)
+    x = model.weights.token_embedding.dequantize_rows(token_ids) * np.float32(cfg.embedding_scale)
+    positions = np.arange(len(token_ids))
+    for index, layer in enumerate(model.weights.layers):
+        x = _layer(x, layer, model, index, positions)
     return rmsnorm(x, model.weights.output_norm, cfg.rms_eps)
 
 

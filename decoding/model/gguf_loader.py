@@ -1,4 +1,4 @@
-"""Load a llama-architecture GGUF file: hyperparameters, tokenizer data and memory-mapped weights.
+"""Load a GGUF file of a supported architecture: hyperparameters, tokenizer data and memory-mapped weights.
 
 Tensors are views into the file's memory map (GGUFReader maps it read-only): nothing is copied at start,
 and pages are read from disk as the kernels first touch them. Types the kernels do not run natively
@@ -22,7 +22,7 @@ from .weights import LayerWeights, ModelWeights, WeightMatrix
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")  # as GGUF names them (mistral is "llama")
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +32,9 @@ class GGUFTokenizerData:
     model: str  # "gpt2" = byte-level BPE; "llama" = a SentencePiece vocabulary with scores
     pre: str  # pre-tokenizer name, e.g. "smollm", "llama-bpe", "default"
     tokens: list[str]
-    token_types: list[int]  # ggml token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
+    token_types: list[
+        int
+    ]  # ggml token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
     merges: list[str]  # "left right"
     bos_token_id: int | None
     eos_token_id: int | None
@@ -56,37 +58,93 @@ def _require(reader: Any, key: str) -> Any:
     return value
 
 
+# ggml's llama files have their Q and K rows permuted to pair adjacent dimensions; every other
+# architecture keeps Hugging Face's order, rotated as (i, i + head_dim/2) ("NEOX" in llama.cpp).
+_ADJACENT_PAIR_ROPE = ("llama",)
+GEMMA3_SLIDING_PATTERN = 6  # llama.cpp's default: every sixth layer global, the rest sliding
+GEMMA3_LOCAL_ROPE_THETA = 10_000.0  # not in Gemma 3 GGUF files; llama.cpp hard-codes it too
+
+
+def _architecture_switches(reader: Any, arch: str, n_layers: int, dim: int, n_heads: int, head_dim: int,
+                           tensors: set[str]) -> dict[str, Any]:  # fmt: skip
+    """The ModelConfig switches one architecture sets, read from the file where the file says them."""
+    switches: dict[str, Any] = {"rope_neox": arch not in _ADJACENT_PAIR_ROPE}
+    scaling_type = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling_type == "linear":
+        switches["rope_linear_factor"] = float(_require(reader, f"{arch}.rope.scaling.factor"))
+    elif scaling_type not in (None, "none"):
+        raise ModelLoadError(
+            f"rope scaling {scaling_type!r} is not supported (treadle runs linear and llama3)"
+        )
+    if arch == "qwen2":
+        switches["qkv_bias"] = True
+    elif arch == "qwen3":
+        switches["qk_norm"] = True
+    elif arch == "gemma3":
+        window = int(_require(reader, f"{arch}.attention.sliding_window"))
+        pattern = int(_field(reader, f"{arch}.attention.sliding_window_pattern", GEMMA3_SLIDING_PATTERN))
+        switches.update(
+            qk_norm=True, post_norms=True, activation="gelu_tanh", embedding_scale=float(np.sqrt(np.float32(dim))),
+            # the 27B model scales by dim / n_heads; every other size by head_dim (as llama.cpp does)
+            attention_scale=(dim // n_heads if n_layers == 62 else head_dim) ** -0.5,
+            sliding_window=window, sliding_layers=tuple(i % pattern < pattern - 1 for i in range(n_layers)),
+            rope_theta_local=GEMMA3_LOCAL_ROPE_THETA,
+        )  # fmt: skip
+    window = _field(reader, f"{arch}.attention.sliding_window")
+    if window and arch != "gemma3":  # a mistral-style window on every layer
+        switches["sliding_window"] = int(window)
+    if "rope_freqs.weight" in tensors:  # llama 3.1+ scaling, as per-pair frequency divisors
+        switches["rope_freq_factors"] = tuple(float(f) for f in _rope_freq_factors(reader))
+    return switches
+
+
+def _rope_freq_factors(reader: Any) -> np.ndarray:
+    tensor = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+    return np.asarray(tensor.data, dtype=np.float32).reshape(-1)
+
+
 def _read_config(reader: Any, name: str) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(f"unsupported architecture {arch!r} (treadle runs {', '.join(SUPPORTED_ARCHITECTURES)})")
+        raise ModelLoadError(
+            f"unsupported architecture {arch!r} (treadle runs {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
     n_heads = int(_require(reader, f"{arch}.attention.head_count"))
+    n_layers = int(_require(reader, f"{arch}.block_count"))
     dim = int(_require(reader, f"{arch}.embedding_length"))
     head_dim = int(_field(reader, f"{arch}.attention.key_length", dim // n_heads))
+    if int(_field(reader, f"{arch}.attention.value_length", head_dim)) != head_dim:
+        raise ModelLoadError("keys and values of different widths are not supported")
+    if int(_field(reader, f"{arch}.rope.dimension_count", head_dim)) != head_dim:
+        raise ModelLoadError("RoPE over part of a head is not supported")
     tokens = _require(reader, "tokenizer.ggml.tokens")
-    has_output = any(t.name == "output.weight" for t in reader.tensors)
+    tensor_names = {t.name for t in reader.tensors}
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     eot = _field(reader, "tokenizer.ggml.eot_token_id")
     eos_ids = tuple(dict.fromkeys(int(t) for t in (eos, eot) if t is not None))
-    return ModelConfig(
-        architecture=arch,
-        n_layers=int(_require(reader, f"{arch}.block_count")),
-        dim=dim,
-        hidden_dim=int(_require(reader, f"{arch}.feed_forward_length")),
-        n_heads=n_heads,
-        n_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", n_heads)),
-        head_dim=head_dim,
-        vocab_size=int(_field(reader, f"{arch}.vocab_size", len(tokens))),
-        max_context=int(_require(reader, f"{arch}.context_length")),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rms_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        tied_embeddings=not has_output,
-        bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=eos_ids,
-        add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", True)),
-        name=str(_field(reader, "general.name", name)),
-    )
+    try:
+        return ModelConfig(
+            architecture=arch,
+            n_layers=n_layers,
+            dim=dim,
+            hidden_dim=int(_require(reader, f"{arch}.feed_forward_length")),
+            n_heads=n_heads,
+            n_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", n_heads)),
+            head_dim=head_dim,
+            vocab_size=int(_field(reader, f"{arch}.vocab_size", len(tokens))),
+            max_context=int(_require(reader, f"{arch}.context_length")),
+            rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+            rms_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+            tied_embeddings="output.weight" not in tensor_names,
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=eos_ids,
+            add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", True)),
+            name=str(_field(reader, "general.name", name)),
+            **_architecture_switches(reader, arch, n_layers, dim, n_heads, head_dim, tensor_names),
+        )
+    except ValueError as exc:
+        raise ModelLoadError(f"inconsistent hyperparameters: {exc}") from None
 
 
 def _read_tokenizer(reader: Any) -> GGUFTokenizerData:
@@ -123,15 +181,18 @@ def _to_matrix(tensor: Any, expected_shape: tuple[int, int]) -> WeightMatrix:
         else:
             data = data.reshape(n_rows, n_cols)
         return WeightMatrix(qtype, n_rows, n_cols, data)
-    log.warning("%s is stored as %s, which treadle's kernels do not run: dequantized to F32 at load",
-                tensor.name, tensor.tensor_type.name)
+    log.warning(
+        "%s is stored as %s, which treadle's kernels do not run: dequantized to F32 at load",
+        tensor.name,
+        tensor.tensor_type.name,
+    )
     dense = gguf.quants.dequantize(data, tensor.tensor_type).astype(np.float32).reshape(n_rows, n_cols)
     return WeightMatrix(QType.F32, n_rows, n_cols, dense)
 
 
 def _to_vector(tensor: Any, length: int) -> np.ndarray:
     if int(tensor.tensor_type) != QType.F32 or tensor.data.size != length:
-        raise ModelLoadError(f"norm tensor {tensor.name} should be F32 of {length} values")
+        raise ModelLoadError(f"tensor {tensor.name} should be F32 of {length} values")
     return np.asarray(tensor.data, dtype=np.float32).reshape(length)
 
 
@@ -143,7 +204,10 @@ def _read_weights(reader: Any, cfg: ModelConfig) -> ModelWeights:
             raise ModelLoadError(f"GGUF file lacks tensor '{name}'")
         return tensors[name]
 
-    d, q, kv, h = cfg.dim, cfg.q_dim, cfg.kv_dim, cfg.hidden_dim
+    def optional_vector(name: str, length: int, present: bool) -> np.ndarray | None:
+        return _to_vector(get(name), length) if present else None
+
+    d, q, kv, h, hd = cfg.dim, cfg.q_dim, cfg.kv_dim, cfg.hidden_dim, cfg.head_dim
     layers = []
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
@@ -158,6 +222,13 @@ def _read_weights(reader: Any, cfg: ModelConfig) -> ModelWeights:
                 w_gate=_to_matrix(get(p + "ffn_gate.weight"), (h, d)),
                 w_up=_to_matrix(get(p + "ffn_up.weight"), (h, d)),
                 w_down=_to_matrix(get(p + "ffn_down.weight"), (d, h)),
+                q_bias=optional_vector(p + "attn_q.bias", q, cfg.qkv_bias),
+                k_bias=optional_vector(p + "attn_k.bias", kv, cfg.qkv_bias),
+                v_bias=optional_vector(p + "attn_v.bias", kv, cfg.qkv_bias),
+                q_norm=optional_vector(p + "attn_q_norm.weight", hd, cfg.qk_norm),
+                k_norm=optional_vector(p + "attn_k_norm.weight", hd, cfg.qk_norm),
+                post_attn_norm=optional_vector(p + "post_attention_norm.weight", d, cfg.post_norms),
+                post_ffn_norm=optional_vector(p + "post_ffw_norm.weight", d, cfg.post_norms),
             )
         )
     embedding = _to_matrix(get("token_embd.weight"), (cfg.vocab_size, d))
@@ -170,7 +241,9 @@ def _check_extent(reader: Any, path: Path) -> None:
     size = os.path.getsize(path)
     for t in reader.tensors:
         if t.data_offset + t.n_bytes > size:
-            raise ModelLoadError(f"{path.name} is truncated: tensor {t.name} ends past the file's {size} bytes")
+            raise ModelLoadError(
+                f"{path.name} is truncated: tensor {t.name} ends past the file's {size} bytes"
+            )
 
 
 def _reader(path: Path) -> Any:
@@ -207,7 +280,9 @@ def load_gguf(path: Path) -> tuple[ModelConfig, ModelWeights, GGUFTokenizerData]
     except ModelLoadError:
         raise
     except Exception as exc:  # the gguf package raises ValueError, KeyError, IndexError… on bad bytes
-        raise ModelLoadError(f"{path.name} is not a readable GGUF file ({type(exc).__name__}: {exc})") from None
+        raise ModelLoadError(
+            f"{path.name} is not a readable GGUF file ({type(exc).__name__}: {exc})"
+        ) from None
     try:
         _check_extent(reader, path)
         cfg = _read_config(reader, path.stem)

@@ -2,8 +2,11 @@
 
 Conventions shared by every loader and kernel:
 - a matrix is (out_features, in_features): row r produces output r, as in ggml and torch;
-- query and key projections are in ggml's rotary order, pairing adjacent dimensions (2i, 2i+1)
-  within each head; Hugging Face checkpoints are permuted into it at load (see safetensors_loader).
+- query and key rows are in the order the file has them: ggml's llama files pair adjacent
+  dimensions (2i, 2i+1) for RoPE, every other source pairs (i, i + head_dim/2)
+  (`ModelConfig.rope_neox` says which);
+- RMSNorm weights are what multiplies the normalised row: Gemma's (1 + w) is folded in at load,
+  as llama.cpp's converter does.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ class WeightMatrix:
     qtype: QType
     n_rows: int
     n_cols: int
-    data: np.ndarray  # quantized: (n_rows, row_bytes) uint8; F32: float32, F16: float16, BF16: uint16, (n_rows, n_cols)
+    data: (
+        np.ndarray
+    )  # quantized: (n_rows, row_bytes) uint8; F32: float32, F16: float16, BF16: uint16, (n_rows, n_cols)
 
     def __post_init__(self) -> None:
         if self.qtype in BLOCK_SHAPES:
@@ -30,7 +35,9 @@ class WeightMatrix:
         else:
             expected = (self.n_rows, self.n_cols)
         if tuple(self.data.shape) != expected:
-            raise ValueError(f"{self.qtype.name} matrix data has shape {self.data.shape}, expected {expected}")
+            raise ValueError(
+                f"{self.qtype.name} matrix data has shape {self.data.shape}, expected {expected}"
+            )
 
     @property
     def nbytes(self) -> int:
@@ -56,6 +63,14 @@ class LayerWeights:
     w_gate: WeightMatrix  # (hidden_dim, dim)
     w_up: WeightMatrix  # (hidden_dim, dim)
     w_down: WeightMatrix  # (dim, hidden_dim)
+    # present only where the architecture has them (see ModelConfig's switches)
+    q_bias: np.ndarray | None = None  # (n_heads·head_dim,) float32
+    k_bias: np.ndarray | None = None  # (n_kv_heads·head_dim,)
+    v_bias: np.ndarray | None = None  # (n_kv_heads·head_dim,)
+    q_norm: np.ndarray | None = None  # (head_dim,) RMSNorm weight shared by every query head
+    k_norm: np.ndarray | None = None  # (head_dim,)
+    post_attn_norm: np.ndarray | None = None  # (dim,) on the attention output, before the residual add
+    post_ffn_norm: np.ndarray | None = None  # (dim,) on the feed-forward output, before the residual add
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +112,9 @@ def release_mapped_pages(array: np.ndarray) -> bool:
         return False
     begin = -(-array.ctypes.data // mmap.PAGESIZE) * mmap.PAGESIZE
     end = (array.ctypes.data + array.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
-    if end > begin and _libc.madvise(ctypes.c_void_p(begin), ctypes.c_size_t(end - begin), mmap.MADV_DONTNEED):
+    if end > begin and _libc.madvise(
+        ctypes.c_void_p(begin), ctypes.c_size_t(end - begin), mmap.MADV_DONTNEED
+    ):
         raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed on a weight map")
     return True
 
