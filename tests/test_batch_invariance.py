@@ -2,7 +2,8 @@
 
 The same seeded, temperature > 0 request runs alone; among 31 concurrent requests of other lengths
 and parameters; with a token budget small enough to chunk its prompt; under KV pressure that preempts
-it; and on one pool thread instead of two. Every run must give the identical tokens.
+it; and on one pool thread instead of two. Every run must give the identical tokens, on SmolLM2 and on
+a tiny model of every architecture.
 """
 
 import threading
@@ -10,8 +11,10 @@ import threading
 import numpy as np
 import pytest
 
+from decoding import load_model
 from decoding.engine.engine import Engine, EngineConfig
 from decoding.engine.params import SamplingParams
+from tests.test_architectures import ARCHITECTURES, GOLDEN
 
 TARGET_TEXT = ("In a small village by the river, an old weaver kept a loom that had belonged to her grandmother. "
                "Every morning she")
@@ -59,10 +62,12 @@ def run(model, config: EngineConfig, target_ids, params, others=(), record_preem
         engine.shutdown()
 
 
-@pytest.fixture(scope="module")
-def setup(default_model):
-    tok = default_model.tokenizer
-    return default_model, tok.encode(TARGET_TEXT), neighbours(tok, 31)
+@pytest.fixture(scope="module", params=["smollm2", *ARCHITECTURES])
+def setup(request, default_model):
+    """SmolLM2, then a tiny model of each architecture (sliding windows, head norms, biases...)."""
+    model = default_model if request.param == "smollm2" else load_model(GOLDEN / request.param)
+    tok = model.tokenizer
+    return model, tok.encode(TARGET_TEXT), neighbours(tok, 31)
 
 
 @pytest.mark.parametrize("kernels", ["fast", "exact"])
@@ -86,6 +91,7 @@ def test_seeded_sampling_is_identical_alone_crowded_chunked_and_single_threaded(
 
 def test_seeded_sampling_is_identical_when_preempted_and_recomputed(setup):
     model, target_ids, _ = setup
+    target_ids = target_ids[:25]  # 4 blocks of 8, whatever the tokenizer (the cache below is sized for it)
     params = target_params(seed=2024)
     # Same block size as below: attention's online softmax works block by block, so the block size is
     # part of the engine's configuration, like the kernel mode; batch, preemption and threads are not.
