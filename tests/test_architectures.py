@@ -20,6 +20,7 @@ from decoding import load_model
 from decoding.engine.engine import Engine, EngineConfig
 from decoding.engine.params import SamplingParams
 from decoding.kernels.reference import forward_logits
+from tests.hf_to_gguf import convert
 from tests.reliability import running_server
 from tests.test_forward_step import StepDriver
 
@@ -117,6 +118,20 @@ def test_exact_greedy_decoding_continues_as_transformers_does(arch_model):
                     break
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_the_same_weights_from_gguf_give_transformers_logits(arch, tmp_path):
+    """Converted as llama.cpp's converter does (tests/hf_to_gguf.py): mistral becomes a llama file
+    with permuted Q/K, llama 3's scaling a rope_freqs tensor, Gemma's norms 1 + w."""
+    model = load_model(convert(GOLDEN / arch, tmp_path / f"{arch}.gguf"))
+    assert model.config.architecture == ("llama" if arch == "mistral" else arch)
+    assert model.config.rope_neox == (arch not in ("llama", "mistral"))
+    cases, logits = golden(arch)
+    for i, case in enumerate(cases):
+        assert model.tokenizer.encode(case["text"], add_special_tokens=True) == case["ids"]
+        np.testing.assert_allclose(forward_logits(model, case["ids"]), logits[f"case{i}"], atol=LOGIT_TOLERANCE,
+                                   rtol=0, err_msg=f"{arch} prompt {i}")  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

@@ -93,6 +93,9 @@ def _architecture_switches(reader: Any, arch: str, n_layers: int, dim: int, n_he
     window = _field(reader, f"{arch}.attention.sliding_window")
     if window and arch != "gemma3":  # a mistral-style window on every layer
         switches["sliding_window"] = int(window)
+    scale = _field(reader, f"{arch}.attention.scale")
+    if scale:  # a file that states its query scale (Gemma 3's is otherwise derived above)
+        switches["attention_scale"] = float(scale)
     if "rope_freqs.weight" in tensors:  # llama 3.1+ scaling, as per-pair frequency divisors
         switches["rope_freq_factors"] = tuple(float(f) for f in _rope_freq_factors(reader))
     return switches

@@ -1,0 +1,117 @@
+"""The tiny Hugging Face models of tests/golden/architectures as GGUF files, written the way llama.cpp's
+convert_hf_to_gguf.py writes each architecture: its tensor names and metadata keys, llama's Q/K
+rows permuted for adjacent-pair RoPE, llama 3's rope scaling as a `rope_freqs` tensor, Gemma's norm
+weights stored as 1 + w. The same weights then load through treadle's GGUF path and must give the
+transformers logits the directory's golden holds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+from tokenizers import Tokenizer as HFTokenizer
+
+from decoding.model.safetensors_loader import _map_file, llama3_frequency_factors
+from decoding.model.weights import WeightMatrix
+
+GGUF_ARCHITECTURE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
+_LAYER_NAMES = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}  # fmt: skip
+_GEMMA_NORM_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                     "post_feedforward_layernorm": "post_ffw_norm"}  # fmt: skip
+
+
+def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute: rotate-half rows → adjacent pairs."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def convert(directory: Path, out: Path) -> Path:
+    cfg = json.loads((directory / "config.json").read_text())
+    model_type = cfg["model_type"]
+    arch = GGUF_ARCHITECTURE[model_type]
+    gemma = arch == "gemma3"
+    n_heads, n_kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(n_heads)
+    writer.add_head_count_kv(n_kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    rope = cfg["rope_parameters"]
+    writer.add_rope_freq_base((rope["full_attention"] if gemma else rope)["rope_theta"])
+    if cfg.get("sliding_window"):
+        writer.add_sliding_window(cfg["sliding_window"])
+    if gemma:
+        pattern = cfg["layer_types"].index("full_attention") + 1
+        writer.add_uint32(f"{arch}.attention.sliding_window_pattern", pattern)
+        if cfg["query_pre_attn_scalar"] != head_dim:
+            writer.add_float32(f"{arch}.attention.scale", cfg["query_pre_attn_scalar"] ** -0.5)
+
+    tok = json.loads((directory / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda item: item[1])]
+    specials = {t["content"] for t in tok["added_tokens"]}
+    n_real = len(tokens)
+    tokens += [f"[PAD{i}]" for i in range(n_real, cfg["vocab_size"])]  # the converter pads to the model's rows
+    tok_config = json.loads((directory / "tokenizer_config.json").read_text())
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in specials else 1 if i < n_real else 5 for i, t in enumerate(tokens)])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    writer.add_bos_token_id(cfg["bos_token_id"])
+    writer.add_eos_token_id(cfg["eos_token_id"])
+    writer.add_add_bos_token(bool(tok_config.get("add_bos_token")))
+    if tok_config.get("chat_template"):
+        writer.add_chat_template(tok_config["chat_template"])
+    assert HFTokenizer.from_file(str(directory / "tokenizer.json")).get_vocab_size() == n_real
+
+    tensors = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        tensors.update(_map_file(f))
+
+    def dense(name: str) -> np.ndarray:
+        data, qtype = tensors[name]
+        shape = data.shape if data.ndim == 2 else (1, data.shape[0])
+        return WeightMatrix(qtype, *shape, data.reshape(shape)).dequantize().reshape(data.shape)
+
+    def add(name: str, array: np.ndarray) -> None:
+        writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+
+    def norm(name: str) -> np.ndarray:
+        return dense(name) + np.float32(1.0) if gemma else dense(name)
+
+    add("token_embd.weight", dense("model.embed_tokens.weight"))
+    add("output_norm.weight", norm("model.norm.weight"))
+    if "lm_head.weight" in tensors and not cfg.get("tie_word_embeddings"):
+        add("output.weight", dense("lm_head.weight"))
+    if rope.get("rope_type") == "llama3":
+        add("rope_freqs.weight", np.array(llama3_frequency_factors(rope, head_dim), dtype=np.float32))
+    layer_names = dict(_LAYER_NAMES, **(_GEMMA_NORM_NAMES if gemma else {"post_attention_layernorm": "ffn_norm"}))
+    for i in range(cfg["num_hidden_layers"]):
+        for hf, gg in layer_names.items():
+            for kind in ("weight", "bias"):
+                name = f"model.layers.{i}.{hf}.{kind}"
+                if name not in tensors:
+                    continue
+                array = norm(name) if hf.endswith("norm") else dense(name)
+                if arch == "llama" and hf in ("self_attn.q_proj", "self_attn.k_proj"):
+                    array = _permute(array, n_heads if hf == "self_attn.q_proj" else n_kv_heads)
+                add(f"blk.{i}.{gg}.{kind}", array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
