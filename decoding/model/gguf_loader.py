@@ -42,6 +42,7 @@ class GGUFTokenizerData:
     chat_template: str | None
     scores: list[float] = field(default_factory=list)  # SentencePiece: each piece's score (merge priority)
     unknown_token_id: int | None = None
+    add_space_prefix: bool = False  # SentencePiece: a space before the text and after each special token
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
@@ -151,8 +152,9 @@ def _read_config(reader: Any, name: str) -> ModelConfig:
 
 
 def _read_tokenizer(reader: Any) -> GGUFTokenizerData:
+    model = str(_require(reader, "tokenizer.ggml.model"))
     return GGUFTokenizerData(
-        model=str(_require(reader, "tokenizer.ggml.model")),
+        model=model,
         pre=str(_field(reader, "tokenizer.ggml.pre", "default")),
         tokens=list(_require(reader, "tokenizer.ggml.tokens")),
         token_types=[int(t) for t in _field(reader, "tokenizer.ggml.token_type", [])],
@@ -163,6 +165,8 @@ def _read_tokenizer(reader: Any) -> GGUFTokenizerData:
         chat_template=_field(reader, "tokenizer.chat_template"),
         scores=[float(s) for s in _field(reader, "tokenizer.ggml.scores", [])],
         unknown_token_id=_field(reader, "tokenizer.ggml.unknown_token_id"),
+        # llama.cpp's default for SentencePiece vocabularies is to add it; Gemma's files say not to
+        add_space_prefix=bool(_field(reader, "tokenizer.ggml.add_space_prefix", model == "llama")),
     )
 
 

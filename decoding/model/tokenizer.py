@@ -23,6 +23,7 @@ from .gguf_loader import GGUFTokenizerData
 
 log = logging.getLogger(__name__)
 
+_TOKEN_UNKNOWN = 2
 _TOKEN_CONTROL = 3
 _TOKEN_USER_DEFINED = 4
 
@@ -34,6 +35,9 @@ _LLAMA3_SPLIT = (
 _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+
+
+_WHOLE_WORD_FIRST_PRE_TOKENIZERS = ("llama-bpe", "llama3", "llama-v3")
 
 
 def _byte_level(use_regex: bool = True) -> pre_tokenizers.PreTokenizer:
@@ -56,7 +60,11 @@ def _from_gguf(data: GGUFTokenizerData) -> HFTokenizer:
     if data.model == "gpt2":
         vocab = {token: i for i, token in enumerate(data.tokens)}
         merges = [tuple(m.split(" ", 1)) for m in data.merges]
-        tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+        # Llama 3's pre-tokenizers look a whole word up before merging (llama.cpp's ignore_merges, as
+        # tiktoken does): a word that is itself a token stays one even where the merges would not build it
+        ignore_merges = data.pre in _WHOLE_WORD_FIRST_PRE_TOKENIZERS
+        tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
+                                     ignore_merges=ignore_merges))  # fmt: skip
         tok.pre_tokenizer = _pre_tokenizer(data.pre)
         tok.decoder = decoders.ByteLevel()
     elif data.model == "llama" and data.scores:
@@ -67,7 +75,9 @@ def _from_gguf(data: GGUFTokenizerData) -> HFTokenizer:
             "'llama' with scores are); load the Hugging Face directory with its tokenizer.json instead"
         )
     types = data.token_types or [1] * len(data.tokens)
-    specials = [AddedToken(t, special=True, normalized=False) for t, ty in zip(data.tokens, types) if ty == _TOKEN_CONTROL]
+    # llama.cpp parses the text of control and unknown tokens (`<unk>`) as those tokens
+    specials = [AddedToken(t, special=True, normalized=False) for t, ty in zip(data.tokens, types)
+                if ty in (_TOKEN_CONTROL, _TOKEN_UNKNOWN)]  # fmt: skip
     user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(data.tokens, types) if ty == _TOKEN_USER_DEFINED]
     tok.add_special_tokens(specials)
     tok.add_tokens(user)
@@ -82,7 +92,11 @@ def _sentencepiece_bpe(data: GGUFTokenizerData) -> HFTokenizer:
     unknown = data.tokens[data.unknown_token_id] if data.unknown_token_id is not None else None
     tok = HFTokenizer(models.BPE(vocab=vocab, merges=_merges_by_score(data.tokens, data.scores), unk_token=unknown,
                                  fuse_unk=True, byte_fallback=True))
-    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    escape_spaces = normalizers.Replace(" ", "\u2581")
+    # llama.cpp's add_space_prefix: a space before the text and after each special token (Llama 2's
+    # "▁Hello"); the normalizer runs on each stretch between special tokens, which is exactly that
+    tok.normalizer = (normalizers.Sequence([normalizers.Prepend("\u2581"), escape_spaces]) if data.add_space_prefix
+                      else escape_spaces)  # fmt: skip
     tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
     return tok
 
