@@ -45,6 +45,18 @@ PROMPTS = [
 ]
 GREEDY_STEPS = 24
 REAL_TOPK = 32
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+REAL_CHATS = [  # rendered by the file's own template (transformers' apply_chat_template)
+    {"messages": [{"role": "user", "content": "Write a Python function that reverses a string."}]},
+    {"messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}]},
+    {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER_TOOL]},
+    {"messages": [{"role": "user", "content": "Weather in Paris?"},
+                  {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+                      "name": "get_weather", "arguments": {"city": "Paris"}}}]},
+                  {"role": "tool", "content": "18 C, sunny"}], "tools": [WEATHER_TOOL]},
+]  # fmt: skip
 REAL_PROMPTS = {
     "qwen2": ["<|im_start|>user\nWrite a Python function that reverses a string.<|im_end|>\n<|im_start|>assistant\n",
               "def fibonacci(n):\n    "],
@@ -177,7 +189,14 @@ def real_case(arch: str, path: Path) -> None:
                       "top_logits": np.round(np.take_along_axis(logits, top, 1).astype(np.float64), 5).tolist(),
                       "greedy": generated, "greedy_text": tok.decode(generated)})  # fmt: skip
         print(f"real {arch}: {text[:30]!r} -> {cases[-1]['greedy_text']!r}")
+    chats = []
+    if getattr(tok, "chat_template", None):
+        for chat in REAL_CHATS:
+            text = tok.apply_chat_template(chat["messages"], tools=chat.get("tools"), tokenize=False,
+                                           add_generation_prompt=True)  # fmt: skip
+            chats.append({**chat, "text": text})
     golden = {
+        "chats": chats,
         "source": f"transformers {__import__('transformers').__version__}, torch {torch.__version__}: "
                   f"AutoModelForCausalLM.from_pretrained(gguf_file={path.name}) (dequantized to float32); "
                   f"top {REAL_TOPK} logits per position; generate(do_sample=False, max_new_tokens={GREEDY_STEPS})",

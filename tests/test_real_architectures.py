@@ -46,6 +46,15 @@ def test_the_tokenizer_encodes_the_prompts_as_transformers_does(real):
         assert model.tokenizer.encode(case["text"], add_special_tokens=True) == case["ids"]
 
 
+def test_the_files_chat_template_renders_as_transformers_does_tools_included(real):
+    arch, path, model, _ = real
+    chats = json.loads((GOLDEN / f"real_{arch}.json").read_text())["chats"]
+    assert bool(chats) == model.tokenizer.has_chat_template  # Gemma 3 270M is a base model: none
+    for chat in chats:
+        extra = {"tools": chat["tools"]} if "tools" in chat else {}
+        assert model.tokenizer.apply_chat_template(chat["messages"], True, **extra) == chat["text"]
+
+
 def _prefill_logits(model, ids: list[int], kernels: str) -> np.ndarray:
     driver = StepDriver(model, n_threads=2, kernels=kernels)
     try:
