@@ -21,6 +21,7 @@ from kvcache.manager import KVCacheManager
 from kvcache.storage import KVCacheSpec, KVCacheStorage
 from threadpool import BrokenPool, SpinPool
 
+from ..kernels.forward import KernelWeights
 from ..model.model import Model
 from .config import KV_CACHE_DTYPES, EngineConfig, resolve_kv_cache_dtype
 from .detokenizer import IncrementalDetokenizer
@@ -55,13 +56,16 @@ class Engine:
         spec = KVCacheSpec(n_layers=mc.n_layers, n_kv_heads=mc.n_kv_heads, head_dim=mc.head_dim,
                            block_size=cfg.block_size, dtype=resolve_kv_cache_dtype(cfg))
         num_blocks = cfg.num_kv_blocks or spec.num_blocks_for_mib(cfg.kv_cache_mb)
+        # Repacking holds one matrix's file pages beside its copy until the pages are released: done
+        # before the KV cache is touched, that passing peak does not stack on the cache's.
+        weights = KernelWeights.build(mc, model.weights, fast=cfg.kernels == "fast")
         self.storage = KVCacheStorage.allocate(spec, num_blocks)
         self.kv = KVCacheManager(num_blocks, cfg.block_size, self.max_model_len, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_itl_stretch)
         self.pool = SpinPool(cfg.n_threads, pin=cfg.pin_threads)
         max_logit_rows = max(cfg.max_num_batched_tokens, cfg.max_num_seqs)
         self.runner = ModelRunner(model, self.storage, self.pool, cfg.max_num_batched_tokens, max_logit_rows,
-                                  cfg.kernels)
+                                  cfg.kernels, weights)
         self.sampler = Sampler(mc.vocab_size, self.pool, mc.eos_token_ids)  # EOS is masked before min_tokens
         self.eos_token_ids = mc.eos_token_ids
         self.stats = EngineStats()

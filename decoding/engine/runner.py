@@ -37,7 +37,9 @@ class ModelRunner:
         max_num_tokens: int,
         max_logit_rows: int,
         kernels: str = "fast",
+        weights: KernelWeights | None = None,
     ) -> None:
+        """`weights`: the model's kernel weights if already built (KernelWeights.build), else built here."""
         if kernels not in KERNEL_MODES:
             raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {kernels!r}")
         cfg = model.config
@@ -47,7 +49,7 @@ class ModelRunner:
         self.pool = pool
         self.max_num_tokens = max_num_tokens
         self.max_logit_rows = max_logit_rows
-        self.weights = KernelWeights.build(cfg, model.weights, fast=kernels == "fast")
+        self.weights = weights or KernelWeights.build(cfg, model.weights, fast=kernels == "fast")
         self.state = RunState.allocate(
             cfg, max_num_tokens, max_logit_rows, pool.n_threads, storage.spec.block_size
         )

@@ -13,6 +13,7 @@ from .gguf_loader import load_gguf
 from .model import Model
 from .safetensors_loader import load_safetensors_directory, read_config
 from .tokenizer import Tokenizer
+from .weights import release_freed_heap
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,8 @@ def load_model(name_or_path: str | Path = DEFAULT_MODEL) -> Model:
     else:
         cfg, weights, tok_data = load_gguf(path)
         tokenizer = Tokenizer.from_gguf(tok_data, cfg.eos_token_ids)
+        del tok_data
+        release_freed_heap()  # the parsed metadata's small objects
     types = ", ".join(f"{qtype} x{count}" for qtype, count in weights.storage_types().items())
     log.info("loaded %s: %d layers, dim %d, %.1f MB of weights; matrices as stored: %s", name, cfg.n_layers,
              cfg.dim, weights.nbytes / 1e6, types)
