@@ -129,7 +129,7 @@ def test_a_q4_k_matrix_whose_scales_overflow_fp16_stays_on_the_float_path():
 
 
 @pytest.mark.parametrize("tokens", [1, 4, 9])
-def test_q6_k_runs_with_a_scale_per_16_weights_rounded_to_fp16(tokens):
+def test_q6_k_runs_in_7_bits_with_a_scale_per_16_weights_rounded_to_fp16(tokens):
     from decoding.model.quant import dequantize_q6_k_codes
 
     rng = np.random.default_rng(60 + tokens)
@@ -146,7 +146,9 @@ def test_q6_k_runs_with_a_scale_per_16_weights_rounded_to_fp16(tokens):
     xq, xd, xsum = quantized_activations(x)
     activations = dequantized_activations(xq, xd, cols).astype(np.float64)
     out = np.full((tokens, rows), np.nan, np.float32)
-    matmul_groups(repack(stored, QType.Q6_K, rows, cols), int(QType.Q6_K), cols, xq, xd, xsum, tokens, out, 0,
+    packed = repack(stored, QType.Q6_K, rows, cols)
+    assert packed.nbytes == rows * cols * 7 // 8  # 6 bits a weight and a fp16 scale per 16
+    matmul_groups(packed, int(QType.Q6_K), cols, xq, xd, xsum, tokens, out, 0,
                   rows // 8, False, np.zeros((4, 8), np.float32))
     expected = activations @ form.T.astype(np.float64)
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())

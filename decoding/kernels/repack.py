@@ -5,8 +5,9 @@ Rows are taken in groups of 8; for each 32-weight block the group's bytes are co
     Q4_0 / Q4_1: 4 steps × 8 rows × 4 bytes of nibbles (128 B), 8 fp16 scales (16 B)[, 8 fp16 mins (16 B)]
     Q5_0 / Q5_1: the nibbles as Q4_0 (128 B), 4 steps × 8 rows × 1 byte of fifth bits (32 B), 8 fp16
                  scales[, 8 fp16 mins]
-    Q6_K:        as Q8_0, each 6-bit q a byte (q6, offset 32; 256 B), then 16 fp16 scales d·scale, row r's
-                 for its weights 0..15 and 16..31 (32 B): 9 bits a weight instead of 6.56
+    Q6_K:        the low four bits of each q6 (offset 32) as Q4_0's nibbles (128 B), 4 steps × 16 bytes of
+                 their top two bits (64 B), 16 fp16 scales d·scale, row r's for its weights 0..15 and
+                 16..31 (32 B): 7 bits a weight instead of 6.56
     Q8_0:        4 steps × 8 rows × 8 bytes, each weight + 128 as an unsigned byte (256 B), 8 fp16 scales
 
 Step s of a row holds its weights 4s..4s+3 and 16+4s..16+4s+3: in a Q4 byte the low nibble is weight j
@@ -104,8 +105,9 @@ def _k_sub_blocks_as_affine(data: np.ndarray, n_cols: int, fifth_bits: bool) -> 
 
 
 def _repack_q6_k_groups(data: np.ndarray, n_groups: int, n_cols: int) -> np.ndarray:
-    """Q6_K rows → the int8 kernels' Q6_K form: per (group, 32 weights), the q6 bytes in step order,
-    then each row's two fp16 scales d·scale (one per 16 weights, rounded from float32)."""
+    """Q6_K rows → the int8 kernels' Q6_K form: per (group, 32 weights), the low four bits of each q6
+    as Q4_0's nibbles, the top two bits (`_high_bit_planes`), then each row's two fp16 scales d·scale
+    (one per 16 weights, rounded from float32)."""
     n_blocks = n_cols // QK
     rows = data.shape[0]
     super_blocks = data.reshape(-1, 210)
@@ -115,12 +117,25 @@ def _repack_q6_k_groups(data: np.ndarray, n_groups: int, n_cols: int) -> np.ndar
         half_scales = (d * scales16).astype(np.float16)  # (n, 16): sub-block i holds weights 16i..16i+15
     if not np.isfinite(half_scales).all():
         raise ValueError("a Q6_K sub-block's scale does not fit in fp16: it stays on the float32 path")
-    q6 = (dequantize_q6_k_codes(super_blocks) + 32).astype(np.uint8)  # (n, 256), 0..63
-    q6 = q6.reshape(rows, n_blocks, 32)[..., ACTIVATION_ORDER]
-    steps = q6.reshape(n_groups, GROUP_ROWS, n_blocks, 4, 8).transpose(0, 2, 3, 1, 4).reshape(n_groups, n_blocks, 256)
+    q6 = (dequantize_q6_k_codes(super_blocks) + 32).astype(np.uint8).reshape(rows, n_blocks, 32)  # 0..63
+    nibble_bytes = (q6[..., :16] & 15) | ((q6[..., 16:] & 15) << 4)  # Q4_0's layout: byte j = weights j, j+16
+    nibbles = nibble_bytes.reshape(n_groups, GROUP_ROWS, n_blocks, 4, 4).transpose(0, 2, 3, 1, 4)
+    high = (q6[..., ACTIVATION_ORDER] >> 4).reshape(n_groups, GROUP_ROWS, n_blocks, 4, 8)  # step order
     scales = half_scales.reshape(n_groups, GROUP_ROWS, n_blocks, 2).transpose(0, 2, 1, 3)
-    parts = [steps, scales.reshape(n_groups, n_blocks, 16).copy().view(np.uint8)]
+    parts = [nibbles.reshape(n_groups, n_blocks, 128), _high_bit_planes(high),
+             scales.reshape(n_groups, n_blocks, 16).copy().view(np.uint8)]  # fmt: skip
     return np.concatenate(parts, axis=-1).reshape(-1)
+
+
+def _high_bit_planes(high: np.ndarray) -> np.ndarray:
+    """(groups, 8 rows, blocks, 4 steps, 8) two-bit values → (groups, blocks, 64) bytes: per step 16
+    bytes, byte p holding in bits 2j, 2j+1 the value of the kernel's weight byte i = 16j + p (row i // 8,
+    byte i % 8 of its step), the order vnni._high_bits_vector unpacks."""
+    n_groups, _, n_blocks, _, _ = high.shape
+    per_step = high.transpose(0, 2, 3, 1, 4).reshape(n_groups, n_blocks, 4, 4, 16)  # (..., step, j, p)
+    shifts = (2 * np.arange(4, dtype=np.uint8))[:, None]
+    packed = np.bitwise_or.reduce(per_step << shifts, axis=-2).astype(np.uint8)  # (..., step, p)
+    return packed.reshape(n_groups, n_blocks, 64)
 
 
 def _repack_groups(data: np.ndarray, qtype: QType, n_groups: int, n_cols: int) -> np.ndarray:

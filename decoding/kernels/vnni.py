@@ -11,8 +11,9 @@ scaled in float32 once per block — weight scale × activation scale — and ac
 term adds m · d_x · Σq_x; unsigned storage offsets (nibble − 8 for Q4_0, byte + 128 for Q8_0) are
 taken back exactly in integers with the block's Σq_x. Q5_0 is Q4_0 (and Q5_1 is Q4_1) with a fifth bit: its nibbles
 take 16 more where the bit is set (`_fifth_bits_vector`), and 16 is its storage offset. Q6_K runs in
-a form of its own: Q8_0's bytes (q6, offset 32) with a scale per 16 weights, one per lane, and the
-offset taken back per lane with the lane's Σx from a `vpdpbusd` against ones. Every token's arithmetic is the same sequence
+a form of its own: Q4_0's nibbles with each weight's top two bits beside them (`_high_bits_vector`,
+q6 with offset 32), a scale per 16 weights, one per lane, and the offset taken back per lane with the
+lane's Σx from a `vpdpbusd` against ones. Every token's arithmetic is the same sequence
 of operations whether it is computed alone or with three others, so results are batch-invariant.
 """
 
@@ -31,11 +32,12 @@ LANES = 16
 GROUP_ROWS = 8
 # bytes of one (8-row group, 32-weight block) in the repacked stream, and where its scales start
 BLOCK_STRIDE = {QType.Q4_0: 144, QType.Q4_1: 160, QType.Q5_0: 176, QType.Q5_1: 192, QType.Q8_0: 272,
-                QType.Q6_K: 288}
+                QType.Q6_K: 224}
 SCALE_OFFSET = {QType.Q4_0: 128, QType.Q4_1: 128, QType.Q5_0: 160, QType.Q5_1: 160, QType.Q8_0: 256,
-                QType.Q6_K: 256}
+                QType.Q6_K: 192}
 MIN_OFFSET = {QType.Q4_1: 144, QType.Q5_1: 176}  # the types with a min term
 FIFTH_BITS_OFFSET = 128  # Q5_0 and Q5_1: 4 steps × 8 rows × one byte of fifth bits
+HIGH_BITS_OFFSET = 128  # Q6_K: 4 steps × 16 bytes, each holding the top two bits of four weights
 UNSIGNED_BIAS = {QType.Q4_0: 8, QType.Q5_0: 16, QType.Q8_0: 128, QType.Q4_1: 0, QType.Q5_1: 0, QType.Q6_K: 32}
 # Q6_K's form has a scale per 16 weights, one per lane: lane 2r holds row r's weights 0..15 of the
 # block, lane 2r+1 its weights 16..31 (the step order of decoding.kernels.repack)
@@ -83,7 +85,7 @@ def _row_stride_bytes(context, builder, arr_type, arr_value) -> ir.Value:
 
 def _weight_vector(builder: ir.IRBuilder, qtype: QType, block_ptr: ir.Value, step: int) -> ir.Value:
     """The 64 unsigned weight bytes of step `step` (0..3) of a block: 8 bytes for each of 8 rows."""
-    if qtype in (QType.Q8_0, QType.Q6_K):
+    if qtype == QType.Q8_0:
         return _load(builder, block_ptr, 64 * step, _vec(_i8, 64))
     packed = _load(builder, block_ptr, 32 * step, _vec(_i8, 32))  # 4 bytes of nibbles per row
     low = builder.and_(packed, ir.Constant(_vec(_i8, 32), [15] * 32))
@@ -95,7 +97,30 @@ def _weight_vector(builder: ir.IRBuilder, qtype: QType, block_ptr: ir.Value, ste
     weights = builder.bitcast(interleaved, _vec(_i8, 64))
     if qtype in (QType.Q5_0, QType.Q5_1):
         weights = builder.or_(weights, _fifth_bits_vector(builder, block_ptr, step))
+    elif qtype == QType.Q6_K:
+        weights = builder.or_(weights, _high_bits_vector(builder, block_ptr, step))
     return weights
+
+
+def _high_bits_vector(builder: ir.IRBuilder, block_ptr: ir.Value, step: int) -> ir.Value:
+    """Q6_K: each weight's top two bits, moved to bits 4 and 5, in the 64 bytes' order. Byte p of the
+    step's 16 holds in its bits 2j, 2j+1 those of weight byte 16j + p (decoding.kernels.repack), so four
+    uniform shifts and masks of one 16-byte vector, then two concatenations, place them all."""
+    packed = _load(builder, block_ptr, HIGH_BITS_OFFSET + 16 * step, _vec(_i8, 16))
+    mask = ir.Constant(_vec(_i8, 16), [0x30] * 16)
+    parts = []
+    for j in range(4):
+        shift = 4 - 2 * j  # bits 2j, 2j+1 → bits 4, 5
+        if shift > 0:
+            moved = builder.shl(packed, ir.Constant(_vec(_i8, 16), [shift] * 16))
+        elif shift < 0:
+            moved = builder.lshr(packed, ir.Constant(_vec(_i8, 16), [-shift] * 16))
+        else:
+            moved = packed
+        parts.append(builder.and_(moved, mask))
+    low = builder.shuffle_vector(parts[0], parts[1], _mask(list(range(32))))
+    high = builder.shuffle_vector(parts[2], parts[3], _mask(list(range(32))))
+    return builder.shuffle_vector(low, high, _mask(list(range(64))))
 
 
 def _fifth_bits_vector(builder: ir.IRBuilder, block_ptr: ir.Value, step: int) -> ir.Value:
