@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from bench.engine_peers import run_peers
+from bench.engine_peers import run_llama_cpp, run_peers
 from bench.engine_quality import measure_quality
 from bench.engine_report import print_table
 from bench.engine_rooflines import measure_gemm_gflops, measure_int8_gmacs, measure_read_bandwidth
@@ -146,6 +146,33 @@ def measure_prefill(engine: Engine, model: Model, num_tokens: int) -> float:
     return num_tokens / (time.perf_counter() - started)
 
 
+def alternate_with_llama_cpp(model: Model, config: EngineConfig, prompt_ids: list[int], max_tokens: int,
+                             prefill_tokens: int, rounds: int) -> dict:
+    """treadle (a fresh engine, warmed, then shut down so its pool leaves the cores) and llama.cpp (its own
+    process) one after the other, `rounds` times: single-stream decode and prompt speed of each, and the
+    ratio of their medians. Alternating puts both sides into every stretch of a shared machine's drift."""
+    sides: dict[str, list[float]] = {"treadle_decode": [], "treadle_prompt": [], "llama_cpp_decode": [],
+                                     "llama_cpp_prompt": []}  # fmt: skip
+    for _ in range(rounds):
+        engine = Engine(model, config).start()
+        try:
+            engine.generate(prompt_ids, SamplingParams(max_tokens=4))
+            sides["treadle_decode"].append(run_level(engine, prompt_ids, 1, max_tokens).tokens_per_second)
+            engine.kv.enable_prefix_caching = False
+            sides["treadle_prompt"].append(measure_prefill(engine, model, prefill_tokens))
+        finally:
+            engine.shutdown()
+        peer = run_llama_cpp(model, engine.pool.n_threads, None)
+        if "skipped" in peer:
+            return {"skipped": peer["skipped"]}
+        sides["llama_cpp_decode"].append(peer["decode_tokens_per_second"])
+        sides["llama_cpp_prompt"].append(peer["prompt_tokens_per_second"])
+    medians = {name: float(np.median(values)) for name, values in sides.items()}
+    return {"rounds": rounds, **sides, "medians": medians,
+            "decode_ratio": medians["treadle_decode"] / medians["llama_cpp_decode"],
+            "prompt_ratio": medians["treadle_prompt"] / medians["llama_cpp_prompt"]}
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="treadle bench engine", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -163,6 +190,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--peers", action="store_true",
                         help="also measure llama.cpp (llama-cpp-python, .venv) and transformers (torch CPU, "
                              ".venv-bench) on the same GGUF and thread count")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="with --peers: then alternate treadle's single stream and prompt with llama.cpp's this "
+                             "many times, each alone on the cores, and report the medians (a shared machine's "
+                             "speed drifts from one minute to the next)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -195,6 +226,8 @@ def main(argv: list[str]) -> int:
     quality = measure_quality(model, args.quality_tokens) if args.quality_tokens else None
     peers = (run_peers(model, threads, quality, prompt_ids, args.max_tokens, args.prefill_tokens)
              if args.peers else {})
+    rounds = (alternate_with_llama_cpp(model, config, prompt_ids, args.max_tokens, args.prefill_tokens, args.rounds)
+              if args.peers and args.rounds > 1 else None)
     bandwidth = measure_read_bandwidth(threads)
     gflops = measure_gemm_gflops()
     int8_gmacs = measure_int8_gmacs(model, threads) if args.kernels == "fast" else None
@@ -228,6 +261,7 @@ def main(argv: list[str]) -> int:
         "peak_rss_mb": peak_rss_mb,
         "kv_cache_mb": config.kv_cache_mb,
         "model_file_mb": model.path.stat().st_size / 2**20,
+        "rounds": rounds,
     }
     print_table(report)
     if args.json:

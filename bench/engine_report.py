@@ -51,6 +51,14 @@ def print_table(r: dict) -> None:
         print(f"llama.cpp: {peer['skipped']}")
     if r["transformers"]:
         print(format_transformers(r))
+    if r.get("rounds") and "skipped" not in r["rounds"]:
+        a = r["rounds"]
+        m = a["medians"]
+        print(f"alternating with llama.cpp, {a['rounds']} rounds (medians): decode {m['treadle_decode']:.1f} vs "
+              f"{m['llama_cpp_decode']:.1f} tokens/s → treadle {a['decode_ratio']:.2f}×; prompt {m['treadle_prompt']:.0f} vs "
+              f"{m['llama_cpp_prompt']:.0f} → {a['prompt_ratio']:.2f}×")
+        print("  per round, decode: " + ", ".join(f"{t:.1f}/{p:.1f}" for t, p in
+                                                 zip(a["treadle_decode"], a["llama_cpp_decode"], strict=True)))
     print(f"peak RSS {r['peak_rss_mb']:.0f} MB (model file {r['model_file_mb']:.0f} MB, KV cache {r['kv_cache_mb']:.0f} MB)")
 
 
