@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from bench.numba_cache import use_numba_cache
+
 # `treadle bench NAME ...` runs `main(argv)` of the module named here.
 BENCHMARKS = {
     "pool": "bench.pool",
@@ -31,6 +33,9 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Before any kernel module loads numba: cached kernels live in a directory named after every kernel
+    # source, so an edit to one (a checkout moved by `git pull`) never runs a stale caller's inlined copy.
+    use_numba_cache()
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="treadle", description=__doc__)
     parser.add_argument("command", choices=[*COMMANDS, "bench"])

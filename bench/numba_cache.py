@@ -2,8 +2,8 @@
 
 numba invalidates a cached kernel only when its own file changes, not when a kernel or intrinsic it calls
 in another file does, so the directory is named after all of them: an edit anywhere starts a fresh cache.
-The Makefile (`python3 -m bench.numba_cache`), tests/conftest.py and bench/ray_replay.py all name it
-here. Standard library only, and nothing that imports numba: the variable must be set before numba loads.
+The Makefile (`python3 -m bench.numba_cache`), the `treadle` command (app/cli.py), tests/conftest.py
+and bench/ray_replay.py all name it here. Standard library only, and nothing that imports numba: the variable must be set before numba loads.
 """
 
 from __future__ import annotations

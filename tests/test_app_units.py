@@ -266,3 +266,18 @@ def test_more_threads_than_usable_cores_is_a_clear_command_line_error(capsys):
     with pytest.raises(SystemExit):
         parse_settings(["--threads", str(cores + 1)])
     assert "usable cores" in capsys.readouterr().err
+
+
+def test_the_treadle_command_points_numba_at_the_cache_named_after_every_kernel_source(tmp_path):
+    """Without it numba keeps a caller's cached copy of a kernel edited in another file (numba checks
+    only the caller's own file): after a `git pull`, `treadle serve` ran stale kernels and streamed noise."""
+    import subprocess
+    import sys
+
+    from bench.numba_cache import REPO, kernel_sources_hash
+
+    code = "import os, app.cli; app.cli.main(['--help']); print(os.environ['NUMBA_CACHE_DIR'])"
+    env = {k: v for k, v in __import__("os").environ.items() if k != "NUMBA_CACHE_DIR"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO,
+                          check=True)  # fmt: skip
+    assert done.stdout.strip().splitlines()[-1] == str(REPO / ".numba_cache" / kernel_sources_hash())
