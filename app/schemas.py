@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from decoding.engine.params import MAX_N, MAX_TOP_LOGPROBS, SamplingParams
+from decoding.engine.structured import Constraint
 
 from .errors import APIError
 
@@ -49,12 +50,10 @@ Stop = Annotated[str | list[str], _one_of("must be a string or a list of strings
 
 # Fields that would change the output and are not implemented, each with the values that change nothing.
 # Any other value is refused with 400 `unsupported_parameter` naming the field: never silently dropped.
-# Structured output (response_format, guided_*, structured_outputs) and tools are implemented by a later
-# issue, which moves them out of here. Fields that only describe the caller (user, metadata, store,
+# Tools are implemented by a later issue, which moves them out of here. Fields that only describe the caller (user, metadata, store,
 # service_tier, ...) or only tune scheduling (priority, ...) are not listed: they are accepted and ignored.
 NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     # OpenAI's
-    "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none"),  # "auto" and "required" need tools; OpenAI refuses them without
     "functions": (None, []),
@@ -65,11 +64,6 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "web_search_options": (None,),
     # vLLM's
     "use_beam_search": (None, False),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "structured_outputs": (None,),
     "allowed_token_ids": (None,),
     "bad_words": (None, []),
     "logits_processors": (None, []),
@@ -143,6 +137,66 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")  # `schema` is BaseModel's
+    strict: bool | None = None  # the schema is always enforced: strict or not, the output matches it
+
+
+class ResponseFormat(_Body):
+    """OpenAI's response_format: text (no constraint), any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only with it")
+        return self
+
+
+class StructuredOutputs(_Body):
+    """vLLM's structured_outputs: exactly one of a JSON schema, a regex, a choice of strings, a Lark grammar."""
+
+    json_schema: dict[str, Any] | str | None = Field(None, alias="json")  # `json` is BaseModel's
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [name for name in ("json_schema", "json_object", "regex", "choice", "grammar")
+                 if getattr(self, name) not in (None, False)]  # fmt: skip
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, json_object, regex, choice, grammar")
+        return self
+
+    def constraint(self) -> Constraint:
+        if self.json_schema is not None:
+            return _json_schema_constraint(self.json_schema, "structured_outputs.json")
+        if self.json_object:
+            return Constraint("json_object", "", "structured_outputs.json_object")
+        if self.regex is not None:
+            return Constraint("regex", self.regex, "structured_outputs.regex")
+        if self.choice is not None:
+            return Constraint("choice", json.dumps(self.choice), "structured_outputs.choice")
+        return Constraint("grammar", self.grammar or "", "structured_outputs.grammar")
+
+
+def _json_schema_constraint(schema: dict[str, Any] | str, field: str) -> Constraint:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as exc:
+            raise APIError(400, f"{field} is not valid JSON: {exc}", field) from None
+    if not isinstance(schema, dict):
+        raise APIError(400, f"{field} must be a JSON schema (an object)", field)
+    return Constraint("json", json.dumps(schema, sort_keys=True), field)
+
+
 class _SamplingBody(_Body):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
@@ -170,6 +224,35 @@ class _SamplingBody(_Body):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
+
+    def constraint(self) -> Constraint | None:
+        """The one constraint the request's structured-output fields ask for, if any."""
+        found: list[Constraint] = []
+        if self.response_format is not None and self.response_format.type == "json_object":
+            found.append(Constraint("json_object", "", "response_format"))
+        elif self.response_format is not None and self.response_format.json_schema is not None:
+            found.append(_json_schema_constraint(self.response_format.json_schema.json_schema, "response_format"))
+        if self.structured_outputs is not None:
+            found.append(self.structured_outputs.constraint())
+        if self.guided_json is not None:
+            found.append(_json_schema_constraint(self.guided_json, "guided_json"))
+        if self.guided_regex is not None:
+            found.append(Constraint("regex", self.guided_regex, "guided_regex"))
+        if self.guided_choice is not None:
+            found.append(Constraint("choice", json.dumps(self.guided_choice), "guided_choice"))
+        if self.guided_grammar is not None:
+            found.append(Constraint("grammar", self.guided_grammar, "guided_grammar"))
+        if len(found) > 1:
+            raise APIError(400, f"{found[0].field} and {found[1].field} both constrain the output: give one",
+                           found[1].field)  # fmt: skip
+        return found[0] if found else None
 
     @model_validator(mode="before")
     @classmethod
@@ -198,7 +281,8 @@ class _SamplingBody(_Body):
                               include_stop_str_in_output=self.include_stop_str_in_output,
                               stop_token_ids=tuple(self.stop_token_ids or ()), logit_bias=self._logit_bias(),
                               ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
-                              logprobs=logprobs, prompt_logprobs=prompt_logprobs, **optional)
+                              logprobs=logprobs, prompt_logprobs=prompt_logprobs, constraint=self.constraint(),
+                              **optional)
 
     def _logit_bias(self) -> dict[int, float]:
         bias: dict[int, float] = {}

@@ -29,12 +29,13 @@ from .errors import EngineFailed, EngineShuttingDown, QueueFull, RequestTooLarge
 from .observers import EngineObserver, EngineStats
 from .output_processor import finish_output, process_token, record_prompt_logprobs, usage_of
 from .outputs import RequestOutput, RequestStream
-from .params import SamplingParams
+from .params import InvalidParams, SamplingParams
 from .runner import ModelRunner
 from .sampling import Sampler, SampleRequest
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Request, Sequence, SequenceStatus, seed_generator
 from .step_batch import build_step_batch
+from .structured import Guide, JsonRunGuard, StructuredOutputError, apply_masks
 from .validation import validate_request
 
 # The engine's configuration and refusals travel with it: `from decoding.engine.engine import ...`.
@@ -68,6 +69,7 @@ class Engine:
                                   cfg.kernels, weights)
         self.sampler = Sampler(mc.vocab_size, self.pool, mc.eos_token_ids)  # EOS is masked before min_tokens
         self.eos_token_ids = mc.eos_token_ids
+        self.guide = Guide.for_model(model)  # structured output; llguidance loads on the first constraint
         self.stats = EngineStats()
         self.observers: list[EngineObserver] = []
         self.fault_hook: Callable[[SchedulerOutput], None] | None = None  # tests inject step failures here
@@ -124,6 +126,12 @@ class Engine:
         """Raise `RequestTooLarge` or `InvalidParams` for what could never be served."""
         validate_request(prompt_ids, params, self.model.config.vocab_size, self.max_model_len,
                          self.config.max_num_seqs, self.kv)
+        if params.constraint is not None:
+            try:
+                self.guide.compile(params.constraint)  # compiled once per grammar text, then cached
+            except StructuredOutputError as exc:
+                raise InvalidParams(params.constraint.field, f"{params.constraint.field} cannot be compiled: {exc}") \
+                    from None
 
     @property
     def num_unfinished(self) -> int:
@@ -258,10 +266,34 @@ class Engine:
                     seqs.append(s)
         if seqs:
             requests = [SampleRequest(s.params, s.rng, s.prompt_ids, s.output_ids) for s in seqs]
-            tokens, logprobs = self.sampler.sample(logits[rows], requests)
-            for seq, token, lp in zip(seqs, tokens.tolist(), logprobs):
-                self._publish(seq, process_token(seq, token, lp, self.eos_token_ids, self.max_model_len))
+            rows_logits = logits[rows]  # a copy: the masks below change only it
+            constrained = [(i, self._matcher(s), s.json_guard) for i, s in enumerate(seqs)
+                           if s.params.constraint is not None]  # fmt: skip
+            dead = set(apply_masks(rows_logits, constrained, self.guide))
+            rows_logits[list(dead)] = 0.0  # sampled, then dropped: the sampler needs finite rows
+            tokens, logprobs = self.sampler.sample(rows_logits, requests)
+            for i, (seq, token, lp) in enumerate(zip(seqs, tokens.tolist(), logprobs)):
+                if seq.finish_reason is not None:  # a choice of a request failed below
+                    continue
+                complete = False
+                if seq.matcher is not None:
+                    if i in dead or not seq.matcher.consume_token(token):
+                        self._fail_request(seq.request, "error", "structured output: the grammar allows no "
+                                           f"further token ({seq.matcher.get_error() or 'dead end'})")
+                        continue
+                    complete = seq.matcher.is_stopped()
+                    if seq.json_guard is not None:
+                        seq.json_guard.add(self.guide.token_texts()[0][token])
+                self._publish(seq, process_token(seq, token, lp, self.eos_token_ids, self.max_model_len, complete))
         return kernel_seconds
+
+    def _matcher(self, seq: Sequence) -> Any:
+        """The sequence's grammar state, made at its first sampled token (each choice its own)."""
+        if seq.matcher is None:
+            seq.matcher = self.guide.matcher(seq.params.constraint)
+            if seq.params.constraint.kind in ("json", "json_object"):
+                seq.json_guard = JsonRunGuard()
+        return seq.matcher
 
     def _abort_slow_readers(self) -> None:
         """End requests whose client has read nothing for the timeout while the engine waited on it."""

@@ -24,8 +24,9 @@ def finish_output(seq: Sequence, reason: str, stop_reason: str | int | None = No
 
 
 def process_token(seq: Sequence, token: int, logprobs: TokenLogprobs | None, eos_token_ids: tuple[int, ...],
-                  max_model_len: int) -> RequestOutput:
-    """Append a sampled token to its sequence; returns the delta (with finish_reason if it ended)."""
+                  max_model_len: int, grammar_complete: bool = False) -> RequestOutput:
+    """Append a sampled token to its sequence; returns the delta (with finish_reason if it ended).
+    `grammar_complete`: the sequence's structured-output grammar accepts nothing after this token."""
     request, params = seq.request, seq.params
     now = time.monotonic()
     request.first_token_time = request.first_token_time or now
@@ -61,8 +62,8 @@ def process_token(seq: Sequence, token: int, logprobs: TokenLogprobs | None, eos
         text, seq.held_text = text[: len(text) - hold], text[len(text) - hold :]
     else:
         seq.held_text = ""
-    if len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= max_model_len:
-        out = ended("length")
+    if grammar_complete or len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= max_model_len:
+        out = ended("stop" if grammar_complete else "length")
         out.text = text + out.text
         return out
     return RequestOutput(request.request_id, seq.index, text=text, token_ids=[token], logprobs=logprob_list)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from .structured import Constraint
+
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM has no cap. A bound keeps per-token stop checks cheap.
 MAX_STOP_STRING_CHARS = 256
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
@@ -43,6 +45,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # same for every prompt token (completions' echo)
     n: int = 1
     skip_special_tokens: bool = True
+    constraint: Constraint | None = None  # structured output: what the text must match
 
     def __post_init__(self) -> None:
         def check(ok: bool, param: str, message: str) -> None:
@@ -71,6 +74,9 @@ class SamplingParams:
         check(all(math.isfinite(b) and -100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias",
               "logit_bias values must be between -100 and 100")
         check(self.seed is None or -(2**63) <= self.seed < 2**64, "seed", "seed must fit in 64 bits")
+        # min_tokens would forbid the end a grammar may already require: refused rather than half kept
+        check(self.constraint is None or self.min_tokens == 0, "min_tokens",
+              "min_tokens cannot be combined with structured output")
 
     @property
     def is_greedy(self) -> bool:

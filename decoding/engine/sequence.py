@@ -6,6 +6,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -71,6 +72,8 @@ class Sequence:
     sent_text_tail: str = ""  # the last characters sent, where a stop string may have begun
     finish_reason: str | None = None
     num_preemptions: int = 0
+    matcher: Any = None  # structured output: this choice's grammar state (decoding.engine.structured)
+    json_guard: Any = None  # and, for JSON, where its answer stands outside strings (JsonRunGuard)
 
     @property
     def params(self) -> SamplingParams:

@@ -1,0 +1,183 @@
+"""Constrained decoding (structured output): a request's grammar, compiled once, masks its logits.
+
+The one place treadle talks to llguidance. A request's constraint — a JSON schema, any JSON object,
+a regex, a choice of strings, a Lark grammar — becomes an llguidance grammar (`compile`), checked
+against the model's tokenizer and cached by its text; each constrained sequence gets its own matcher
+(`Guide.matcher`, a copy of the cached one). Before a step's rows are sampled, `apply_masks` sets the
+logits of every token the grammar forbids to -inf; after, the sequence's matcher consumes the token.
+
+Generated JSON has a fixed layout: `", "` between items, `": "` after keys and no other whitespace,
+so a schema can never be satisfied by an endless run of spaces or newlines (the failure users of
+other servers report most). Numbers are held to MAX_NUMBER_DIGITS digits in a row (`JsonRunGuard`):
+a JSON grammar allows endless fraction digits, which a sampled answer otherwise wanders into until
+max_tokens cuts it off invalid, and no float carries more than 17 significant digits anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+JSON_LAYOUT = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+MAX_NUMBER_DIGITS = 24
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+_CACHED_GRAMMARS = 256
+
+
+class StructuredOutputError(ValueError):
+    """A constraint that cannot be compiled; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """What a request constrains its output to: `kind` one of KINDS, `spec` its text (a JSON schema as
+    JSON text, a regex, the choices as a JSON list, a Lark grammar; "" for json_object)."""
+
+    kind: str
+    spec: str = ""
+    field: str = field(default="response_format", compare=False)  # the request field it came from
+
+    def grammar(self) -> str:
+        """The llguidance grammar (its JSON form) of this constraint."""
+        from llguidance import LLMatcher
+
+        if self.kind == "json":
+            return LLMatcher.grammar_from_json_schema(self.spec, overrides=JSON_LAYOUT)
+        if self.kind == "json_object":
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_LAYOUT)
+        if self.kind == "regex":
+            return LLMatcher.grammar_from_regex(self.spec)
+        if self.kind == "choice":
+            choices = json.loads(self.spec)
+            return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+        if self.kind == "grammar":
+            return LLMatcher.grammar_from_lark(self.spec)
+        raise StructuredOutputError(f"unknown constraint kind {self.kind!r}")
+
+
+class Guide:
+    """The model's tokenizer as llguidance sees it (built on first use: about a second for a 150k
+    vocabulary) and the compiled grammars, by their text."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 id_to_token: Callable[[int], str | None]) -> None:
+        self._tokenizer_json = tokenizer_json
+        self._id_to_token = id_to_token
+        self.vocab_size = vocab_size
+        self._eos_token_ids = list(eos_token_ids)
+        self._lock = threading.Lock()
+        self._tokenizer: Any = None
+        self._compiled: OrderedDict[Constraint, Any] = OrderedDict()
+        self._token_texts: list[str] | None = None
+        self._starts_with_digit: np.ndarray | None = None
+
+    @classmethod
+    def for_model(cls, model: Any) -> Guide:
+        backend = model.tokenizer.backend
+        return cls(backend.to_str(), model.config.vocab_size, model.config.eos_token_ids, backend.id_to_token)
+
+    def token_texts(self) -> tuple[list[str], np.ndarray]:
+        """Each token's vocabulary entry (ASCII digits, quotes and backslashes appear as themselves in
+        byte-level and SentencePiece vocabularies alike), and whether it starts with a digit."""
+        if self._token_texts is None:
+            texts = [self._id_to_token(i) or "" for i in range(self.vocab_size)]
+            self._starts_with_digit = np.array([t[:1].isdigit() and t[:1].isascii() for t in texts])
+            self._token_texts = texts
+        return self._token_texts, self._starts_with_digit
+
+    def _ll_tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from llguidance import LLTokenizer
+
+            self._tokenizer = LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
+                                          eos_token=self._eos_token_ids or None)  # fmt: skip
+        return self._tokenizer
+
+    def compile(self, constraint: Constraint) -> Any:
+        """The constraint's matcher in its initial state, compiled once and kept (by its text), or
+        StructuredOutputError saying why it cannot be compiled."""
+        from llguidance import LLMatcher
+
+        with self._lock:
+            if constraint in self._compiled:
+                self._compiled.move_to_end(constraint)
+                return self._compiled[constraint]
+            tokenizer = self._ll_tokenizer()
+        try:
+            grammar = constraint.grammar()
+        except (ValueError, TypeError) as exc:
+            raise StructuredOutputError(str(exc)) from None
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+        if is_error:
+            raise StructuredOutputError(messages[0] if messages else "the grammar does not compile")
+        matcher = LLMatcher(tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise StructuredOutputError(matcher.get_error())
+        with self._lock:
+            self._compiled[constraint] = matcher
+            while len(self._compiled) > _CACHED_GRAMMARS:
+                self._compiled.popitem(last=False)
+        return matcher
+
+    def matcher(self, constraint: Constraint) -> Any:
+        """A fresh matcher for one sequence (a copy of the compiled one: cheap)."""
+        return self.compile(constraint).deep_copy()
+
+
+class JsonRunGuard:
+    """Where a JSON answer stands outside its strings: how many digits end it (a number being written)."""
+
+    __slots__ = ("digits", "escaped", "in_string")
+
+    def __init__(self) -> None:
+        self.in_string = False
+        self.escaped = False
+        self.digits = 0
+
+    def add(self, text: str) -> None:
+        for char in text:
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif char == "\\":
+                    self.escaped = True
+                elif char == '"':
+                    self.in_string = False
+            elif char == '"':
+                self.in_string, self.digits = True, 0
+            else:
+                self.digits = self.digits + 1 if char.isdigit() else 0
+
+    @property
+    def number_is_full(self) -> bool:
+        return not self.in_string and self.digits >= MAX_NUMBER_DIGITS
+
+
+def apply_masks(logits: np.ndarray, constrained: list[tuple[int, Any, JsonRunGuard | None]], guide: Guide) -> list[int]:
+    """Set to -inf the logits each row's matcher forbids (and, for JSON, digits past a full number);
+    `constrained`: (row of `logits`, matcher, JSON guard or None). Returns the rows whose matcher
+    allows no token at all (a dead end: the caller ends them)."""
+    from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+    if not constrained:
+        return []
+    bitmask = allocate_token_bitmask(len(constrained), guide.vocab_size)
+    dead = []
+    for i, (row, matcher, guard) in enumerate(constrained):
+        fill_next_token_bitmask(matcher, bitmask, i)
+        allowed = np.unpackbits(bitmask[i].view(np.uint8), bitorder="little")[: logits.shape[1]].astype(bool)
+        if guard is not None and guard.number_is_full:
+            without_digits = allowed & ~guide.token_texts()[1][: allowed.shape[0]]
+            if without_digits.any():  # a grammar that needs more digits keeps them
+                allowed = without_digits
+        if not allowed.any() or matcher.is_error():
+            dead.append(row)
+            continue
+        logits[row, ~allowed] = -np.inf
+    return dead

@@ -1,0 +1,237 @@
+"""Structured output: every constrained answer matches its constraint.
+
+In process: a corpus of JSON schemas (tests/structured_schemas.py), each sampled at temperature 1
+with several seeds, every answer parsed and validated with `jsonschema`; regexes, choices and a Lark
+grammar; the JSON layout (no free whitespace, bounded digit runs); batch invariance. Over HTTP, with
+the official `openai` client: response_format (`parse` with a pydantic model, streamed), vLLM's
+structured_outputs and guided_* fields, n > 1, and the 400s for what cannot be compiled or combined.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import httpx
+import jsonschema
+import openai
+import pydantic
+import pytest
+
+from decoding.engine.engine import Engine, EngineConfig
+from decoding.engine.params import SamplingParams
+from decoding.engine.structured import MAX_NUMBER_DIGITS, Constraint
+from tests.conftest_server import TreadleServer, shared_server
+from tests.structured_schemas import SCHEMAS
+
+SEEDS = (0, 1, 2)
+PROMPT = "<|im_start|>user\nAnswer in JSON.<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def engine(default_model):
+    engine = Engine(default_model, EngineConfig(kv_cache_mb=256, max_num_seqs=64, max_queue=1024)).start()
+    yield engine
+    engine.shutdown()
+
+
+def generate(engine, constraint: Constraint, seeds=SEEDS, max_tokens=300, prompt=PROMPT,
+             temperature=1.0) -> list[tuple[str, str]]:  # fmt: skip
+    """(text, finish_reason) of each seed, all submitted together so that they share steps."""
+    ids = engine.model.tokenizer.encode(prompt)
+    streams = [engine.submit(ids, SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
+                                                 constraint=constraint)) for seed in seeds]  # fmt: skip
+    results = []
+    for stream in streams:
+        outputs = list(stream)
+        results.append(("".join(o.text for o in outputs), outputs[-1].finish_reason))
+    return results
+
+
+def layout_violations(text: str) -> list[str]:
+    """Whitespace outside strings other than one space after ',' or ':', and digit runs past the bound."""
+    problems, in_string, escaped, digits = [], False, False, 0
+    for i, char in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+            continue
+        if char == '"':
+            in_string, digits = True, 0
+            continue
+        digits = digits + 1 if char.isdigit() else 0
+        if digits > MAX_NUMBER_DIGITS:
+            problems.append(f"a run of more than {MAX_NUMBER_DIGITS} digits at {i}")
+        if char.isspace() and not (char == " " and i > 0 and text[i - 1] in ",:"):
+            problems.append(f"free whitespace {char!r} at {i}")
+    return problems
+
+
+def test_the_corpus_has_at_least_50_valid_schemas():
+    assert len(SCHEMAS) >= 50
+    for schema in SCHEMAS:
+        jsonschema.Draft202012Validator.check_schema(schema)
+
+
+def test_every_schema_of_the_corpus_is_obeyed_at_temperature_1(engine):
+    streams = [(schema, engine.submit(engine.model.tokenizer.encode(PROMPT), SamplingParams(
+        max_tokens=300, temperature=1.0, seed=seed, constraint=Constraint("json", json.dumps(schema)))))
+        for schema in SCHEMAS for seed in SEEDS]  # fmt: skip
+    failures = []
+    for schema, stream in streams:
+        outputs = list(stream)
+        text = "".join(o.text for o in outputs)
+        try:
+            assert outputs[-1].finish_reason == "stop", f"finished by {outputs[-1].finish_reason}"
+            jsonschema.validate(json.loads(text), schema)
+            assert not layout_violations(text), layout_violations(text)
+        except (AssertionError, ValueError, jsonschema.ValidationError) as exc:
+            failures.append(f"{json.dumps(schema)[:80]} -> {text[:80]!r}: {str(exc)[:120]}")
+    assert not failures, f"{len(failures)} of {len(streams)} answers invalid:\n" + "\n".join(failures[:5])
+
+
+def test_any_json_object_is_an_object(engine):
+    """Free-form JSON: a small model left to itself may nest objects until max_tokens, so it is asked for a
+    small one; what is checked is that every answer is an object in the layout."""
+    prompt = ("<|im_start|>user\nGive a JSON object with the name and age of a person.<|im_end|>\n"
+              "<|im_start|>assistant\n")
+    for text, reason in generate(engine, Constraint("json_object"), temperature=0.7, max_tokens=400, prompt=prompt):
+        assert reason == "stop" and isinstance(json.loads(text), dict), text
+        assert not layout_violations(text)
+
+
+def test_a_number_cannot_run_on_forever(engine):
+    """An unbounded number is where a sampled JSON answer wanders off: its digit runs are bounded."""
+    schema = {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"}}, "required": ["x", "y"],
+              "additionalProperties": False}  # fmt: skip
+    for text, reason in generate(engine, Constraint("json", json.dumps(schema)), seeds=range(8), temperature=1.5):
+        assert reason == "stop", text
+        jsonschema.validate(json.loads(text), schema)
+        assert not layout_violations(text), text
+
+
+@pytest.mark.parametrize("pattern", [r"\d{3}-\d{4}", r"#[0-9a-f]{6}", r"(yes|no), because [a-z ]{5,20}\.",
+                                     r"[A-Z][a-z]{2,8} [A-Z][a-z]{2,8}", r"\d{4}-\d{2}-\d{2}", r"[a-z]{1,10}@[a-z]{1,10}\.(com|org)"])
+def test_a_regex_is_matched_whole(engine, pattern):
+    for text, reason in generate(engine, Constraint("regex", pattern), max_tokens=60):
+        assert reason == "stop" and re.fullmatch(pattern, text), (pattern, text)
+
+
+def test_a_choice_is_one_of_its_strings(engine):
+    choices = ["positive", "negative", "neutral", "it depends"]
+    results = generate(engine, Constraint("choice", json.dumps(choices)), seeds=range(8))
+    assert all(reason == "stop" and text in choices for text, reason in results), results
+
+
+def test_a_lark_grammar_is_followed(engine):
+    grammar = r"""
+start: expr
+expr: term (("+" | "-") term){0,3}
+term: NUMBER | "(" expr ")"
+NUMBER: /[1-9][0-9]{0,2}/
+"""
+    for text, reason in generate(engine, Constraint("grammar", grammar), seeds=range(6), max_tokens=80):
+        assert reason == "stop", text
+        assert re.fullmatch(r"[0-9+\-() ]+", text) and text.count("(") == text.count(")"), text
+        eval(compile(text, "<answer>", "eval"), {"__builtins__": {}})  # noqa: S307 - digits, + - ( ) only
+
+
+def test_a_constrained_answer_does_not_depend_on_its_batch(engine):
+    schema = SCHEMAS[2]
+    constraint = Constraint("json", json.dumps(schema))
+    alone = generate(engine, constraint, seeds=(7,))[0]
+    neighbours = threading.Thread(target=generate, args=(engine, Constraint("json_object")),
+                                  kwargs={"seeds": range(10), "temperature": 0.9})  # fmt: skip
+    neighbours.start()
+    crowded = generate(engine, constraint, seeds=(7,))[0]
+    neighbours.join()
+    assert crowded == alone
+
+
+# ---- over HTTP -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server() -> TreadleServer:
+    return shared_server("main")
+
+
+@pytest.fixture(scope="module")
+def client(server: TreadleServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=20)
+    age: int = pydantic.Field(ge=0, le=120)
+    languages: list[str] = pydantic.Field(max_length=3)
+
+
+def test_the_openai_clients_parse_returns_the_pydantic_model(client):
+    completion = client.chat.completions.parse(
+        model=client.models.list().data[0].id, response_format=Person, temperature=1.0, seed=3, max_tokens=200,
+        messages=[{"role": "user", "content": "Invent a programmer and describe them."}],
+    )  # fmt: skip
+    message = completion.choices[0].message
+    assert completion.choices[0].finish_reason == "stop"
+    assert isinstance(message.parsed, Person), message.content
+
+
+def test_a_streamed_json_schema_answer_validates(client):
+    schema = SCHEMAS[29]  # a team with a list of members
+    stream = client.chat.completions.create(
+        model=client.models.list().data[0].id, stream=True, temperature=1.0, seed=5, max_tokens=300,
+        messages=[{"role": "user", "content": "Describe a small team."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "team", "schema": schema, "strict": True}},
+    )  # fmt: skip
+    chunks = [c for c in stream if c.choices]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(text), schema)
+
+
+def test_completions_take_vllms_structured_outputs_and_guided_fields(server):
+    cases = [({"structured_outputs": {"regex": r"\d{2}:\d{2}"}}, lambda t: re.fullmatch(r"\d{2}:\d{2}", t)),
+             ({"structured_outputs": {"choice": ["red", "blue"]}}, lambda t: t in ("red", "blue")),
+             ({"guided_choice": ["up", "down"]}, lambda t: t in ("up", "down")),
+             ({"guided_json": {"type": "object", "properties": {"k": {"type": "integer"}}, "required": ["k"],
+                               "additionalProperties": False}}, lambda t: isinstance(json.loads(t)["k"], int)),
+             ({"structured_outputs": {"json": json.dumps({"type": "array", "items": {"type": "boolean"},
+                                                          "maxItems": 3})}}, lambda t: isinstance(json.loads(t), list)),
+             ({"response_format": {"type": "json_object"}}, lambda t: isinstance(json.loads(t), dict))]  # fmt: skip
+    for fields, check in cases:
+        body = {"prompt": "The answer:", "max_tokens": 120, "temperature": 0.8, "seed": 1, "n": 2, **fields}
+        response = httpx.post(server.base_url + "/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        for choice in response.json()["choices"]:
+            assert choice["finish_reason"] == "stop" and check(choice["text"]), (fields, choice)
+
+
+REFUSED = [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+     "response_format", "strin"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "array", "items": {"type": "integer"}, "uniqueItems": True}}}}, "response_format", "uniqueItems"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex", "unclosed"),
+    ({"structured_outputs": {"grammar": "start: undefined_rule"}}, "structured_outputs.grammar", "undefined_rule"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
+    ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex", "give one"),
+    ({"response_format": {"type": "json_object"}, "min_tokens": 2}, "min_tokens", "structured output"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("fields", "param", "why"), REFUSED, ids=[r[1] + ":" + r[2] for r in REFUSED])
+def test_what_cannot_be_compiled_or_combined_is_a_400_naming_the_field(server, fields, param, why):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, **fields}
+    response = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and why in error["message"], error
+    assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200  # still serving
