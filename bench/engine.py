@@ -27,6 +27,7 @@ from bench.engine_report import print_table
 from bench.engine_rooflines import measure_gemm_gflops, measure_int8_gmacs, measure_read_bandwidth
 from decoding.engine.engine import Engine, EngineConfig
 from decoding.engine.params import SamplingParams
+from decoding.engine.structured import Constraint
 from decoding.model.model import Model
 from decoding.model.registry import DEFAULT_MODEL, load_model
 
@@ -58,10 +59,12 @@ class StepTimer:
     def on_preemption(self) -> None: ...
 
 
-def run_level(engine: Engine, prompt_ids: list[int], concurrency: int, max_tokens: int) -> LevelResult:
+def run_level(engine: Engine, prompt_ids: list[int], concurrency: int, max_tokens: int,
+              constraint: Constraint | None = None) -> LevelResult:
     timer = StepTimer()
     engine.observers.append(timer)
-    params = [SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=i, ignore_eos=True) for i in range(concurrency)]
+    params = [SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=i, ignore_eos=constraint is None,
+                             constraint=constraint) for i in range(concurrency)]  # fmt: skip
     counts = [0] * concurrency
     started = time.perf_counter()
     streams = [engine.submit(prompt_ids, p) for p in params]
@@ -137,6 +140,43 @@ def measure_long_prompt_interference(engine: Engine, model: Model, num_streams: 
                               1000 * float(np.percentile(during, 99)), largest / median, prefilled - injected)
 
 
+STRUCTURED_PROMPT = "Here is a customer record of our shop, as JSON: "
+# ~10 fields, bounded so that every answer ends by itself (a record a form or an agent might ask for)
+STRUCTURED_SCHEMA = {
+    "type": "object", "additionalProperties": False,
+    "properties": {
+        "name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "email": {"type": "string", "pattern": r"^[a-z]{1,12}@[a-z]{1,12}\.com$"},
+        "city": {"type": "string", "maxLength": 16}, "country": {"enum": ["FR", "DE", "US", "JP", "BR"]},
+        "score": {"type": "number", "minimum": 0, "maximum": 1}, "active": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 3},
+        "joined": {"type": "string", "pattern": r"^\d{4}-\d{2}-\d{2}$"},
+        "level": {"type": "integer", "minimum": 1, "maximum": 5},
+    },
+}  # fmt: skip
+STRUCTURED_SCHEMA["required"] = list(STRUCTURED_SCHEMA["properties"])
+
+
+def measure_structured(engine: Engine, model: Model, levels: list[int]) -> dict:
+    """Each level run constrained by STRUCTURED_SCHEMA and unconstrained, at the same lengths (the
+    unconstrained run takes as many tokens as the constrained answers had), and the schema's compile time."""
+    prompt_ids = model.tokenizer.encode(STRUCTURED_PROMPT)
+    constraint = Constraint("json", json.dumps(STRUCTURED_SCHEMA))
+    engine.generate(prompt_ids, SamplingParams(max_tokens=4, constraint=Constraint("json_object")))  # load llguidance
+    started = time.perf_counter()
+    engine.guide.compile(constraint)
+    compile_ms = 1000 * (time.perf_counter() - started)
+    results = []
+    for level in levels:
+        constrained = run_level(engine, prompt_ids, level, 256, constraint)
+        mean_tokens = max(1, round(constrained.output_tokens / level))
+        free = run_level(engine, prompt_ids, level, mean_tokens)
+        results.append({"concurrency": level, "constrained": asdict(constrained), "unconstrained": asdict(free),
+                        "ratio": constrained.tokens_per_second / free.tokens_per_second,
+                        "step_ms_ratio": constrained.step_ms_median / free.step_ms_median})
+    return {"schema_fields": len(STRUCTURED_SCHEMA["properties"]), "compile_ms": compile_ms, "levels": results}
+
+
 def measure_prefill(engine: Engine, model: Model, num_tokens: int) -> float:
     """Prompt tokens per second on a fresh prompt of `num_tokens` (no prefix-cache hits)."""
     rng = np.random.default_rng(0)
@@ -194,13 +234,16 @@ def main(argv: list[str]) -> int:
                         help="with --peers: then alternate treadle's single stream and prompt with llama.cpp's this "
                              "many times, each alone on the cores, and report the medians (a shared machine's "
                              "speed drifts from one minute to the next)")
+    parser.add_argument("--structured", default="1,32",
+                        help="levels run constrained by a ~10-field JSON schema beside unconstrained ones ('' skips)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
 
     model = load_model(args.model)
     prompt_ids = model.tokenizer.encode(PROMPT)
-    max_seqs = max(*levels, args.interference_streams + 1)  # the long prompt must find a free slot
+    structured_levels = [int(c) for c in args.structured.split(",")] if args.structured else []
+    max_seqs = max(*levels, *structured_levels, args.interference_streams + 1)  # the long prompt needs a free slot
     config = EngineConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max(512, max_seqs),
                           kv_cache_mb=1024, n_threads=args.threads, kernels=args.kernels)
     engine = Engine(model, config).start()
@@ -213,6 +256,7 @@ def main(argv: list[str]) -> int:
             result = run_level(engine, prompt_ids, level, args.max_tokens)
             results.append(result)
             print(f"  {level:>3} streams: {result.tokens_per_second:8.1f} tokens/s", flush=True)
+        structured = measure_structured(engine, model, structured_levels) if structured_levels else None
         engine.kv.enable_prefix_caching = False
         prefill = measure_prefill(engine, model, args.prefill_tokens)
         interference = None
@@ -262,6 +306,7 @@ def main(argv: list[str]) -> int:
         "kv_cache_mb": config.kv_cache_mb,
         "model_file_mb": model.path.stat().st_size / 2**20,
         "rounds": rounds,
+        "structured": structured,
     }
     print_table(report)
     if args.json:

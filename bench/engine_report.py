@@ -51,6 +51,13 @@ def print_table(r: dict) -> None:
         print(f"llama.cpp: {peer['skipped']}")
     if r["transformers"]:
         print(format_transformers(r))
+    if r.get("structured"):
+        st = r["structured"]
+        print(f"structured output (a {st['schema_fields']}-field JSON schema, compiled in {st['compile_ms']:.0f} ms): "
+              + "; ".join(f"{lv['concurrency']} streams {lv['constrained']['tokens_per_second']:.1f} vs "
+                          f"{lv['unconstrained']['tokens_per_second']:.1f} tokens/s unconstrained → {lv['ratio']:.2f}×, "
+                          f"step {lv['constrained']['step_ms_median']:.2f} vs {lv['unconstrained']['step_ms_median']:.2f} ms"
+                          for lv in st["levels"]))
     if r.get("rounds") and "skipped" not in r["rounds"]:
         a = r["rounds"]
         m = a["medians"]
