@@ -182,6 +182,17 @@ def test_the_openai_clients_parse_returns_the_pydantic_model(client):
     assert isinstance(message.parsed, Person), message.content
 
 
+def test_properties_come_in_the_schemas_order(client):
+    schema = {"type": "object", "additionalProperties": False, "required": ["zeta", "alpha", "mid"],
+              "properties": {"zeta": {"type": "integer"}, "alpha": {"type": "boolean"}, "mid": {"enum": ["x", "y"]}}}
+    completion = client.chat.completions.create(
+        model=client.models.list().data[0].id, temperature=0, max_tokens=60,
+        messages=[{"role": "user", "content": "Fill the form."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "form", "schema": schema}},
+    )  # fmt: skip
+    assert list(json.loads(completion.choices[0].message.content)) == ["zeta", "alpha", "mid"]
+
+
 def test_a_streamed_json_schema_answer_validates(client):
     schema = SCHEMAS[29]  # a team with a list of members
     stream = client.chat.completions.create(
