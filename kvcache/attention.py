@@ -137,25 +137,13 @@ def paged_attention_rows(
                 # Round-robin over items balances the causal triangle of a prefill chunk.
                 if item % nthreads == tid:
                     _attend_row_group(
-                        out,
-                        query,
-                        key_cache,
-                        value_cache,
-                        block_table,
-                        row,
-                        position,
-                        kv_head,
-                        work,
-                        scale,
-                        window,
+                        out, query, key_cache, value_cache, block_table, row, position, kv_head, work, scale, window
                     )
                 item += 1
 
 
 @njit(nogil=True, cache=True, fastmath=False)
-def _attend_row_group(
-    out, query, key_cache, value_cache, block_table, row, position, kv_head, work, scale, window
-):
+def _attend_row_group(out, query, key_cache, value_cache, block_table, row, position, kv_head, work, scale, window):
     """Outputs of query row `row` (at `position`) for the query heads of `kv_head`'s group.
 
     work: (group_size, 2 * head_dim + block_size + 2) float32; row g serves query head

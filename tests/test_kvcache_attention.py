@@ -74,14 +74,9 @@ def _as_stored(x: np.ndarray, storage: str) -> np.ndarray:
 
 
 def run_paged(
-    case: PagedCase,
-    seqs: list[int],
-    context_lens: list[int],
-    query_lens: list[int],
-    nthreads: int = 1,
-    scratch: np.ndarray | None = None,
-    window: int = 0,
-) -> np.ndarray:
+    case: PagedCase, seqs: list[int], context_lens: list[int], query_lens: list[int], nthreads: int = 1,
+    scratch: np.ndarray | None = None, window: int = 0,
+) -> np.ndarray:  # fmt: skip
     """Attention of the last query_lens[i] positions of seqs[i], its context cut at context_lens[i];
     the threads are simulated one after another. scratch: default `attention_scratch`'s."""
     query = np.concatenate(
@@ -297,10 +292,8 @@ def _strided_view(array: np.ndarray, how: str) -> np.ndarray:
     return view
 
 
-@pytest.mark.parametrize(
-    ("which", "how"),
-    [("key_cache", "transposed"), ("value_cache", "padded_rows"), ("scratch", "every_other")],
-)
+@pytest.mark.parametrize(("which", "how"), [("key_cache", "transposed"), ("value_cache", "padded_rows"),
+                                            ("scratch", "every_other")])
 def test_arrays_the_vector_ir_reads_by_pointer_must_be_c_contiguous(which: str, how: str) -> None:
     """16-key blocks at head_dim 64 take the vector-IR path, which reads K/V tiles and scratch rows
     by pointer: a strided or transposed view is refused with an error naming it, never misread;
@@ -317,10 +310,7 @@ def test_arrays_the_vector_ir_reads_by_pointer_must_be_c_contiguous(which: str, 
         scratch = _strided_view(scratch, how)
     with pytest.raises(TypingError, match=f"{which} .*C-contiguous"):
         run_paged(case, [0, 1], context_lens, query_lens, scratch=scratch)
-    case.key_cache, case.value_cache = (
-        np.ascontiguousarray(case.key_cache),
-        np.ascontiguousarray(case.value_cache),
-    )
+    case.key_cache, case.value_cache = np.ascontiguousarray(case.key_cache), np.ascontiguousarray(case.value_cache)
     out = run_paged(case, [0, 1], context_lens, query_lens, scratch=np.ascontiguousarray(scratch))
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
 

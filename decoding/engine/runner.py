@@ -29,16 +29,8 @@ class StepBatch:
 
 
 class ModelRunner:
-    def __init__(
-        self,
-        model: Model,
-        storage: KVCacheStorage,
-        pool: SpinPool,
-        max_num_tokens: int,
-        max_logit_rows: int,
-        kernels: str = "fast",
-        weights: KernelWeights | None = None,
-    ) -> None:
+    def __init__(self, model: Model, storage: KVCacheStorage, pool: SpinPool, max_num_tokens: int,
+                 max_logit_rows: int, kernels: str = "fast", weights: KernelWeights | None = None) -> None:
         """`weights`: the model's kernel weights if already built (KernelWeights.build), else built here."""
         if kernels not in KERNEL_MODES:
             raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {kernels!r}")
@@ -50,9 +42,7 @@ class ModelRunner:
         self.max_num_tokens = max_num_tokens
         self.max_logit_rows = max_logit_rows
         self.weights = weights or KernelWeights.build(cfg, model.weights, fast=kernels == "fast")
-        self.state = RunState.allocate(
-            cfg, max_num_tokens, max_logit_rows, pool.n_threads, storage.spec.block_size
-        )
+        self.state = RunState.allocate(cfg, max_num_tokens, max_logit_rows, pool.n_threads, storage.spec.block_size)
 
     def forward(self, batch: StepBatch) -> np.ndarray:
         """Run one step; returns logits (num_logit_rows, vocab), a view valid until the next step."""

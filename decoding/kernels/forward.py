@@ -81,9 +81,7 @@ class KernelWeights:
     packed: List  # the same matrices repacked for the fast kernels (flat uint8), or empty arrays
     qtypes: np.ndarray  # (n_layers, 7) int64 storage type of each matrix
     packed_qtypes: np.ndarray  # (n_layers, 7) int64 the type whose int8 kernel runs each repacked matrix
-    norms: (
-        np.ndarray
-    )  # (n_layers, 4, dim) float32: attention, feed-forward, post-attention, post-feed-forward
+    norms: np.ndarray  # (n_layers, 4, dim) float32: attention, feed-forward, post-attention, post-FFN
     biases: np.ndarray  # (n_layers, q_dim + 2 kv_dim) float32: Q, K, V biases back to back (zeros if none)
     head_norms: np.ndarray  # (n_layers, 2, head_dim) float32: query and key head norms (ones if none)
     layer_windows: np.ndarray  # (n_layers,) int64: keys each layer attends to, 0 = all
@@ -107,9 +105,7 @@ class KernelWeights:
         biases = np.zeros((cfg.n_layers, cfg.q_dim + 2 * cfg.kv_dim), dtype=np.float32)
         head_norms = np.ones((cfg.n_layers, 2, cfg.head_dim), dtype=np.float32)
         for i, layer in enumerate(weights.layers):
-            for j, m in enumerate(
-                (layer.wq, layer.wk, layer.wv, layer.wo, layer.w_gate, layer.w_up, layer.w_down)
-            ):
+            for j, m in enumerate((layer.wq, layer.wk, layer.wv, layer.wo, layer.w_gate, layer.w_up, layer.w_down)):
                 matrices.append(_as_bytes(m))
                 packed.append(_packed(m, fast))
                 qtypes[i, j] = int(m.qtype)
@@ -165,9 +161,8 @@ class RunState:
     group_out: np.ndarray  # (n_threads, 2, 4, 8) float32 results of one 8-row group for up to 4 tokens
 
     @classmethod
-    def allocate(
-        cls, cfg: ModelConfig, max_tokens: int, max_logit_rows: int, n_threads: int, block_size: int
-    ) -> RunState:
+    def allocate(cls, cfg: ModelConfig, max_tokens: int, max_logit_rows: int, n_threads: int,
+                 block_size: int) -> RunState:
         def zeros(*shape: int) -> np.ndarray:
             return np.zeros(shape, dtype=np.float32)
 
@@ -190,9 +185,7 @@ def project(fast, weight, packed, qtype, packed_qtype, n_rows, n_cols, x, xq, xd
     """out[t, :n_rows] (+)= W · x[t]: VNNI over the repacked weights when there are some, else float32."""
     if fast and packed.shape[0] > 0:
         g0, g1 = split_range(n_rows // 8, tid, nthreads)
-        matmul_groups(
-            packed, packed_qtype, n_cols, xq, xd, xsum, n_tokens, out, g0, g1, accumulate, group_out
-        )
+        matmul_groups(packed, packed_qtype, n_cols, xq, xd, xsum, n_tokens, out, g0, g1, accumulate, group_out)
     else:
         r0, r1 = split_range(n_rows, tid, nthreads)
         matmul_rows(weight, qtype, n_cols, x, n_tokens, out, 0, r0, r1, accumulate, buf)
@@ -213,6 +206,7 @@ def add_normed(x, out, weight, eps, t_begin, t_end):
         x[t] += out[t]
 
 
+# fmt: off
 @njit(nogil=True, cache=True)
 def model_step(
     tid, nthreads, barrier, fast,
@@ -223,7 +217,7 @@ def model_step(
     qkv_bias, qk_norm, post_norms, activation, embedding_scale, query_scale, rope_neox,
     key_cache, value_cache,
     x, xb, q, k, v, attn, hb, up, final, logits, row_buffers, attn_scratch, xq, xd, xsum, group_out,
-):  # fmt: skip
+):
     n_tokens = token_ids.shape[0]
     n_layers = qtypes.shape[0]
     dim = x.shape[1]
@@ -249,66 +243,12 @@ def model_step(
         barrier_wait(barrier, tid)
 
         # Q, K, V projections
-        project(
-            fast,
-            matrices[w],
-            packed[w],
-            qtypes[layer, 0],
-            packed_qtypes[layer, 0],
-            q_dim,
-            dim,
-            xb,
-            xq,
-            xd,
-            xsum,
-            n_tokens,
-            q,
-            False,
-            tid,
-            nthreads,
-            buf[0],
-            tmp[0],
-        )
-        project(
-            fast,
-            matrices[w + 1],
-            packed[w + 1],
-            qtypes[layer, 1],
-            packed_qtypes[layer, 1],
-            kv_dim,
-            dim,
-            xb,
-            xq,
-            xd,
-            xsum,
-            n_tokens,
-            k,
-            False,
-            tid,
-            nthreads,
-            buf[0],
-            tmp[0],
-        )
-        project(
-            fast,
-            matrices[w + 2],
-            packed[w + 2],
-            qtypes[layer, 2],
-            packed_qtypes[layer, 2],
-            kv_dim,
-            dim,
-            xb,
-            xq,
-            xd,
-            xsum,
-            n_tokens,
-            v,
-            False,
-            tid,
-            nthreads,
-            buf[0],
-            tmp[0],
-        )
+        project(fast, matrices[w], packed[w], qtypes[layer, 0], packed_qtypes[layer, 0],
+                q_dim, dim, xb, xq, xd, xsum, n_tokens, q, False, tid, nthreads, buf[0], tmp[0])
+        project(fast, matrices[w + 1], packed[w + 1], qtypes[layer, 1], packed_qtypes[layer, 1],
+                kv_dim, dim, xb, xq, xd, xsum, n_tokens, k, False, tid, nthreads, buf[0], tmp[0])
+        project(fast, matrices[w + 2], packed[w + 2], qtypes[layer, 2], packed_qtypes[layer, 2],
+                kv_dim, dim, xb, xq, xd, xsum, n_tokens, v, False, tid, nthreads, buf[0], tmp[0])
         barrier_wait(barrier, tid)
 
         rope = layer_ropes[layer]
@@ -325,9 +265,7 @@ def model_step(
                 head_rmsnorm_row(k[t], n_kv_heads, head_dim, head_norms[layer, 1], rms_eps)
             position = positions[t]
             rope_row(q[t], n_heads, head_dim, rope_cos[rope, position], rope_sin[rope, position], rope_neox)
-            rope_row(
-                k[t], n_kv_heads, head_dim, rope_cos[rope, position], rope_sin[rope, position], rope_neox
-            )
+            rope_row(k[t], n_kv_heads, head_dim, rope_cos[rope, position], rope_sin[rope, position], rope_neox)
         barrier_wait(barrier, tid)
         keys = k[:n_tokens].reshape((n_tokens, n_kv_heads, head_dim))
         values = v[:n_tokens].reshape((n_tokens, n_kv_heads, head_dim))
@@ -336,51 +274,20 @@ def model_step(
 
         queries = q.reshape((q.shape[0], n_heads, head_dim))  # paged attention
         attn_out = attn.reshape((attn.shape[0], n_heads, head_dim))
-        paged_attention_rows(
-            attn_out,
-            queries,
-            key_cache[layer],
-            value_cache[layer],
-            block_tables,
-            context_lens,
-            query_start_loc,
-            attn_scratch,
-            tid,
-            nthreads,
-            query_scale,
-            layer_windows[layer],
-        )
+        paged_attention_rows(attn_out, queries, key_cache[layer], value_cache[layer], block_tables, context_lens,
+                             query_start_loc, attn_scratch, tid, nthreads, query_scale, layer_windows[layer])
         barrier_wait(barrier, tid)
         if fast:
             quantize_rows(fast, attn, q_dim, t_begin, t_end, xq, xd, xsum)
             barrier_wait(barrier, tid)
 
         # output projection, added to the residual (through its own RMSNorm where there are post-norms)
-        project(
-            fast,
-            matrices[w + 3],
-            packed[w + 3],
-            qtypes[layer, 3],
-            packed_qtypes[layer, 3],
-            dim,
-            q_dim,
-            attn,
-            xq,
-            xd,
-            xsum,
-            n_tokens,
-            xb if post_norms else x,
-            not post_norms,
-            tid,
-            nthreads,
-            buf[0],
-            tmp[0],
-        )
+        project(fast, matrices[w + 3], packed[w + 3], qtypes[layer, 3], packed_qtypes[layer, 3],
+                dim, q_dim, attn, xq, xd, xsum, n_tokens, xb if post_norms else x,
+                not post_norms, tid, nthreads, buf[0], tmp[0])
         barrier_wait(barrier, tid)
-        if post_norms:
-            add_normed(
-                x, xb, norms[layer, 2], rms_eps, t_begin, t_end
-            )  # same rows as this thread's norm below
+        if post_norms:  # the same rows as this thread's feed-forward norm below: no barrier between
+            add_normed(x, xb, norms[layer, 2], rms_eps, t_begin, t_end)
 
         for t in range(t_begin, t_end):  # feed-forward RMSNorm
             rmsnorm_row(x[t], norms[layer, 1], rms_eps, xb[t])
@@ -389,69 +296,23 @@ def model_step(
 
         if fast and packed[w + 4].shape[0] > 0 and packed[w + 5].shape[0] > 0:  # gated feed-forward
             g0, g1 = split_range(hidden_dim // 8, tid, nthreads)
-            swiglu_groups(
-                packed[w + 4],
-                packed[w + 5],
-                packed_qtypes[layer, 4],
-                packed_qtypes[layer, 5],
-                dim,
-                xq,
-                xd,
-                xsum,
-                n_tokens,
-                hb,
-                up,
-                g0,
-                g1,
-                tmp[0],
-                tmp[1],
-                activation,
-            )
+            swiglu_groups(packed[w + 4], packed[w + 5], packed_qtypes[layer, 4], packed_qtypes[layer, 5], dim, xq, xd,
+                          xsum, n_tokens, hb, up, g0, g1, tmp[0], tmp[1], activation)
         else:
             r0, r1 = split_range(hidden_dim, tid, nthreads)
-            swiglu_rows(
-                matrices[w + 4],
-                qtypes[layer, 4],
-                matrices[w + 5],
-                qtypes[layer, 5],
-                dim,
-                xb,
-                n_tokens,
-                hb,
-                r0,
-                r1,
-                buf[0],
-                buf[1],
-                activation,
-            )
+            swiglu_rows(matrices[w + 4], qtypes[layer, 4], matrices[w + 5], qtypes[layer, 5], dim, xb, n_tokens, hb,
+                        r0, r1, buf[0], buf[1], activation)
         barrier_wait(barrier, tid)
         if fast:
             quantize_rows(fast, hb, hidden_dim, t_begin, t_end, xq, xd, xsum)
             barrier_wait(barrier, tid)
 
         # down projection, added to the residual (through its own RMSNorm where there are post-norms)
-        project(
-            fast,
-            matrices[w + 6],
-            packed[w + 6],
-            qtypes[layer, 6],
-            packed_qtypes[layer, 6],
-            dim,
-            hidden_dim,
-            hb,
-            xq,
-            xd,
-            xsum,
-            n_tokens,
-            xb if post_norms else x,
-            not post_norms,
-            tid,
-            nthreads,
-            buf[0],
-            tmp[0],
-        )
+        project(fast, matrices[w + 6], packed[w + 6], qtypes[layer, 6], packed_qtypes[layer, 6],
+                dim, hidden_dim, hb, xq, xd, xsum, n_tokens,
+                xb if post_norms else x, not post_norms, tid, nthreads, buf[0], tmp[0])
         barrier_wait(barrier, tid)
-        if post_norms:
+        if post_norms:  # the final norm below reads rows of other threads: a barrier after
             add_normed(x, xb, norms[layer, 3], rms_eps, t_begin, t_end)
             barrier_wait(barrier, tid)
 
@@ -462,23 +323,6 @@ def model_step(
     quantize_rows(fast, final, dim, i0, i1, xq, xd, xsum)
     barrier_wait(barrier, tid)
     vocab = logits.shape[1]  # LM head
-    project(
-        fast,
-        lm_head,
-        lm_head_packed,
-        lm_head_qtype,
-        lm_head_packed_qtype,
-        vocab,
-        dim,
-        final,
-        xq,
-        xd,
-        xsum,
-        n_rows,
-        logits,
-        False,
-        tid,
-        nthreads,
-        buf[0],
-        tmp[0],
-    )
+    project(fast, lm_head, lm_head_packed, lm_head_qtype, lm_head_packed_qtype, vocab, dim, final, xq, xd, xsum,
+            n_rows, logits, False, tid, nthreads, buf[0], tmp[0])
+# fmt: on

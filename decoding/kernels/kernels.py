@@ -21,13 +21,8 @@ from .numeric import bf16_bits_to_f32, f16_bits_to_f32, load_f16
 F32, F16, BF16 = int(QType.F32), int(QType.F16), int(QType.BF16)
 Q4_0, Q4_1, Q8_0 = int(QType.Q4_0), int(QType.Q4_1), int(QType.Q8_0)
 Q5_0, Q5_1 = int(QType.Q5_0), int(QType.Q5_1)
-Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = (
-    int(QType.Q2_K),
-    int(QType.Q3_K),
-    int(QType.Q4_K),
-    int(QType.Q5_K),
-    int(QType.Q6_K),
-)
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = (int(QType.Q2_K), int(QType.Q3_K), int(QType.Q4_K), int(QType.Q5_K),
+                                int(QType.Q6_K))
 
 # Dot products may be reassociated so LLVM can vectorise them; the order is fixed by the compiled
 # loop, not by the batch, so results stay batch-invariant.
@@ -101,12 +96,8 @@ def _dequantize_q5_row(row, has_min, n_cols, out):
         base = b * size
         d = load_f16(row, base)
         m = load_f16(row, base + 2) if has_min else np.float32(0.0)
-        qh = (
-            np.int64(row[base + header])
-            | (np.int64(row[base + header + 1]) << 8)
-            | (np.int64(row[base + header + 2]) << 16)
-            | (np.int64(row[base + header + 3]) << 24)
-        )
+        qh = (np.int64(row[base + header]) | (np.int64(row[base + header + 1]) << 8)
+              | (np.int64(row[base + header + 2]) << 16) | (np.int64(row[base + header + 3]) << 24))
         for j in range(16):
             byte = np.int64(row[base + header + 4 + j])
             x0 = np.int32((byte & 15) | (((qh >> j) & 1) << 4))
@@ -215,9 +206,7 @@ def _dequantize_q6_k_row(row, n_cols, out):
                     low = np.int64(row[ql + l + 32 * (k & 1)])
                     nibble = (low >> 4) if k >= 2 else (low & 15)
                     value = np.int32(nibble | (((high >> (2 * k)) & 3) << 4)) - 32
-                    scale = np.float32(
-                        (np.int64(row[scales + l // 16 + 2 * k]) ^ 128) - 128
-                    )  # the byte as int8
+                    scale = np.float32((np.int64(row[scales + l // 16 + 2 * k]) ^ 128) - 128)  # the byte as int8
                     out[y + l + 32 * k] = d * scale * np.float32(value)
 
 

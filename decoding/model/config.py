@@ -51,9 +51,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"{self.n_heads} query heads do not group evenly over {self.n_kv_heads} KV heads"
-            )
+            raise ValueError(f"{self.n_heads} query heads do not group evenly over {self.n_kv_heads} KV heads")
         if self.head_dim % 2:
             raise ValueError(f"rotary embeddings need an even head_dim, got {self.head_dim}")
         if self.activation not in ACTIVATIONS:
@@ -61,9 +59,7 @@ class ModelConfig:
         if self.sliding_layers and len(self.sliding_layers) != self.n_layers:
             raise ValueError(f"sliding_layers names {len(self.sliding_layers)} layers of {self.n_layers}")
         if self.rope_freq_factors and len(self.rope_freq_factors) != self.head_dim // 2:
-            raise ValueError(
-                f"{len(self.rope_freq_factors)} rope frequency factors for head_dim {self.head_dim}"
-            )
+            raise ValueError(f"{len(self.rope_freq_factors)} rope frequency factors for head_dim {self.head_dim}")
 
     @property
     def q_dim(self) -> int:

@@ -32,9 +32,7 @@ class GGUFTokenizerData:
     model: str  # "gpt2" = byte-level BPE; "llama" = a SentencePiece vocabulary with scores
     pre: str  # pre-tokenizer name, e.g. "smollm", "llama-bpe", "default"
     tokens: list[str]
-    token_types: list[
-        int
-    ]  # ggml token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
+    token_types: list[int]  # ggml token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
     merges: list[str]  # "left right"
     bos_token_id: int | None
     eos_token_id: int | None
@@ -74,9 +72,7 @@ def _architecture_switches(reader: Any, arch: str, n_layers: int, dim: int, n_he
     if scaling_type == "linear":
         switches["rope_linear_factor"] = float(_require(reader, f"{arch}.rope.scaling.factor"))
     elif scaling_type not in (None, "none"):
-        raise ModelLoadError(
-            f"rope scaling {scaling_type!r} is not supported (treadle runs linear and llama3)"
-        )
+        raise ModelLoadError(f"rope scaling {scaling_type!r} is not supported (treadle runs linear and llama3)")
     if arch == "qwen2":
         switches["qkv_bias"] = True
     elif arch == "qwen3":
@@ -110,9 +106,7 @@ def _rope_freq_factors(reader: Any) -> np.ndarray:
 def _read_config(reader: Any, name: str) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"unsupported architecture {arch!r} (treadle runs {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
+        raise ModelLoadError(f"unsupported architecture {arch!r} (treadle runs {', '.join(SUPPORTED_ARCHITECTURES)})")
     n_heads = int(_require(reader, f"{arch}.attention.head_count"))
     n_layers = int(_require(reader, f"{arch}.block_count"))
     dim = int(_require(reader, f"{arch}.embedding_length"))
@@ -188,11 +182,8 @@ def _to_matrix(tensor: Any, expected_shape: tuple[int, int]) -> WeightMatrix:
         else:
             data = data.reshape(n_rows, n_cols)
         return WeightMatrix(qtype, n_rows, n_cols, data)
-    log.warning(
-        "%s is stored as %s, which treadle's kernels do not run: dequantized to F32 at load",
-        tensor.name,
-        tensor.tensor_type.name,
-    )
+    log.warning("%s is stored as %s, which treadle's kernels do not run: dequantized to F32 at load",
+                tensor.name, tensor.tensor_type.name)
     dense = gguf.quants.dequantize(data, tensor.tensor_type).astype(np.float32).reshape(n_rows, n_cols)
     return WeightMatrix(QType.F32, n_rows, n_cols, dense)
 
@@ -248,9 +239,7 @@ def _check_extent(reader: Any, path: Path) -> None:
     size = os.path.getsize(path)
     for t in reader.tensors:
         if t.data_offset + t.n_bytes > size:
-            raise ModelLoadError(
-                f"{path.name} is truncated: tensor {t.name} ends past the file's {size} bytes"
-            )
+            raise ModelLoadError(f"{path.name} is truncated: tensor {t.name} ends past the file's {size} bytes")
 
 
 def _reader(path: Path) -> Any:
@@ -287,9 +276,7 @@ def load_gguf(path: Path) -> tuple[ModelConfig, ModelWeights, GGUFTokenizerData]
     except ModelLoadError:
         raise
     except Exception as exc:  # the gguf package raises ValueError, KeyError, IndexError… on bad bytes
-        raise ModelLoadError(
-            f"{path.name} is not a readable GGUF file ({type(exc).__name__}: {exc})"
-        ) from None
+        raise ModelLoadError(f"{path.name} is not a readable GGUF file ({type(exc).__name__}: {exc})") from None
     try:
         _check_extent(reader, path)
         cfg = _read_config(reader, path.stem)

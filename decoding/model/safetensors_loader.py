@@ -48,9 +48,7 @@ def _map_file(path: Path) -> dict[str, tuple[np.ndarray, QType]]:
             continue
         dtype_name = info.get("dtype")
         if dtype_name not in _DTYPES:
-            raise ModelLoadError(
-                f"{path.name}: tensor {name} has dtype {dtype_name}; treadle reads F32, F16, BF16"
-            )
+            raise ModelLoadError(f"{path.name}: tensor {name} has dtype {dtype_name}; treadle reads F32, F16, BF16")
         np_dtype, qtype = _DTYPES[dtype_name]
         begin, end = info["data_offsets"]
         shape = tuple(info["shape"])
@@ -105,9 +103,7 @@ def _switches(cfg: dict[str, Any], arch: str, n_layers: int, head_dim: int) -> d
     elif rope["rope_type"] == "linear":
         switches["rope_linear_factor"] = float(rope["factor"])
     elif rope["rope_type"] != "default":
-        raise ModelLoadError(
-            f"rope scaling {rope['rope_type']!r} is not supported (treadle runs linear and llama3)"
-        )
+        raise ModelLoadError(f"rope scaling {rope['rope_type']!r} is not supported (treadle runs linear and llama3)")
     switches["qkv_bias"] = arch == "qwen2" or bool(cfg.get("attention_bias"))
     layer_types = cfg.get("layer_types")
     window = cfg.get("sliding_window")
@@ -143,9 +139,7 @@ def read_config(directory: Path) -> ModelConfig:
         raise ModelLoadError(f"{directory / 'config.json'} is not readable JSON ({exc})") from None
     arch = cfg.get("model_type")
     if arch not in HF_ARCHITECTURES:
-        raise ModelLoadError(
-            f"unsupported architecture {arch!r} in config.json (treadle runs {', '.join(HF_ARCHITECTURES)})"
-        )
+        raise ModelLoadError(f"unsupported architecture {arch!r} in config.json (treadle runs {', '.join(HF_ARCHITECTURES)})")
     try:
         n_heads = int(cfg["num_attention_heads"])
         n_layers = int(cfg["num_hidden_layers"])

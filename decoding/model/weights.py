@@ -26,9 +26,7 @@ class WeightMatrix:
     qtype: QType
     n_rows: int
     n_cols: int
-    data: (
-        np.ndarray
-    )  # quantized: (n_rows, row_bytes) uint8; F32: float32, F16: float16, BF16: uint16, (n_rows, n_cols)
+    data: np.ndarray  # quantized: (n_rows, row_bytes) uint8; F32: float32, F16: float16, BF16: uint16, (n_rows, n_cols)
 
     def __post_init__(self) -> None:
         if self.qtype in BLOCK_SHAPES:
@@ -36,9 +34,7 @@ class WeightMatrix:
         else:
             expected = (self.n_rows, self.n_cols)
         if tuple(self.data.shape) != expected:
-            raise ValueError(
-                f"{self.qtype.name} matrix data has shape {self.data.shape}, expected {expected}"
-            )
+            raise ValueError(f"{self.qtype.name} matrix data has shape {self.data.shape}, expected {expected}")
 
     @property
     def nbytes(self) -> int:
@@ -113,9 +109,7 @@ def release_mapped_pages(array: np.ndarray) -> bool:
         return False
     begin = -(-array.ctypes.data // mmap.PAGESIZE) * mmap.PAGESIZE
     end = (array.ctypes.data + array.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
-    if end > begin and _libc.madvise(
-        ctypes.c_void_p(begin), ctypes.c_size_t(end - begin), mmap.MADV_DONTNEED
-    ):
+    if end > begin and _libc.madvise(ctypes.c_void_p(begin), ctypes.c_size_t(end - begin), mmap.MADV_DONTNEED):
         raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed on a weight map")
     return True
 
