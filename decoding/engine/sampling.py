@@ -52,12 +52,21 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return z.astype(np.float32)
 
 
+# The logprob reported for a token that could not be drawn (a structured-output grammar forbade it):
+# -inf is not JSON, so vLLM's floor.
+MIN_REPORTED_LOGPROB = -9999.0
+
+
+def reported_logprob(value: float) -> float:
+    return max(float(value), MIN_REPORTED_LOGPROB)
+
+
 def top_logprobs(logprobs_row: np.ndarray, k: int) -> list[tuple[int, float]]:
     if k <= 0:
         return []
     best = np.argpartition(-logprobs_row, k - 1)[:k]
     best = best[np.lexsort((best, -logprobs_row[best]))]  # by logprob, ties by id: deterministic
-    return [(int(i), float(logprobs_row[i])) for i in best]
+    return [(int(i), reported_logprob(logprobs_row[i])) for i in best]
 
 
 def apply_penalties(row: np.ndarray, req: SampleRequest) -> None:
@@ -258,5 +267,6 @@ class Sampler:
         for j, i in enumerate(want_logprobs):
             row = raw_logprobs[j]
             token = int(tokens[i])
-            results[i] = TokenLogprobs(token, float(row[token]), top_logprobs(row, requests[i].params.logprobs or 0))
+            results[i] = TokenLogprobs(token, reported_logprob(row[token]),
+                                       top_logprobs(row, requests[i].params.logprobs or 0))  # fmt: skip
         return tokens, results
