@@ -129,3 +129,28 @@ def test_gemma_base_model_completes_but_has_no_chat(tmp_path):
         assert "Paris" in completion.choices[0].text or "France" in completion.choices[0].text
         with pytest.raises(openai.BadRequestError, match="chat template"):
             client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}])
+
+
+def test_structured_output_holds_with_each_real_tokenizer(real):
+    """llguidance reads the tokenizer treadle builds from each file: byte-level BPE (Qwen) and
+    SentencePiece with byte fallback (Gemma)."""
+    import jsonschema
+
+    from decoding.engine.structured import Constraint
+
+    arch, _, model, _ = real
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "languages", "years"],
+              "properties": {"name": {"type": "string", "maxLength": 20}, "years": {"type": "integer", "minimum": 0},
+                             "languages": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                                           "maxItems": 3}}}  # fmt: skip
+    engine = Engine(model, EngineConfig(kv_cache_mb=64)).start()
+    try:
+        ids = model.tokenizer.encode("A programmer, as JSON:", add_special_tokens=True)
+        for seed in range(3):
+            params = SamplingParams(max_tokens=120, temperature=1.0, seed=seed,
+                                    constraint=Constraint("json", json.dumps(schema)))  # fmt: skip
+            out = engine.generate(ids, params)[0]
+            assert out.finish_reason == "stop", out.text
+            jsonschema.validate(json.loads(out.text), schema)
+    finally:
+        engine.shutdown()
