@@ -19,6 +19,7 @@ from decoding.engine.sampling import TokenLogprobs
 from decoding.model.tokenizer import Tokenizer
 
 from .errors import error_body
+from .tools import HermesToolCalls, ToolCallStream, split_calls
 
 Chunk = dict[str, Any]
 
@@ -114,12 +115,15 @@ def stream_error_chunk(output: RequestOutput) -> Chunk:
 class ChatFormatter:
     object_name = "chat.completion"
 
-    def __init__(self, header: ResponseHeader, tokens: TokenText, n: int, include_usage: bool) -> None:
+    def __init__(self, header: ResponseHeader, tokens: TokenText, n: int, include_usage: bool,
+                 tool_syntax: HermesToolCalls | None = None) -> None:  # fmt: skip
         self.header = header
         self.tokens = tokens
         self.n = n
         self.include_usage = include_usage
         self.usage: Usage | None = None
+        self.tool_syntax = tool_syntax  # the request calls tools: answers are split into content and calls
+        self.tool_streams = [ToolCallStream(tool_syntax) for _ in range(n)] if tool_syntax else []
 
     def _chunk(self, choices: list[dict[str, Any]]) -> Chunk:
         chunk = {**self.header.fields("chat.completion.chunk"), "choices": choices}
@@ -134,6 +138,8 @@ class ChatFormatter:
     def chunks(self, output: RequestOutput) -> list[Chunk]:
         if is_stream_error(output):
             return [stream_error_chunk(output)]
+        if self.tool_syntax is not None:
+            return self._tool_chunks(output)
         chunks = []
         logprobs = self.logprobs(output.logprobs)
         if output.text or logprobs:
@@ -145,17 +151,53 @@ class ChatFormatter:
         self.usage = output.usage or self.usage
         return chunks
 
+    def _tool_chunks(self, output: RequestOutput) -> list[Chunk]:
+        """Content as it comes, each tool call once complete: a delta with its index (0, 1, ... within
+        the choice), id, type, name and its whole arguments; a choice that called tools ends with
+        finish_reason tool_calls. Logprobs are not reported with tools (refused at the edge)."""
+        stream = self.tool_streams[output.index]
+        events = stream.feed(output.text)
+        if output.finish_reason is not None:
+            events += stream.finish()
+        chunks = []
+        for event in events:
+            if isinstance(event, str):
+                delta: dict[str, Any] = {"content": event}
+            else:
+                delta = {"tool_calls": [{"index": stream.num_calls_sent, **event.as_openai()}]}
+                stream.num_calls_sent += 1
+            chunks.append(self._chunk([{"index": output.index, "delta": delta, "logprobs": None,
+                                        "finish_reason": None}]))  # fmt: skip
+        if output.finish_reason is not None:
+            reason = "tool_calls" if stream.num_calls_sent and output.finish_reason == "stop" else output.finish_reason
+            chunks.append(self._chunk([{"index": output.index, "delta": {}, "logprobs": None,
+                                        "finish_reason": reason, "stop_reason": output.stop_reason}]))  # fmt: skip
+        self.usage = output.usage or self.usage
+        return chunks
+
     def last_chunks(self) -> list[Chunk]:
         if not self.include_usage:
             return []
         return [{**self._chunk([]), "usage": usage_body(self.usage)}]
 
     def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
-        choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
-                    "logprobs": self.logprobs(o.logprobs), "finish_reason": o.finish_reason,
-                    "stop_reason": o.stop_reason} for o in outputs]
+        choices = [{"index": o.index, "message": self._message(o), "logprobs": self.logprobs(o.logprobs),
+                    "finish_reason": o.finish_reason, "stop_reason": o.stop_reason} for o in outputs]
+        if self.tool_syntax is not None:
+            for choice in choices:
+                if choice["message"].get("tool_calls") and choice["finish_reason"] == "stop":
+                    choice["finish_reason"] = "tool_calls"
         return {**self.header.fields(self.object_name), "choices": choices,
                 "usage": usage_body(request_usage(outputs))}
+
+    def _message(self, output: RequestOutput) -> dict[str, Any]:
+        if self.tool_syntax is None or output.finish_reason in ("error", "abort"):
+            return {"role": "assistant", "content": output.text}
+        content, calls = split_calls(self.tool_syntax, output.text)
+        message: dict[str, Any] = {"role": "assistant", "content": content if content.strip() or not calls else None}
+        if calls:
+            message["tool_calls"] = [call.as_openai() for call in calls]
+        return message
 
     def logprobs(self, logprobs: list[TokenLogprobs]) -> dict[str, Any] | None:
         if not logprobs:

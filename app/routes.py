@@ -8,6 +8,7 @@ A generation request goes: admission (429 when full) → body → prompt ids →
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
 
 import anyio
@@ -27,6 +28,7 @@ from .protocol import ChatFormatter, CompletionFormatter, ResponseHeader
 from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .server import ServingState, serving
 from .streaming import Generation, respond
+from .tools import HermesToolCalls, syntax_for
 
 # Without max_tokens, chat may use the rest of the context (as vLLM), capped so that a forgotten
 # limit cannot hold a sequence for minutes; completions keep OpenAI's documented default of 16.
@@ -42,10 +44,21 @@ async def chat_completions(request: Request) -> Response:
     with state.admission() as engine:
         body = await read_body(request, ChatCompletionRequest, state.settings.max_body_bytes)
         state.check_model(body.model)
+        syntax = _tool_syntax(state, body)
         prompt_ids = await anyio.to_thread.run_sync(_chat_prompt_ids, state, body)
         params = _sampling_params(engine, body, len(prompt_ids), DEFAULT_CHAT_MAX_TOKENS, "messages")
+        if syntax is not None and body.forces_a_call:
+            if params.constraint is not None:
+                raise APIError(400, f"tool_choice {body.tool_choice!r} and {params.constraint.field} both constrain "
+                                    "the output: give one", "tool_choice")  # fmt: skip
+            tag_ids = {tag: ids[0] if len(ids := state.model.tokenizer.encode(tag)) == 1 else None
+                       for tag in (syntax.start, syntax.end)}  # fmt: skip
+            params = replace(params, constraint=syntax.constraint(body.called_functions(), body.parallel_tool_calls,
+                                                                  tag_ids))  # fmt: skip
+        if syntax is not None:  # the tags may be special tokens: the parser must see them in the text
+            params = replace(params, skip_special_tokens=False)
         header = ResponseHeader.new("chatcmpl", state.model_name, state.system_fingerprint)
-        formatter = ChatFormatter(header, state.tokens, params.n, body.include_usage)
+        formatter = ChatFormatter(header, state.tokens, params.n, body.include_usage, syntax)
         generation = _submit(state, engine, prompt_ids, params, header.id, formatter)
     return await respond(request, generation, body.stream, state.settings.sse_ping_seconds,
                          state.settings.slow_reader_timeout_seconds)
@@ -71,11 +84,31 @@ async def completions(request: Request) -> Response:
                          state.settings.slow_reader_timeout_seconds)
 
 
+def _tool_syntax(state: ServingState, body: ChatCompletionRequest) -> HermesToolCalls | None:
+    """The model's tool-call syntax when the request calls tools; a 400 if treadle cannot read it."""
+    if not body.calls_tools:
+        return None
+    tokenizer = state.model.tokenizer
+    syntax = syntax_for(tokenizer.chat_template_source)
+    if syntax is None:
+        reason = "has no chat template" if not tokenizer.has_chat_template else \
+            "has a chat template without a tool-call syntax treadle reads (Hermes-style <tool_call>)"  # fmt: skip
+        raise APIError(400, f"tools cannot be used with this model: it {reason}", "tools")
+    return syntax
+
+
 def _chat_prompt_ids(state: ServingState, body: ChatCompletionRequest) -> list[int]:
+    tokenizer = state.model.tokenizer
+    extra = {"tools": body.tools_for_template()} if body.calls_tools else {}
     try:
-        ids = state.model.tokenizer.encode_chat(body.template_input())
+        text = tokenizer.apply_chat_template(body.template_input(), True, **extra)
     except TemplateError as exc:
         raise APIError(400, f"the chat template cannot render these messages: {exc}", "messages") from None
+    missing = [t["function"]["name"] for t in extra.get("tools", []) if t["function"]["name"] not in text]
+    if missing:  # a template that ignores `tools` would leave the model blind to them
+        raise APIError(400, f"this model's chat template does not render tools ({missing[0]!r} is not in the "
+                            "prompt)", "tools")  # fmt: skip
+    ids = tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens it wants
     if not ids:
         raise APIError(400, "messages is empty", "messages", code="empty_prompt")
     return ids

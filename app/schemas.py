@@ -50,12 +50,10 @@ Stop = Annotated[str | list[str], _one_of("must be a string or a list of strings
 
 # Fields that would change the output and are not implemented, each with the values that change nothing.
 # Any other value is refused with 400 `unsupported_parameter` naming the field: never silently dropped.
-# Tools are implemented by a later issue, which moves them out of here. Fields that only describe the caller (user, metadata, store,
+# (OpenAI's old `functions` / `function_call` are refused: `tools` / `tool_choice` replace them.) Fields that only describe the caller (user, metadata, store,
 # service_tier, ...) or only tune scheduling (priority, ...) are not listed: they are accepted and ignored.
 NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     # OpenAI's
-    "tools": (None, []),
-    "tool_choice": (None, "none"),  # "auto" and "required" need tools; OpenAI refuses them without
     "functions": (None, []),
     "function_call": (None, "none"),
     "best_of": (None,),  # or equal to n, which is what n alone does (see `_refuse_not_implemented`)
@@ -83,7 +81,7 @@ CHAT_NOT_IMPLEMENTED = {
     "documents": (None, []),
 }
 COMPLETION_NOT_IMPLEMENTED = {**NOT_IMPLEMENTED, "suffix": (None, ""), "add_special_tokens": (None, True)}
-MESSAGE_NOT_IMPLEMENTED = {"tool_calls": (None, []), "function_call": (None,)}  # an assistant's, in the history
+MESSAGE_NOT_IMPLEMENTED = {"function_call": (None,)}  # an assistant's, in the history (the old API)
 
 
 def _refuse_not_implemented(data: dict[str, Any], table: dict[str, tuple[Any, ...]], prefix: str = "") -> None:
@@ -108,10 +106,23 @@ class TextPart(_Body):
 Content = Annotated[str | list[TextPart], _one_of("must be a string or a list of {type: text, text} parts")]
 
 
+class FunctionCall(_Body):
+    name: NonEmptyStr
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Content | None = Field(None, validate_default=True)
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls, in the history
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     @field_validator("content")
     @classmethod
@@ -130,7 +141,20 @@ class ChatMessage(_Body):
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:  # templates expect the arguments as a mapping (as vLLM passes them)
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments_mapping(c.function.arguments)}}
+                for c in self.tool_calls]  # fmt: skip
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
+
+
+def _arguments_mapping(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments  # not JSON: the template gets the text
 
 
 class StreamOptions(_Body):
@@ -294,10 +318,38 @@ class _SamplingBody(_Body):
         return bias
 
 
+class FunctionSpec(_Body):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none = a function without arguments
+    strict: bool | None = None
+
+
+class ToolSpec(_Body):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(_Body):
+    name: NonEmptyStr
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Annotated[Literal["none", "auto", "required"] | NamedToolChoice,
+                       _one_of('must be "none", "auto", "required" or {"type": "function", "function": {"name"}}')]  # fmt: skip
+
+
 class ChatCompletionRequest(_SamplingBody):
     not_implemented = CHAT_NOT_IMPLEMENTED
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    tools: list[ToolSpec] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name; wins over max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -317,6 +369,43 @@ class ChatCompletionRequest(_SamplingBody):
             if isinstance(message, dict):
                 _refuse_not_implemented(message, MESSAGE_NOT_IMPLEMENTED, f"messages.{i}.")
         return data
+
+    @model_validator(mode="after")
+    def _tool_choice_within_tools(self) -> ChatCompletionRequest:
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: two functions have the same name")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not in tools", "tool_choice")
+        if choice not in (None, "none") and not names:  # as OpenAI
+            raise APIError(400, f"tool_choice {json.dumps(choice if isinstance(choice, str) else 'function')} needs "
+                                "tools", "tool_choice")  # fmt: skip
+        if self.calls_tools and self.logprobs:
+            raise APIError(400, "logprobs cannot be combined with tools yet", "logprobs")
+        for tool in self.tools or []:
+            if tool.function.strict and tool.function.parameters is None:
+                raise APIError(400, f"function {tool.function.name!r} is strict but has no parameters schema",
+                               "tools")  # fmt: skip
+        return self
+
+    @property
+    def calls_tools(self) -> bool:
+        """Tools go to the model (and its calls are read back): tools given, and tool_choice not none."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forces_a_call(self) -> bool:
+        return self.calls_tools and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice))
+
+    def called_functions(self) -> list[dict[str, Any]]:
+        """The functions a forced call may call (all, or the named one), as dicts."""
+        choice = self.tool_choice
+        return [t.function.model_dump(exclude_none=True) for t in self.tools or []
+                if not isinstance(choice, NamedToolChoice) or t.function.name == choice.function.name]  # fmt: skip
+
+    def tools_for_template(self) -> list[dict[str, Any]]:
+        return [t.model_dump(exclude_none=True) for t in self.tools or []]
 
     @property
     def requested_max_tokens(self) -> int | None:

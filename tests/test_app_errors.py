@@ -182,17 +182,8 @@ def test_unknown_fields_are_ignored(server):
 # Fields that would change the output and are not implemented yet: refused by name, never dropped.
 # (id, path, body, the field named in `param`)
 UNSUPPORTED = [
-    ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
-    ("tool_choice auto", CHAT, chat(tool_choice="auto"), "tool_choice"),
-    ("tool_choice required", CHAT, chat(tool_choice="required"), "tool_choice"),
-    ("tool_choice a function", CHAT, chat(tool_choice={"type": "function", "function": {"name": "f"}}),
-     "tool_choice"),
     ("functions", CHAT, chat(functions=[{"name": "f"}]), "functions"),
     ("function_call", CHAT, chat(function_call="auto"), "function_call"),
-    ("tool_calls in a message", CHAT,
-     chat(messages=[*USER, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
-                                                                 "function": {"name": "f", "arguments": "{}"}}]}]),
-     "messages.1.tool_calls"),
     ("best_of over n", COMPLETIONS, completion(best_of=3), "best_of"),
     ("best_of under n", COMPLETIONS, completion(best_of=1, n=2), "best_of"),
     ("suffix", COMPLETIONS, completion(suffix=" the end"), "suffix"),
@@ -233,6 +224,10 @@ NEUTRAL = [
     ("caller metadata", CHAT, chat(user="u", metadata={"a": "b"}, store=False, service_tier="auto",
                                    reasoning_effort="low", prediction=None)),
     ("assistant without content", CHAT, chat(messages=[*USER, {"role": "assistant"}, *USER])),
+    ("tool calls in the history", CHAT,
+     chat(messages=[*USER, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                                                 "function": {"name": "f", "arguments": "{}"}}]},
+                    {"role": "tool", "tool_call_id": "c", "content": "42"}])),
     ("min_tokens equal to max_tokens", COMPLETIONS, completion(max_tokens=2, min_tokens=2, ignore_eos=True)),
     ("stream_options with stream", COMPLETIONS, completion(stream=True, stream_options={"include_usage": True})),
 ]

@@ -154,3 +154,34 @@ def test_structured_output_holds_with_each_real_tokenizer(real):
             jsonschema.validate(json.loads(out.text), schema)
     finally:
         engine.shutdown()
+
+
+def test_qwen_coder_calls_tools_through_the_openai_client(tmp_path):
+    """Qwen2.5's own template renders the tools; with tool_choice required the answer is its
+    <tool_call> syntax (special tokens, named by id in the grammar) with valid arguments, parsed whole
+    and streamed. With auto the 0.5B coder model prefers a ```json block to the tag (its choice,
+    returned as content)."""
+    weather = {"type": "function", "function": {
+        "name": "get_weather", "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+                       "required": ["city"], "additionalProperties": False}}}  # fmt: skip
+    messages = [{"role": "user", "content": "What is the weather in Paris and in Tokyo? Use the tool."}]
+    path = qwen25_coder_05b(tmp_path)
+    with running_server(["--model", str(path)]) as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+        name = client.models.list().data[0].id
+        args = {"model": name, "messages": messages, "tools": [weather], "temperature": 0, "max_tokens": 200}
+        # one call: left to go on, the 0.5B model calls for one city after another until max_tokens
+        choice = client.chat.completions.create(**args, tool_choice="required", parallel_tool_calls=False).choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        cities = [json.loads(c.function.arguments)["city"] for c in choice.message.tool_calls]
+        assert "Paris" in cities and all(c.function.name == "get_weather" for c in choice.message.tool_calls)
+        streamed: dict[int, str] = {}
+        for chunk in client.chat.completions.create(**args, tool_choice="required", parallel_tool_calls=False,
+                                                    stream=True):  # fmt: skip
+            for part in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                streamed[part.index] = streamed.get(part.index, "") + (part.function.arguments or "")
+        assert [json.loads(streamed[i]) for i in sorted(streamed)] == [
+            json.loads(c.function.arguments) for c in choice.message.tool_calls]
+        auto = client.chat.completions.create(**args).choices[0]
+        assert auto.message.content or auto.message.tool_calls

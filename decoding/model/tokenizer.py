@@ -182,6 +182,10 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(self._chat_template_source)
 
+    @property
+    def chat_template_source(self) -> str | None:
+        return self._chat_template_source
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             **extra: Any) -> str:
         """The conversation rendered by the model's own template, as transformers renders it."""
