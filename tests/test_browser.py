@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -23,6 +24,7 @@ import pytest
 
 from bench.sse import iter_sse_data
 from tests.conftest_server import REPO, TreadleServer
+from tests.reliability import running_server
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
@@ -219,3 +221,20 @@ def test_page_reports_an_unreachable_server(server, browser):
     assert "Could not reach the server at http://127.0.0.1:9" in error, error
     assert json.loads(browser.execute_script("return JSON.stringify(document.getElementById('status').textContent)")) \
         == "error"
+
+
+def test_tool_calls_show_in_the_reply_as_they_stream(browser, tmp_path):
+    """With tools set in the page's settings, a call arrives as deltas and is shown as name(arguments)."""
+    from tests.test_tools import TOOLS, hermes_model
+
+    with running_server(["--model", str(hermes_model(tmp_path)), "--kv-cache-mb", "32"]) as server:
+        open_page(browser, server, 120, {"tool_choice": "required", "parallel_tool_calls": False, "seed": 1,
+                                         "temperature": 1.0})  # fmt: skip
+        browser.execute_script("document.getElementById('tools').value = arguments[0];", json.dumps(TOOLS))
+        ask(browser, "What is the weather in Paris?")
+        reply = wait_for(lambda: (r := last_reply(browser)) and r["state"] == "done" and r, what="the reply")
+        name, arguments = re.fullmatch(r"\u2192 (\w+)\((.*)\)", reply["text"], re.S).groups()
+        assert name in {t["function"]["name"] for t in TOOLS}
+        json.loads(arguments)
+        assert browser.execute_script("return window.__bodies[0].tools.length") == len(TOOLS)
+        screenshot(browser, "chat-tool-call.png")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -65,15 +66,20 @@ SCHEMAS = {t["function"]["name"]: t["function"].get("parameters", {"type": "obje
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("hermes") / "qwen2-hermes"
+def hermes_model(parent: Path) -> Path:
+    """The tiny random qwen2 model with HERMES_TEMPLATE and room in its context for the tools."""
+    directory = parent / "qwen2-hermes"
     shutil.copytree(GOLDEN / "qwen2", directory)
     config = json.loads((directory / "tokenizer_config.json").read_text())
     (directory / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": HERMES_TEMPLATE}))
-    model_config = json.loads((directory / "config.json").read_text())  # room for the tools in the prompt
+    model_config = json.loads((directory / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps({**model_config, "max_position_embeddings": 4096}))
-    with running_server(["--model", str(directory), "--kv-cache-mb", "32"]) as server:
+    return directory
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with running_server(["--model", str(hermes_model(tmp_path_factory.mktemp("hermes"))), "--kv-cache-mb", "32"]) as server:
         yield server
 
 
