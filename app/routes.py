@@ -47,15 +47,18 @@ async def chat_completions(request: Request) -> Response:
         syntax = _tool_syntax(state, body)
         prompt_ids = await anyio.to_thread.run_sync(_chat_prompt_ids, state, body)
         params = _sampling_params(engine, body, len(prompt_ids), DEFAULT_CHAT_MAX_TOKENS, "messages")
-        if syntax is not None and body.forces_a_call:
-            if params.constraint is not None:
-                raise APIError(400, f"tool_choice {body.tool_choice!r} and {params.constraint.field} both constrain "
-                                    "the output: give one", "tool_choice")  # fmt: skip
+        if syntax is not None:
             tag_ids = {tag: ids[0] if len(ids := state.model.tokenizer.encode(tag)) == 1 else None
                        for tag in (syntax.start, syntax.end)}  # fmt: skip
-            params = replace(params, constraint=syntax.constraint(body.called_functions(), body.parallel_tool_calls,
-                                                                  tag_ids))  # fmt: skip
-        if syntax is not None:  # the tags may be special tokens: the parser must see them in the text
+            if body.forces_a_call:
+                if params.constraint is not None:
+                    raise APIError(400, f"tool_choice {body.tool_choice!r} and {params.constraint.field} both "
+                                        "constrain the output: give one", "tool_choice")  # fmt: skip
+                params = replace(params, constraint=syntax.constraint(body.called_functions(),
+                                                                      body.parallel_tool_calls, tag_ids))  # fmt: skip
+            elif params.constraint is None:  # auto: a call the model begins gets valid arguments
+                params = replace(params, call_trigger=syntax.call_trigger(body.called_functions(), tag_ids))
+            # the tags may be special tokens: the parser must see them in the text
             params = replace(params, skip_special_tokens=False)
         header = ResponseHeader.new("chatcmpl", state.model_name, state.system_fingerprint)
         formatter = ChatFormatter(header, state.tokens, params.n, body.include_usage, syntax)

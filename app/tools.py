@@ -52,17 +52,34 @@ class HermesToolCalls:
         """Output that is nothing but calls (one, or several if `parallel`) of these functions.
         `tag_token_ids`: the token that spells each tag, where one does (Qwen's are tokens of their
         own, which the grammar must name by id: the tokenizer does not match them by their text)."""
-        bodies = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                   "properties": {"name": {"const": f["name"]},
-                                  "arguments": f.get("parameters") or EMPTY_PARAMETERS}} for f in functions]  # fmt: skip
-        schema = {"x-guidance": JSON_LAYOUT, "anyOf": bodies}
-        start, end = (f"<[{tag_token_ids[tag]}]>" if tag_token_ids.get(tag) is not None else json.dumps(tag)
-                      for tag in (self.start, self.end))  # fmt: skip
+        start, end = (self._tag(tag, tag_token_ids) for tag in (self.start, self.end))
         repeat = ' ("\\n" call)*' if parallel else ""
         lark = (f"start: call{repeat}\n"
                 f'call: {start} "\\n" body "\\n" {end}\n'
-                f"body: %json {json.dumps(schema)}\n")  # fmt: skip
+                f"body: %json {json.dumps(self._body_schema(functions))}\n")  # fmt: skip
         return Constraint("grammar", lark, "tool_choice")
+
+    def call_trigger(self, functions: list[dict[str, Any]],
+                     tag_token_ids: dict[str, int | None]) -> tuple[int, Constraint] | None:  # fmt: skip
+        """For tool_choice auto: the token that opens a call and the grammar of what follows it, so that
+        a call the model begins has valid arguments; None where the opening tag is not one token."""
+        opening = tag_token_ids.get(self.start)
+        if opening is None:
+            return None
+        lark = (f'start: "\\n" body "\\n" {self._tag(self.end, tag_token_ids)}\n'
+                f"body: %json {json.dumps(self._body_schema(functions))}\n")  # fmt: skip
+        return opening, Constraint("grammar", lark, "tools")
+
+    @staticmethod
+    def _tag(tag: str, tag_token_ids: dict[str, int | None]) -> str:
+        return f"<[{tag_token_ids[tag]}]>" if tag_token_ids.get(tag) is not None else json.dumps(tag)
+
+    @staticmethod
+    def _body_schema(functions: list[dict[str, Any]]) -> dict[str, Any]:
+        bodies = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                   "properties": {"name": {"const": f["name"]},
+                                  "arguments": f.get("parameters") or EMPTY_PARAMETERS}} for f in functions]  # fmt: skip
+        return {"x-guidance": JSON_LAYOUT, "anyOf": bodies}
 
     def parse_call(self, body: str) -> ToolCall | None:
         """A call's text between the tags, or None if it is not a call."""

@@ -66,10 +66,18 @@ SCHEMAS = {t["function"]["name"]: t["function"].get("parameters", {"type": "obje
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-def hermes_model(parent: Path) -> Path:
-    """The tiny random qwen2 model with HERMES_TEMPLATE and room in its context for the tools."""
-    directory = parent / "qwen2-hermes"
+def hermes_model(parent: Path, tag_tokens: bool = False) -> Path:
+    """The tiny random qwen2 model with HERMES_TEMPLATE and room in its context for the tools; with
+    `tag_tokens`, `<tool_call>` and `</tool_call>` are tokens of their own (as in Qwen2.5)."""
+    directory = parent / ("qwen2-hermes-tags" if tag_tokens else "qwen2-hermes")
     shutil.copytree(GOLDEN / "qwen2", directory)
+    if tag_tokens:
+        tokenizer = json.loads((directory / "tokenizer.json").read_text())
+        first = len(tokenizer["model"]["vocab"])
+        tokenizer["added_tokens"] += [{"id": first + i, "content": tag, "single_word": False, "lstrip": False,
+                                       "rstrip": False, "normalized": False, "special": False}
+                                      for i, tag in enumerate(("<tool_call>", "</tool_call>"))]  # fmt: skip
+        (directory / "tokenizer.json").write_text(json.dumps(tokenizer))
     config = json.loads((directory / "tokenizer_config.json").read_text())
     (directory / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": HERMES_TEMPLATE}))
     model_config = json.loads((directory / "config.json").read_text())
@@ -214,3 +222,19 @@ def test_the_parser_splits_streamed_text_into_content_and_calls_at_any_boundary(
 def test_a_broken_call_is_returned_as_text_not_lost():
     content, calls = split_calls(HermesToolCalls(), "<tool_call>\nnot json\n</tool_call>")
     assert calls == [] and content == "<tool_call>\nnot json\n</tool_call>"
+
+
+def test_under_auto_a_call_the_model_begins_gets_valid_arguments(tmp_path):
+    """Where the opening tag is a token of its own, drawing it attaches the call's grammar until the
+    call ends, then the text is free again. A logit bias makes the random model open calls; without
+    the grammar what followed the tag would be noise."""
+    directory = hermes_model(tmp_path, tag_tokens=True)
+    with running_server(["--model", str(directory), "--kv-cache-mb", "32"]) as server:
+        opening = httpx.post(server.base_url + "/tokenize", json={"prompt": "<tool_call>"}, timeout=30).json()
+        assert len(opening["tokens"]) == 1
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+        for seed in range(3):
+            choice = client.chat.completions.create(
+                model="qwen2-hermes-tags", messages=ASK, tools=TOOLS, tool_choice="auto", seed=seed, temperature=1.0,
+                max_tokens=150, logit_bias={str(opening["tokens"][0]): 100}).choices[0]  # fmt: skip
+            check_calls(choice.message.tool_calls, {"get_weather", "get_time", "roll_die"})

@@ -126,12 +126,13 @@ class Engine:
         """Raise `RequestTooLarge` or `InvalidParams` for what could never be served."""
         validate_request(prompt_ids, params, self.model.config.vocab_size, self.max_model_len,
                          self.config.max_num_seqs, self.kv)
-        if params.constraint is not None:
+        for constraint in (params.constraint, params.call_trigger[1] if params.call_trigger else None):
+            if constraint is None:
+                continue
             try:
-                self.guide.compile(params.constraint)  # compiled once per grammar text, then cached
+                self.guide.compile(constraint)  # compiled once per grammar text, then cached
             except StructuredOutputError as exc:
-                raise InvalidParams(params.constraint.field, f"{params.constraint.field} cannot be compiled: {exc}") \
-                    from None
+                raise InvalidParams(constraint.field, f"{constraint.field} cannot be compiled: {exc}") from None
 
     @property
     def num_unfinished(self) -> int:
@@ -268,7 +269,7 @@ class Engine:
             requests = [SampleRequest(s.params, s.rng, s.prompt_ids, s.output_ids) for s in seqs]
             rows_logits = logits[rows]  # a copy: the masks below change only it
             constrained = [(i, self._matcher(s), s.json_guard) for i, s in enumerate(seqs)
-                           if s.params.constraint is not None]  # fmt: skip
+                           if s.params.constraint is not None or s.matcher is not None]  # fmt: skip
             dead = set(apply_masks(rows_logits, constrained, self.guide))
             rows_logits[list(dead)] = 0.0  # sampled, then dropped: the sampler needs finite rows
             tokens, logprobs = self.sampler.sample(rows_logits, requests)
@@ -284,12 +285,17 @@ class Engine:
                     complete = seq.matcher.is_stopped()
                     if seq.json_guard is not None:
                         seq.json_guard.add(self.guide.token_texts()[0][token])
+                    if complete and seq.params.constraint is None:  # a call under auto is over: free text again
+                        seq.matcher, seq.json_guard, complete = None, None, False
+                elif seq.params.call_trigger is not None and token == seq.params.call_trigger[0]:
+                    seq.matcher = self.guide.matcher(seq.params.call_trigger[1])  # the call's arguments
+                    seq.json_guard = JsonRunGuard()
                 self._publish(seq, process_token(seq, token, lp, self.eos_token_ids, self.max_model_len, complete))
         return kernel_seconds
 
     def _matcher(self, seq: Sequence) -> Any:
         """The sequence's grammar state, made at its first sampled token (each choice its own)."""
-        if seq.matcher is None:
+        if seq.matcher is None:  # a tool call's matcher is attached when its start is drawn
             seq.matcher = self.guide.matcher(seq.params.constraint)
             if seq.params.constraint.kind in ("json", "json_object"):
                 seq.json_guard = JsonRunGuard()

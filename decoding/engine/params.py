@@ -46,6 +46,9 @@ class SamplingParams:
     n: int = 1
     skip_special_tokens: bool = True
     constraint: Constraint | None = None  # structured output: what the text must match
+    # tool calls under tool_choice auto: once this token is drawn, what follows it until the grammar
+    # ends is held to the constraint (the call's arguments to their schema), then the text is free again
+    call_trigger: tuple[int, Constraint] | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, param: str, message: str) -> None:
