@@ -7,9 +7,9 @@ One class per syntax. `HermesToolCalls` is the one Qwen2.5 (and Hermes, and many
     </tool_call>
 
 `constraint` turns `tool_choice: "required"` or a named function into a grammar over that syntax whose
-arguments match each function's `parameters` schema; `ToolCallStream` splits a choice's streamed
-text into content and complete tool calls as they arrive, holding back only what could still be the
-start of a call.
+arguments match each function's `parameters` schema; `call_trigger` gives `auto` the grammar of a call
+the model begins; `ToolCallStream` splits a choice's streamed text into content and complete tool
+calls as they arrive, holding back only what could still be the start of a call.
 """
 
 from __future__ import annotations
