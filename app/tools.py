@@ -111,7 +111,6 @@ class ToolCallStream:
     def __init__(self, syntax: HermesToolCalls) -> None:
         self.syntax = syntax
         self.pending = ""  # text that may be (the start of) a call
-        self.num_calls = 0  # calls parsed
         self.num_calls_sent = 0  # calls a stream has sent (their delta index)
         self.after_call = False  # the newlines that separate calls are not content
 
@@ -141,7 +140,6 @@ class ToolCallStream:
             body = self.pending[len(start) : close].strip()
             call = self.syntax.parse_call(body)
             events.append(call if call is not None else self.pending[: close + len(end)])
-            self.num_calls += call is not None
             self.after_call = call is not None
             self.pending = self.pending[close + len(end) :]
         return [e for e in events if not (isinstance(e, str) and e == "")]

@@ -23,7 +23,6 @@ Like make_golden.py, this imports nothing of treadle's; the tests read the files
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -31,6 +30,8 @@ import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+from make_golden_tokenizers import assemble  # noqa: E402 - the real files, assembled in .venv
 OUT = REPO / "tests" / "golden" / "architectures"
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<|im_start|>", "<|im_end|>"]
 PAD, EOS, BOS = 0, 1, 2
@@ -161,15 +162,6 @@ def tiny_case(arch: str, config, seed: int) -> None:
     (directory / "golden.json").write_text(json.dumps(golden))
     size = sum(f.stat().st_size for f in directory.iterdir())
     print(f"{arch}: {size / 1e3:.0f} KB, greedy {cases[0]['greedy_text']!r}")
-
-
-def assemble(function: str, directory: Path) -> Path | None:
-    """Run tests/real_models.py in .venv (where the parts are installed): the file's path, or None."""
-    code = (f"import sys; from pathlib import Path; sys.path.insert(0, {str(REPO)!r}); "
-            f"from tests import real_models as r; print(r.{function}(Path({str(directory)!r})))")  # fmt: skip
-    done = subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-c", code], capture_output=True, text=True,
-                          check=False)  # fmt: skip
-    return Path(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else None
 
 
 def real_case(arch: str, path: Path) -> None:

@@ -15,6 +15,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from decoding.model.safetensors_loader import _map_file, llama3_frequency_factors
 from decoding.model.weights import WeightMatrix
+from tests.tinymodel import permute_for_ggml_rope
 
 GGUF_ARCHITECTURE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
 _LAYER_NAMES = {
@@ -25,11 +26,6 @@ _LAYER_NAMES = {
 }  # fmt: skip
 _GEMMA_NORM_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                      "post_feedforward_layernorm": "post_ffw_norm"}  # fmt: skip
-
-
-def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """convert_hf_to_gguf.py's LlamaModel.permute: rotate-half rows → adjacent pairs."""
-    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def convert(directory: Path, out: Path) -> Path:
@@ -108,7 +104,7 @@ def convert(directory: Path, out: Path) -> Path:
                     continue
                 array = norm(name) if hf.endswith("norm") else dense(name)
                 if arch == "llama" and hf in ("self_attn.q_proj", "self_attn.k_proj"):
-                    array = _permute(array, n_heads if hf == "self_attn.q_proj" else n_kv_heads)
+                    array = permute_for_ggml_rope(array, n_heads if hf == "self_attn.q_proj" else n_kv_heads)
                 add(f"blk.{i}.{gg}.{kind}", array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -75,8 +75,8 @@ def random_weights(shape: TinyShape, vocab_size: int, seed: int) -> dict[str, np
     return {k: np.asarray(v, dtype=np.float32) for k, v in w.items()}
 
 
-def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
-    # llama.cpp convert_hf_to_gguf.py LlamaModel.permute
+def permute_for_ggml_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py's LlamaModel.permute: rotate-half Q/K rows → adjacent pairs."""
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
@@ -128,9 +128,9 @@ def write_gguf(path: Path, shape: TinyShape = TinyShape(), qtype: QType = QType.
         for hf_name, gg_name in _GGUF_NAMES.items():
             array = weights[f"model.layers.{i}.{hf_name}.weight"]
             if hf_name == "self_attn.q_proj":
-                array = _permute(array, shape.n_heads)
+                array = permute_for_ggml_rope(array, shape.n_heads)
             elif hf_name == "self_attn.k_proj":
-                array = _permute(array, shape.n_kv_heads)
+                array = permute_for_ggml_rope(array, shape.n_kv_heads)
             add(f"blk.{i}.{gg_name}.weight", array, QType.F32 if array.ndim == 1 else qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

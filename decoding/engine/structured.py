@@ -19,7 +19,6 @@ import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -66,10 +65,10 @@ class Guide:
     """The model's tokenizer as llguidance sees it (built on first use: about a second for a 150k
     vocabulary) and the compiled grammars, by their text."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 id_to_token: Callable[[int], str | None]) -> None:
-        self._tokenizer_json = tokenizer_json
-        self._id_to_token = id_to_token
+    def __init__(self, backend: Any, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        """`backend`: the model's `tokenizers.Tokenizer`, serialised for llguidance only when a first
+        constraint needs it (nothing at engine start)."""
+        self._backend = backend
         self.vocab_size = vocab_size
         self._eos_token_ids = list(eos_token_ids)
         self._lock = threading.Lock()
@@ -81,8 +80,7 @@ class Guide:
 
     @classmethod
     def for_model(cls, model: Any) -> Guide:
-        backend = model.tokenizer.backend
-        return cls(backend.to_str(), model.config.vocab_size, model.config.eos_token_ids, backend.id_to_token)
+        return cls(model.tokenizer.backend, model.config.vocab_size, model.config.eos_token_ids)
 
     def digit_start_words(self) -> np.ndarray:
         """The tokens that start with a digit, as a row of the bitmask's int32 words."""
@@ -97,7 +95,7 @@ class Guide:
         """Each token's vocabulary entry (ASCII digits, quotes and backslashes appear as themselves in
         byte-level and SentencePiece vocabularies alike), and whether it starts with a digit."""
         if self._token_texts is None:
-            texts = [self._id_to_token(i) or "" for i in range(self.vocab_size)]
+            texts = [self._backend.id_to_token(i) or "" for i in range(self.vocab_size)]
             self._starts_with_digit = np.array([t[:1].isdigit() and t[:1].isascii() for t in texts])
             self._token_texts = texts
         return self._token_texts, self._starts_with_digit
@@ -106,7 +104,7 @@ class Guide:
         if self._tokenizer is None:
             from llguidance import LLTokenizer
 
-            self._tokenizer = LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
+            self._tokenizer = LLTokenizer(self._backend.to_str(), n_vocab=self.vocab_size,
                                           eos_token=self._eos_token_ids or None)  # fmt: skip
         return self._tokenizer
 
