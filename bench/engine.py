@@ -17,6 +17,7 @@ import resource
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -157,9 +158,55 @@ STRUCTURED_SCHEMA = {
 STRUCTURED_SCHEMA["required"] = list(STRUCTURED_SCHEMA["properties"])
 
 
-def measure_structured(engine: Engine, model: Model, levels: list[int]) -> dict:
-    """Each level run constrained by STRUCTURED_SCHEMA and unconstrained, at the same lengths (the
-    unconstrained run takes as many tokens as the constrained answers had), and the schema's compile time."""
+@dataclass(slots=True)
+class ClosedLoopResult:
+    concurrency: int
+    tokens_per_second: float  # counted in the window, while every slot was busy
+    step_ms_median: float
+    mean_answer_tokens: float  # of the requests that finished
+
+
+def run_closed_loop(engine: Engine, prompt_ids: list[int], concurrency: int, seconds: float,
+                    make_params: Callable[[int], SamplingParams]) -> ClosedLoopResult:
+    """`concurrency` slots, each submitting its next request as soon as the last one ends (a server's
+    steady state, whatever the answers' lengths), for `seconds` after a ramp (the first answers)."""
+    timer = StepTimer()
+    started = time.perf_counter()
+    ramp = 0.3 if concurrency == 1 else 1.0
+    window = (started + ramp, started + ramp + seconds)
+    tokens_in_window = [0] * concurrency
+    answers: list[int] = []
+
+    def slot(i: int) -> None:
+        n = 0
+        while time.perf_counter() < window[1]:
+            count = 0
+            for out in engine.submit(prompt_ids, make_params(1000 * i + n)):
+                count += len(out.token_ids)
+                if window[0] <= time.perf_counter() < window[1]:
+                    tokens_in_window[i] += len(out.token_ids)
+            answers.append(count)
+            n += 1
+
+    threads = [threading.Thread(target=slot, args=(i,)) for i in range(concurrency)]
+    for t in threads:
+        t.start()
+    time.sleep(max(0.0, window[0] - time.perf_counter()))
+    engine.observers.append(timer)
+    time.sleep(max(0.0, window[1] - time.perf_counter()))
+    engine.observers.remove(timer)
+    for t in threads:
+        t.join()
+    return ClosedLoopResult(concurrency, sum(tokens_in_window) / seconds,
+                            1000 * statistics.median(s for s, _ in timer.steps),
+                            statistics.mean(answers) if answers else float("nan"))
+
+
+def measure_structured(engine: Engine, model: Model, levels: list[int], rounds: int = 8) -> dict:
+    """Each level in a closed loop constrained by STRUCTURED_SCHEMA and unconstrained (answers as long
+    as the constrained ones were on average), alternated `rounds` times; the ratio is the median of
+    the rounds' ratios (each pair ran within seconds of each other: a shared machine's drift cancels),
+    with the medians of each side; and the schema's compile time."""
     prompt_ids = model.tokenizer.encode(STRUCTURED_PROMPT)
     constraint = Constraint("json", json.dumps(STRUCTURED_SCHEMA))
     engine.generate(prompt_ids, SamplingParams(max_tokens=4, constraint=Constraint("json_object")))  # load llguidance
@@ -168,12 +215,23 @@ def measure_structured(engine: Engine, model: Model, levels: list[int]) -> dict:
     compile_ms = 1000 * (time.perf_counter() - started)
     results = []
     for level in levels:
-        constrained = run_level(engine, prompt_ids, level, 256, constraint)
-        mean_tokens = max(1, round(constrained.output_tokens / level))
-        free = run_level(engine, prompt_ids, level, mean_tokens)
-        results.append({"concurrency": level, "constrained": asdict(constrained), "unconstrained": asdict(free),
-                        "ratio": constrained.tokens_per_second / free.tokens_per_second,
-                        "step_ms_ratio": constrained.step_ms_median / free.step_ms_median})
+        seconds = 1.5 if level == 1 else 4.0  # several answers per slot at this level's speed
+        sides: dict[str, list[ClosedLoopResult]] = {"constrained": [], "unconstrained": []}
+        for _ in range(rounds):
+            sides["constrained"].append(run_closed_loop(engine, prompt_ids, level, seconds, lambda seed: SamplingParams(
+                max_tokens=256, temperature=0.8, seed=seed, constraint=constraint)))
+            length = max(1, round(statistics.mean(r.mean_answer_tokens for r in sides["constrained"])))
+            sides["unconstrained"].append(run_closed_loop(engine, prompt_ids, level, seconds, lambda seed, length=length: SamplingParams(
+                max_tokens=length, temperature=0.8, seed=seed, ignore_eos=True)))
+        ratios = [c.tokens_per_second / u.tokens_per_second for c, u in zip(*sides.values(), strict=True)]
+        step_ratios = [c.step_ms_median / u.step_ms_median for c, u in zip(*sides.values(), strict=True)]
+        medians = {side: {"tokens_per_second": statistics.median(r.tokens_per_second for r in runs),
+                          "step_ms_median": statistics.median(r.step_ms_median for r in runs)}
+                   for side, runs in sides.items()}
+        results.append({"concurrency": level, "rounds": rounds, "window_seconds": seconds, **medians,
+                        "per_round": {side: [asdict(r) for r in runs] for side, runs in sides.items()},
+                        "round_ratios": ratios, "ratio": statistics.median(ratios),
+                        "step_ms_ratio": statistics.median(step_ratios)})
     return {"schema_fields": len(STRUCTURED_SCHEMA["properties"]), "compile_ms": compile_ms, "levels": results}
 
 

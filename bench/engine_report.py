@@ -53,9 +53,11 @@ def print_table(r: dict) -> None:
         print(format_transformers(r))
     if r.get("structured"):
         st = r["structured"]
-        print(f"structured output (a {st['schema_fields']}-field JSON schema, compiled in {st['compile_ms']:.0f} ms): "
+        print(f"structured output (a {st['schema_fields']}-field JSON schema, compiled in {st['compile_ms']:.0f} ms; "
+              "closed loops; ratio: median of paired rounds): "
               + "; ".join(f"{lv['concurrency']} streams {lv['constrained']['tokens_per_second']:.1f} vs "
-                          f"{lv['unconstrained']['tokens_per_second']:.1f} tokens/s unconstrained → {lv['ratio']:.2f}×, "
+                          f"{lv['unconstrained']['tokens_per_second']:.1f} tokens/s unconstrained → {lv['ratio']:.2f}× "
+                          f"(rounds {min(lv['round_ratios']):.2f}-{max(lv['round_ratios']):.2f}), "
                           f"step {lv['constrained']['step_ms_median']:.2f} vs {lv['unconstrained']['step_ms_median']:.2f} ms"
                           for lv in st["levels"]))
     if r.get("rounds") and "skipped" not in r["rounds"]:

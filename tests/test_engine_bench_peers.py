@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from bench.engine import run_closed_loop
 from bench.engine_peers import TRANSFORMERS_BATCH, peer_result, run_transformers
 from bench.engine_report import format_transformers
 from bench.engine_rooflines import measure_int8_gmacs
 from decoding import load_model
+from decoding.engine.engine import Engine, EngineConfig
+from decoding.engine.params import SamplingParams
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -111,3 +115,20 @@ def test_int8_compute_ceiling_is_measured_on_the_pool_and_skipped_for_float_weig
     one, two = measure_int8_gmacs(default_model, 1), measure_int8_gmacs(default_model, 2)
     assert one > 1 and two > 1  # GMAC/s of real VNNI (or plain-vector) dot products
     assert measure_int8_gmacs(load_model(tiny_gguf), 1) is None  # float32 weights: nothing to repack
+
+
+def test_closed_loop_keeps_every_slot_busy_and_counts_whole_answers(default_model) -> None:
+    engine = Engine(default_model, EngineConfig(max_num_seqs=4, n_threads=1, kv_cache_mb=64)).start()
+    submitted: list[int] = []
+    try:
+        def params(seed: int) -> SamplingParams:
+            submitted.append(seed)
+            return SamplingParams(max_tokens=6, temperature=0.8, seed=seed, ignore_eos=True)
+
+        result = run_closed_loop(engine, default_model.tokenizer.encode("Hello"), 3, 0.5, params)
+    finally:
+        engine.shutdown()
+    assert result.concurrency == 3 and result.tokens_per_second > 0
+    assert result.mean_answer_tokens == 6  # every answer ran to its max_tokens, none was cut by the window
+    per_slot = Counter(seed // 1000 for seed in submitted)
+    assert sorted(per_slot) == [0, 1, 2] and min(per_slot.values()) > 1  # each finished answer was replaced

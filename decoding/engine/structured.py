@@ -212,9 +212,13 @@ def _apply_bitmask(logits, rows, bitmask, allowed_counts):  # type: ignore[no-un
         for w in range(bitmask.shape[1]):
             bits = bitmask[i, w]
             first = 32 * w
-            if bits == -1 and first + 32 <= vocab:  # every token of the word allowed
-                count += 32
-                continue
+            if first + 32 <= vocab:
+                if bits == -1:  # every token of the word allowed
+                    count += 32
+                    continue
+                if bits == 0:  # none: most words of a constrained row
+                    row[first : first + 32] = -np.inf
+                    continue
             for b in range(min(32, vocab - first)):
                 if (bits >> b) & 1:
                     count += 1
