@@ -152,24 +152,21 @@ class ChatFormatter:
         return chunks
 
     def _tool_chunks(self, output: RequestOutput) -> list[Chunk]:
-        """Content as it comes, each tool call once complete: a delta with its index (0, 1, ... within
-        the choice), id, type, name and its whole arguments; a choice that called tools ends with
-        finish_reason tool_calls. Logprobs are not reported with tools (refused at the edge)."""
+        """Content as it comes, each tool call as OpenAI streams one: a delta with its index (0, 1, ...
+        within the choice), id, type and name, then its arguments in fragments; a choice that called
+        tools ends with finish_reason tool_calls. Logprobs are not reported with tools (refused at
+        the edge)."""
         stream = self.tool_streams[output.index]
         events = stream.feed(output.text)
         if output.finish_reason is not None:
             events += stream.finish()
         chunks = []
         for event in events:
-            if isinstance(event, str):
-                delta: dict[str, Any] = {"content": event}
-            else:
-                delta = {"tool_calls": [{"index": stream.num_calls_sent, **event.as_openai()}]}
-                stream.num_calls_sent += 1
+            delta: dict[str, Any] = {"content": event} if isinstance(event, str) else {"tool_calls": [event]}
             chunks.append(self._chunk([{"index": output.index, "delta": delta, "logprobs": None,
                                         "finish_reason": None}]))  # fmt: skip
         if output.finish_reason is not None:
-            reason = "tool_calls" if stream.num_calls_sent and output.finish_reason == "stop" else output.finish_reason
+            reason = "tool_calls" if stream.num_calls and output.finish_reason == "stop" else output.finish_reason
             chunks.append(self._chunk([{"index": output.index, "delta": {}, "logprobs": None,
                                         "finish_reason": reason, "stop_reason": output.stop_reason}]))  # fmt: skip
         self.usage = output.usage or self.usage

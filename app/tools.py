@@ -8,13 +8,15 @@ One class per syntax. `HermesToolCalls` is the one Qwen2.5 (and Hermes, and many
 
 `constraint` turns `tool_choice: "required"` or a named function into a grammar over that syntax whose
 arguments match each function's `parameters` schema; `call_trigger` gives `auto` the grammar of a call
-the model begins; `ToolCallStream` splits a choice's streamed text into content and complete tool
-calls as they arrive, holding back only what could still be the start of a call.
+the model begins; `ToolCallStream` splits a choice's streamed text into content and OpenAI's tool-call
+deltas (a call's name, then its arguments as they are written), holding back only what could still
+be the start of a call.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -105,20 +107,36 @@ def syntax_for(chat_template: str | None) -> HermesToolCalls | None:
     return None
 
 
+_CALL_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\{)')
+
+
 class ToolCallStream:
-    """One choice's text, fed as it streams: content and complete tool calls, in order."""
+    """One choice's text, fed as it streams, as OpenAI's deltas: content (str) and tool-call deltas
+    (dict): for each call, first `{"index", "id", "type", "function": {"name", "arguments": ""}}`
+    as soon as its name is known, then `{"index", "function": {"arguments": fragment}}` as its
+    arguments arrive. Only what could still be the start of a call is held back.
+
+    Arguments stream as the model writes them when the call's body begins `{"name": ..., "arguments": {`
+    (what Hermes templates show, and the only form the tool grammars allow); a call in another form
+    (keys the other way round, arguments as a string) is sent whole once its end tag arrives, and a
+    tagged block that is not a call is content."""
 
     def __init__(self, syntax: HermesToolCalls) -> None:
         self.syntax = syntax
         self.pending = ""  # text that may be (the start of) a call
-        self.num_calls_sent = 0  # calls a stream has sent (their delta index)
+        self.num_calls = 0  # calls begun (the next call's delta index)
         self.after_call = False  # the newlines that separate calls are not content
+        self._arguments: _JsonValueScanner | None = None  # the streamed call's arguments, once its name is sent
 
-    def feed(self, text: str) -> list[str | ToolCall]:
+    def feed(self, text: str) -> list[str | dict[str, Any]]:
         self.pending += text
-        events: list[str | ToolCall] = []
+        events: list[str | dict[str, Any]] = []
         start, end = self.syntax.start, self.syntax.end
         while self.pending:
+            if self._arguments is not None:
+                if not self._stream_arguments(events):
+                    break
+                continue
             if self.after_call:
                 self.pending = self.pending.lstrip("\n")
                 if not self.pending:
@@ -134,20 +152,90 @@ class ToolCallStream:
             if at > 0:
                 events.append(self.pending[:at])
                 self.pending = self.pending[at:]
+            header = _CALL_HEADER.match(self.pending, len(start))
             close = self.pending.find(end)
+            if header is not None and (close < 0 or header.end() < close):
+                events.append({"index": self.num_calls, "id": new_call_id(), "type": "function",
+                               "function": {"name": json.loads(f'"{header.group(1)}"'), "arguments": ""}})  # fmt: skip
+                self._arguments = _JsonValueScanner()
+                self.pending = self.pending[header.end() :]
+                continue
             if close < 0:
-                break  # inside a call: wait for its end
-            body = self.pending[len(start) : close].strip()
-            call = self.syntax.parse_call(body)
-            events.append(call if call is not None else self.pending[: close + len(end)])
+                break  # inside a call whose name is not known yet: wait
+            call = self.syntax.parse_call(self.pending[len(start) : close].strip())
+            if call is None:
+                events.append(self.pending[: close + len(end)])
+            else:
+                events.append({"index": self.num_calls, **call.as_openai()})
+                self.num_calls += 1
             self.after_call = call is not None
             self.pending = self.pending[close + len(end) :]
         return [e for e in events if not (isinstance(e, str) and e == "")]
 
-    def finish(self) -> list[str | ToolCall]:
-        """What is left when the choice ends: an unfinished call is returned as text."""
+    def _stream_arguments(self, events: list[str | dict[str, Any]]) -> bool:
+        """Send the arguments read so far; once they are complete, drop the rest of the call up to its
+        end tag. Returns whether the call is over (the caller goes on with what follows it)."""
+        scanner = self._arguments
+        assert scanner is not None
+        if not scanner.is_complete:
+            taken = scanner.feed(self.pending)
+            if taken:
+                events.append({"index": self.num_calls, "function": {"arguments": self.pending[:taken]}})
+                self.pending = self.pending[taken:]
+            if not scanner.is_complete:
+                return False
+        close = self.pending.find(self.syntax.end)
+        if close < 0:
+            return False
+        self.pending = self.pending[close + len(self.syntax.end) :]
+        self._arguments = None
+        self.num_calls += 1
+        self.after_call = True
+        return True
+
+    def finish(self) -> list[str | dict[str, Any]]:
+        """What is left when the choice ends: an unfinished call whose name was sent stays a call (its
+        arguments cut where the answer was, as OpenAI's are at `max_tokens`); any other unfinished
+        call is returned as text."""
         rest, self.pending = self.pending, ""
+        if self._arguments is not None:
+            self._arguments = None
+            self.num_calls += 1
+            return []
         return [rest] if rest else []
+
+
+class _JsonValueScanner:
+    """Where a JSON object or array that is being streamed ends (strings and escapes respected)."""
+
+    __slots__ = ("depth", "escaped", "in_string", "is_complete")
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+        self.is_complete = False
+
+    def feed(self, text: str) -> int:
+        """How many characters of `text` belong to the value (all, unless it ends inside `text`)."""
+        for i, char in enumerate(text):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif char == "\\":
+                    self.escaped = True
+                elif char == '"':
+                    self.in_string = False
+            elif char == '"':
+                self.in_string = True
+            elif char in "{[":
+                self.depth += 1
+            elif char in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.is_complete = True
+                    return i + 1
+        return len(text)
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -159,8 +247,17 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 
 def split_calls(syntax: HermesToolCalls, text: str) -> tuple[str, list[ToolCall]]:
-    """A whole answer: its content (the text outside calls) and its calls."""
+    """A whole answer: its content (the text outside calls) and its calls — what its stream's deltas
+    add up to, so that streamed and whole answers agree."""
     stream = ToolCallStream(syntax)
-    events = stream.feed(text) + stream.finish()
-    content = "".join(e for e in events if isinstance(e, str))
-    return content, [e for e in events if isinstance(e, ToolCall)]
+    content: list[str] = []
+    calls: dict[int, dict[str, str]] = {}
+    for event in stream.feed(text) + stream.finish():
+        if isinstance(event, str):
+            content.append(event)
+            continue
+        call = calls.setdefault(event["index"], {"id": "", "name": "", "arguments": ""})
+        call["id"] = event.get("id", call["id"])
+        call["name"] = event["function"].get("name", call["name"])
+        call["arguments"] += event["function"]["arguments"]
+    return "".join(content), [ToolCall(c["name"], c["arguments"], c["id"]) for c in calls.values()]

@@ -96,10 +96,14 @@ def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def check_calls(calls, allowed: set[str]) -> None:
+def check_calls(calls, allowed: set[str], finish_reason: str = "tool_calls") -> None:
+    """Every call names an allowed function with valid arguments; an answer cut by max_tokens may end in
+    a call whose arguments stop where the answer did (as OpenAI's do)."""
     assert calls
-    for call in calls:
+    for i, call in enumerate(calls):
         assert call.id.startswith("call_") and call.type == "function" and call.function.name in allowed
+        if finish_reason == "length" and i == len(calls) - 1:
+            continue
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
@@ -115,15 +119,14 @@ def test_tool_choice_required_answers_with_valid_calls(client, seed):
 
 
 def test_parallel_calls_are_each_valid(client):
-    """A random model may go on calling until max_tokens: every complete call is still valid, and an
-    unfinished last one stays text (finish_reason length)."""
+    """A random model may go on calling until max_tokens: every complete call is still valid (an
+    unfinished last one keeps the arguments written, finish_reason length)."""
     for seed in range(3):
         completion = client.chat.completions.create(model="qwen2-hermes", messages=ASK, tools=TOOLS, seed=seed,
                                                     tool_choice="required", temperature=1.0, max_tokens=300)  # fmt: skip
         choice = completion.choices[0]
         assert choice.finish_reason in ("tool_calls", "length")
-        check_calls(choice.message.tool_calls, {"get_weather", "get_time", "roll_die"})
-        assert (choice.finish_reason == "length") == bool(choice.message.content)
+        check_calls(choice.message.tool_calls, {"get_weather", "get_time", "roll_die"}, choice.finish_reason)
 
 
 def test_a_named_function_is_the_one_called_once_without_parallel_calls(client):
@@ -141,21 +144,28 @@ def test_streamed_calls_arrive_in_openais_delta_shape(client):
         stream = client.chat.completions.create(model="qwen2-hermes", messages=ASK, tools=TOOLS, tool_choice="required",
                                                 temperature=1.0, seed=seed, max_tokens=300, stream=True)  # fmt: skip
         calls: dict[int, dict] = {}
+        firsts: dict[int, object] = {}
+        fragments: dict[int, int] = {}
         finish = None
         for chunk in stream:
             if not chunk.choices:
                 continue
             delta, finish = chunk.choices[0].delta, chunk.choices[0].finish_reason or finish
             for part in delta.tool_calls or []:
-                entry = calls.setdefault(part.index, {"id": None, "name": None, "arguments": ""})
-                entry["id"] = entry["id"] or part.id
-                entry["name"] = entry["name"] or (part.function.name if part.function else None)
-                entry["arguments"] += (part.function.arguments or "") if part.function else ""
+                first = part.index not in firsts
+                firsts.setdefault(part.index, part)
+                assert (part.id is not None) == first and (part.function.name is not None) == first
+                fragments[part.index] = fragments.get(part.index, 0) + 1
+                entry = calls.setdefault(part.index, {"id": part.id, "name": part.function.name, "arguments": ""})
+                entry["arguments"] += part.function.arguments
         assert finish in ("tool_calls", "length") and calls
         assert sorted(calls) == list(range(len(calls)))  # indexes 0, 1, ... for parallel calls
-        for entry in calls.values():
+        assert all(firsts[i].type == "function" and firsts[i].function.arguments == "" for i in firsts)
+        assert max(fragments.values()) > 2  # arguments stream as they are written, not in one piece
+        for index, entry in calls.items():
             assert entry["id"].startswith("call_")
-            jsonschema.validate(json.loads(entry["arguments"]), SCHEMAS[entry["name"]])
+            if not (finish == "length" and index == len(calls) - 1):  # else cut where the answer was
+                jsonschema.validate(json.loads(entry["arguments"]), SCHEMAS[entry["name"]])
 
 
 def test_a_conversation_with_calls_and_their_results_goes_back_to_the_template(client):
@@ -202,12 +212,12 @@ def test_a_model_whose_template_has_no_tool_syntax_refuses_tools():
 
 
 def test_the_parser_splits_streamed_text_into_content_and_calls_at_any_boundary():
-    text = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-            '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call> Done <tool_ca')  # fmt: skip
+    text = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris {\\"}"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET", "at": [1, {"h": 2}]}}\n</tool_call> Done <tool_ca')  # fmt: skip
     whole_content, whole_calls = split_calls(HermesToolCalls(), text)
     assert whole_content == "Let me check.  Done <tool_ca"
     assert [(c.name, json.loads(c.arguments)) for c in whole_calls] == [
-        ("get_weather", {"city": "Paris"}), ("get_time", {"zone": "CET"})]
+        ("get_weather", {"city": 'Paris {"}'}), ("get_time", {"zone": "CET", "at": [1, {"h": 2}]})]
     for size in (1, 2, 3, 7, 11):
         stream = ToolCallStream(HermesToolCalls())
         events = []
@@ -215,8 +225,30 @@ def test_the_parser_splits_streamed_text_into_content_and_calls_at_any_boundary(
             events += stream.feed(text[i : i + size])
         events += stream.finish()
         content = "".join(e for e in events if isinstance(e, str))
-        calls = [e for e in events if isinstance(e, ToolCall)]
-        assert content == whole_content and [c.name for c in calls] == ["get_weather", "get_time"]
+        assert content == whole_content
+        deltas = [e for e in events if isinstance(e, dict)]
+        for index, call in enumerate(whole_calls):
+            mine = [d for d in deltas if d["index"] == index]
+            assert mine[0]["function"] == {"name": call.name, "arguments": ""} and mine[0]["type"] == "function"
+            assert all("id" not in d and "name" not in d["function"] for d in mine[1:])
+            assert "".join(d["function"]["arguments"] for d in mine) == call.arguments
+            if size < 7:
+                assert len(mine) > 3  # the arguments came in fragments, as they were written
+
+
+def test_a_call_cut_by_max_tokens_keeps_its_name_and_the_arguments_written():
+    content, calls = split_calls(HermesToolCalls(), 'Sure <tool_call>\n{"name": "get_weather", "arguments": {"ci')
+    assert content == "Sure " and [(c.name, c.arguments) for c in calls] == [("get_weather", '{"ci')]
+    content, calls = split_calls(HermesToolCalls(), 'Sure <tool_call>\n{"name": "get_wea')
+    assert content == 'Sure <tool_call>\n{"name": "get_wea' and calls == []  # no name yet: not a call
+
+
+def test_a_call_in_another_key_order_is_sent_whole():
+    text = '<tool_call>\n{"arguments": {"city": "Oslo"}, "name": "get_weather"}\n</tool_call>'
+    stream = ToolCallStream(HermesToolCalls())
+    events = [e for i in range(len(text)) for e in stream.feed(text[i])] + stream.finish()
+    assert len(events) == 1 and events[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    assert events[0]["index"] == 0 and events[0]["id"].startswith("call_")
 
 
 def test_a_broken_call_is_returned_as_text_not_lost():
@@ -237,4 +269,4 @@ def test_under_auto_a_call_the_model_begins_gets_valid_arguments(tmp_path):
             choice = client.chat.completions.create(
                 model="qwen2-hermes-tags", messages=ASK, tools=TOOLS, tool_choice="auto", seed=seed, temperature=1.0,
                 max_tokens=150, logit_bias={str(opening["tokens"][0]): 100}).choices[0]  # fmt: skip
-            check_calls(choice.message.tool_calls, {"get_weather", "get_time", "roll_die"})
+            check_calls(choice.message.tool_calls, {"get_weather", "get_time", "roll_die"}, choice.finish_reason)
