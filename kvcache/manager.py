@@ -8,6 +8,8 @@ The life of a sequence (one engine step per line; `kv` is a `KVCacheManager`):
     ...                                                  # more chunks until the prompt is done
     if kv.can_append(seq_id):                            # else preempt someone (kv.free) and retry
         copies = kv.append_slots(seq_id, [last_sampled_token_id])                     # decode
+    copies = kv.append_slots(seq_id, [last_token, *draft_tokens])                     # speculative decode
+    kv.rollback(seq_id, num_rejected)                    # after its step: the drafts verification refused
     kv.free(seq_id)                                      # finished, aborted or preempted
     kv.free(seq_id, latest_step_ran=False)               # its step failed: publish none of its KV
 
@@ -170,6 +172,26 @@ class KVCacheManager:
         seq.num_tokens += num_new_tokens
         seq.num_latest_tokens = num_new_tokens
         return copies
+
+    def rollback(self, seq_id: int, num_tokens: int) -> None:
+        """Drop the sequence's last `num_tokens` positions, all given by its latest `append_slots`
+        (speculative tokens its step computed and verification rejected), after that step ran. The
+        next tokens take their slots; blocks only they filled go back to the pool, and none of them
+        enters the prefix index."""
+        seq = self._seqs[seq_id]
+        if not 0 <= num_tokens <= seq.num_latest_tokens:
+            raise KVCacheError(f"can roll back 0..{seq.num_latest_tokens} of sequence {seq_id}'s latest "
+                               f"positions, not {num_tokens}")
+        if num_tokens == 0:
+            return
+        seq.num_tokens -= num_tokens
+        seq.num_latest_tokens -= num_tokens
+        if self.enable_prefix_caching:
+            del seq.unpublished_token_ids[len(seq.unpublished_token_ids) - num_tokens :]
+        num_blocks = self._num_blocks_for(seq.num_tokens)
+        for logical_block in range(seq.num_blocks - 1, num_blocks - 1, -1):
+            self.pool.release(int(seq.block_table[logical_block]))
+        seq.num_blocks = num_blocks
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """Make `child_id` share every block of `parent_id` (e.g. for n > 1 samples of one prompt)."""

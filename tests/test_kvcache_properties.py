@@ -1,4 +1,5 @@
-"""Block-manager invariants under random allocate / append / fork / free / prefix-reuse sequences.
+"""Block-manager invariants under random allocate / append / speculate-and-roll-back / fork / free /
+prefix-reuse sequences.
 
 A shadow KV cache records, for every slot, which (position, token) was last written there. A
 sequence "reads" its context through its block table; if a block were handed to two writers, freed
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvcache.batch import build_batch_arrays
-from kvcache.errors import CacheTooSmall, SequenceTooLong
+from kvcache.errors import CacheTooSmall, KVCacheError, SequenceTooLong
 from kvcache.manager import KVCacheManager
 
 NUM_BLOCKS = 12
@@ -89,6 +90,33 @@ class BlockManagerMachine(RuleBasedStateMachine):
         del pending[: len(new_tokens) if pending else 0]
         assert arrays.context_lens.tolist() == [len(self.token_ids[seq_id])]
 
+    @precondition(lambda self: any(not pending for pending in self.pending_prompt.values()))
+    @rule(data=st.data(), sampled_token=st.integers(0, 3), drafts=st.lists(st.integers(0, 3), min_size=1, max_size=8))
+    def speculative_decode(self, data: st.DataObject, sampled_token: int, drafts: list[int]) -> None:
+        """A decode with draft tokens, then a rollback of the drafts verification rejected: their KV was
+        written, but the sequence goes on as if they had never been, and no prefix hit serves them."""
+        seq_id = data.draw(st.sampled_from(sorted(s for s, pending in self.pending_prompt.items() if not pending)))
+        new_tokens = [sampled_token, *drafts]
+        num_tokens = len(self.token_ids[seq_id]) + len(new_tokens)
+        if num_tokens > MAX_MODEL_LEN or -(-num_tokens // BLOCK_SIZE) > NUM_BLOCKS:
+            return
+        if not self.kv.can_append(seq_id, len(new_tokens)):
+            return
+        for src, dst in self.kv.append_slots(seq_id, new_tokens):
+            self.copy_block(src, dst)
+        arrays = build_batch_arrays(self.kv, [seq_id], [len(new_tokens)])
+        self.slot_tokens[arrays.slot_mapping] = new_tokens
+        self.slot_positions[arrays.slot_mapping] = arrays.positions
+        num_accepted = data.draw(st.integers(0, len(drafts)))
+        num_blocks_before = self.kv.num_used_blocks
+        self.kv.rollback(seq_id, len(drafts) - num_accepted)
+        self.token_ids[seq_id] += new_tokens[: 1 + num_accepted]
+        num_blocks_needed = -(-len(self.token_ids[seq_id]) // BLOCK_SIZE)
+        assert len(self.kv.block_table(seq_id)) == num_blocks_needed  # blocks only rejected drafts used are back
+        assert self.kv.num_used_blocks <= num_blocks_before
+        with pytest.raises(KVCacheError):
+            self.kv.rollback(seq_id, 2 + len(drafts))  # never into positions an earlier step computed
+
     @precondition(lambda self: self.token_ids)
     @rule(data=st.data())
     def fork(self, data: st.DataObject) -> None:
@@ -102,8 +130,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def free(self, data: st.DataObject) -> None:
         seq_id = data.draw(st.sampled_from(sorted(self.token_ids)))
+        token_ids = self.token_ids[seq_id]
         self.kv.free(seq_id)
         del self.token_ids[seq_id], self.pending_prompt[seq_id]
+        # Whatever of its tokens the prefix index now serves holds those tokens.
+        hits, _ = self.kv.pool.match_prefix(token_ids, len(token_ids) // BLOCK_SIZE)
+        slots = (np.asarray(hits, dtype=np.int64)[:, None] * BLOCK_SIZE + np.arange(BLOCK_SIZE)).ravel()
+        assert self.slot_tokens[slots].tolist() == token_ids[: len(slots)]
 
     def copy_block(self, src: int, dst: int) -> None:
         src_slots = slice(src * BLOCK_SIZE, (src + 1) * BLOCK_SIZE)
@@ -142,6 +175,21 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert self.kv.num_used_blocks == 0
         assert all(self.kv.pool.ref_count(b) == 0 for b in range(NUM_BLOCKS))
         assert self.kv.num_free_blocks + self.kv.num_cached_blocks == NUM_BLOCKS
+
+
+def test_rejected_drafts_never_enter_the_prefix_index():
+    kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, MAX_MODEL_LEN)
+    kv.allocate(1, [10, 11, 12])
+    kv.append_slots(1, [10, 11, 12])
+    kv.append_slots(1, [13, 20, 21, 22, 23, 24])  # the sampled token and five drafts
+    assert len(kv.block_table(1)) == 3
+    kv.rollback(1, 4)  # one draft accepted
+    assert len(kv.block_table(1)) == 2 and kv.num_tokens(1) == 5
+    for token in (30, 31, 32):  # the next decodes take the rejected drafts' slots
+        kv.append_slots(1, [token])
+    kv.free(1)
+    assert len(kv.pool.match_prefix([10, 11, 12, 13, 20, 30, 31, 32], 2)[0]) == 2
+    assert len(kv.pool.match_prefix([10, 11, 12, 13, 20, 21, 22, 23], 2)[0]) == 1
 
 
 BlockManagerMachine.TestCase.settings = settings(
