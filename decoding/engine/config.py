@@ -26,6 +26,13 @@ class EngineConfig:
     # (its KV stays); one that stays so for slow_reader_timeout_seconds is aborted. None: no limit.
     max_unread_bytes: int | None = 1 << 20
     slow_reader_timeout_seconds: float = 30.0
+    # Speculative decoding from the context (n-gram drafts, decoding/engine/speculative.py): "auto" drafts
+    # while the cost model says a draft pays, "ngram" always drafts, "off" never.
+    speculative: str = "auto"
+    speculative_max_tokens: int = 8  # the longest draft
+
+
+SPECULATIVE_MODES = ("off", "auto", "ngram")
 
 
 KV_CACHE_DTYPES = ("auto", "float16", "float32")

@@ -23,7 +23,7 @@ from threadpool import BrokenPool, SpinPool
 
 from ..kernels.forward import KernelWeights
 from ..model.model import Model
-from .config import KV_CACHE_DTYPES, EngineConfig, resolve_kv_cache_dtype
+from .config import KV_CACHE_DTYPES, SPECULATIVE_MODES, EngineConfig, resolve_kv_cache_dtype
 from .detokenizer import IncrementalDetokenizer
 from .errors import EngineFailed, EngineShuttingDown, QueueFull, RequestTooLarge
 from .observers import EngineObserver, EngineStats
@@ -31,7 +31,7 @@ from .output_processor import finish_output, process_token, record_prompt_logpro
 from .outputs import RequestOutput, RequestStream
 from .params import InvalidParams, SamplingParams
 from .runner import ModelRunner
-from .sampling import Sampler, SampleRequest
+from .sampling import Sampler, SampleRequest, TokenLogprobs
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Request, Sequence, SequenceStatus, seed_generator
 from .step_batch import build_step_batch
@@ -62,7 +62,10 @@ class Engine:
         weights = KernelWeights.build(mc, model.weights, fast=cfg.kernels == "fast")
         self.storage = KVCacheStorage.allocate(spec, num_blocks)
         self.kv = KVCacheManager(num_blocks, cfg.block_size, self.max_model_len, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_itl_stretch)
+        if cfg.speculative not in SPECULATIVE_MODES:
+            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {cfg.speculative!r}")
+        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_itl_stretch,
+                                   cfg.speculative, cfg.speculative_max_tokens)
         self.pool = SpinPool(cfg.n_threads, pin=cfg.pin_threads)
         max_logit_rows = max(cfg.max_num_batched_tokens, cfg.max_num_seqs)
         self.runner = ModelRunner(model, self.storage, self.pool, cfg.max_num_batched_tokens, max_logit_rows,
@@ -253,32 +256,50 @@ class Engine:
         kernel_seconds = time.perf_counter() - kernel_started
         rows: list[int] = []
         seqs: list[Sequence] = []
+        requests: list[SampleRequest] = []
+        drafts_at: dict[int, list[int]] = {}  # index in `seqs` of a verified decode's first row -> its drafts
         for chunk, first_row in zip(scheduled.chunks, logit_row_of_chunk):
             seq = chunk.seq
-            seq.num_computed_tokens += chunk.num_tokens
+            seq.num_computed_tokens += chunk.num_tokens - chunk.num_draft_tokens  # accepted drafts: below
             self._count_prompt_tokens(seq)
             if seq.params.prompt_logprobs is not None and first_row >= 0 and not seq.output_ids:
                 record_prompt_logprobs(seq, chunk.token_ids, logits[first_row : first_row + chunk.num_tokens])
-            if chunk.samples:
+            if chunk.num_draft_tokens:
+                drafts = chunk.token_ids[1:]
+                drafts_at[len(seqs)] = drafts
+                for j in range(len(drafts) + 1):  # row j follows drafts[:j]: sampled as if they were output
+                    rows.append(first_row + j)
+                    seqs.append(seq)
+                    requests.append(SampleRequest(seq.params, seq.rng, seq.prompt_ids, seq.output_ids + drafts[:j]))
+            elif chunk.samples:
                 last_row = first_row + (chunk.num_tokens - 1 if seq.params.prompt_logprobs is not None
                                         and not seq.output_ids else 0)
                 for s in self._fork_choices(seq):
                     rows.append(last_row)
                     seqs.append(s)
+                    requests.append(SampleRequest(s.params, s.rng, s.prompt_ids, s.output_ids))
         if seqs:
-            requests = [SampleRequest(s.params, s.rng, s.prompt_ids, s.output_ids) for s in seqs]
             rows_logits = logits[rows]  # a copy: the masks below change only it
             constrained = [(i, self._matcher(s), s.json_guard) for i, s in enumerate(seqs)
                            if s.params.constraint is not None or s.matcher is not None]  # fmt: skip
             dead = set(apply_masks(rows_logits, constrained, self.guide))
             rows_logits[list(dead)] = 0.0  # sampled, then dropped: the sampler needs finite rows
+            rng_states = {i: seqs[i].rng.bit_generator.state for i in drafts_at if not seqs[i].params.is_greedy}
             tokens, logprobs = self.sampler.sample(rows_logits, requests)
-            for i, (seq, token, lp) in enumerate(zip(seqs, tokens.tolist(), logprobs)):
+            token_list = tokens.tolist()
+            i = 0
+            while i < len(seqs):
+                seq = seqs[i]
+                if i in drafts_at:
+                    i = self._verify(seq, i, drafts_at[i], token_list, logprobs, rng_states.get(i))
+                    continue
+                token, lp = token_list[i], logprobs[i]
+                i += 1
                 if seq.finish_reason is not None:  # a choice of a request failed below
                     continue
                 complete = False
                 if seq.matcher is not None:
-                    if i in dead or not seq.matcher.consume_token(token):
+                    if i - 1 in dead or not seq.matcher.consume_token(token):
                         self._fail_request(seq.request, "error", "structured output: the grammar allows no "
                                            f"further token ({seq.matcher.get_error() or 'dead end'})")
                         continue
@@ -290,8 +311,40 @@ class Engine:
                 elif seq.params.call_trigger is not None and token == seq.params.call_trigger[0]:
                     seq.matcher = self.guide.matcher(seq.params.call_trigger[1])  # the call's arguments
                     seq.json_guard = JsonRunGuard()
-                self._publish(seq, process_token(seq, token, lp, self.eos_token_ids, self.max_model_len, complete))
+                self._emit(seq, token, lp, complete)
         return kernel_seconds
+
+    def _verify(self, seq: Sequence, first: int, drafts: list[int], tokens: list[int],
+                logprobs: list[TokenLogprobs | None], rng_state: dict | None) -> int:  # fmt: skip
+        """A decode with drafts: row j was sampled after drafts[:j], as plain decoding would sample it
+        had it produced them. The drafts agree with those samples up to the first that does not; the
+        tokens produced are the samples up to and including that one. Their KV stays; the rejected
+        drafts' is rolled back. A seeded row's generator is left as plain decoding would leave it: one
+        draw per token produced. Returns the index after the group's rows."""
+        end = first + len(drafts) + 1
+        num_accepted = 0
+        while num_accepted < len(drafts) and tokens[first + num_accepted] == drafts[num_accepted]:
+            num_accepted += 1
+        if rng_state is not None:
+            seq.rng.bit_generator.state = rng_state
+            seq.rng.random(num_accepted + 1)
+        self.kv.rollback(seq.seq_id, len(drafts) - num_accepted)
+        seq.num_computed_tokens += num_accepted
+        seq.drafter.record(len(drafts), num_accepted)
+        self.stats.num_draft_tokens += len(drafts)
+        self.stats.num_accepted_draft_tokens += num_accepted
+        for j in range(num_accepted + 1):
+            if seq.finish_reason is not None:  # ended by a stop condition: what follows is not output
+                break
+            self._emit(seq, tokens[first + j], logprobs[first + j], False)
+        return end
+
+    def _emit(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None, grammar_complete: bool) -> None:
+        """A token produced for the sequence: appended, checked for stops, published."""
+        output = process_token(seq, token, logprobs, self.eos_token_ids, self.max_model_len, grammar_complete)
+        if seq.drafter is not None:
+            seq.drafter.append(token)
+        self._publish(seq, output)
 
     def _matcher(self, seq: Sequence) -> Any:
         """The sequence's grammar state, made at its first sampled token (each choice its own)."""

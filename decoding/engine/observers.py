@@ -26,3 +26,5 @@ class EngineStats:
     step_seconds: float = 0.0
     kernel_seconds: float = 0.0
     num_slow_reader_aborts: int = 0
+    num_draft_tokens: int = 0  # speculative tokens verified in model steps
+    num_accepted_draft_tokens: int = 0

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from kvcache.manager import BlockCopy, KVCacheManager
 
 from .sequence import Sequence, SequenceStatus
+from .speculative import MAX_NGRAM, NgramDrafter, StepTimeModel
 
 
 @dataclass(slots=True)
@@ -59,6 +60,7 @@ class ScheduledChunk:
     seq: Sequence
     token_ids: list[int]  # the tokens whose KV this step computes, at positions num_computed_tokens…
     samples: bool  # the chunk reaches the sequence's end: its last row's logits pick the next token
+    num_draft_tokens: int = 0  # a decode's speculative tail: every row is sampled, to verify them
 
     @property
     def num_tokens(self) -> int:
@@ -70,7 +72,8 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     block_copies: list[BlockCopy] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    num_decode_tokens: int = 0
+    num_decode_tokens: int = 0  # decodes and their draft tokens
+    num_draft_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -123,10 +126,14 @@ class StepCostModel:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_itl_stretch: float | None = 2.0) -> None:
+                 max_itl_stretch: float | None = 2.0, speculative: str = "off",
+                 max_draft_tokens: int = 8) -> None:  # fmt: skip
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError("max_num_batched_tokens must be at least max_num_seqs: every decode needs a slot")
         self.kv = kv
+        self.speculative = speculative  # "off", "auto" (while drafts pay, by `step_times`) or "ngram"
+        self.max_draft_tokens = max_draft_tokens
+        self.step_times = StepTimeModel()
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # None: prefill chunks take whatever budget the decodes leave (throughput over smoothness)
@@ -175,14 +182,39 @@ class Scheduler:
         return out
 
     def observe_step(self, scheduled: SchedulerOutput, seconds: float) -> None:
-        """The engine reports how long a scheduled step took (it sizes later prefill chunks)."""
+        """The engine reports how long a scheduled step took (it sizes later prefill chunks, and
+        tells whether drafts pay)."""
+        num_prefill = scheduled.num_tokens - scheduled.num_decode_tokens
         if self.step_costs is not None:
-            num_prefill = scheduled.num_tokens - scheduled.num_decode_tokens
             self.step_costs.observe(scheduled.num_decode_tokens, num_prefill, seconds)
+        if num_prefill == 0 and scheduled.num_decode_tokens:
+            self.step_times.observe(scheduled.num_decode_tokens, seconds)
+
+    def _draft(self, seq: Sequence, max_tokens: int) -> list[int]:
+        """Draft tokens for a decode this step (at most `max_tokens`): none when speculation is off,
+        the request is constrained, or (auto) its drafts would cost more compute than they save."""
+        if self.speculative == "off" or seq.params.constraint is not None or seq.params.call_trigger is not None:
+            return []
+        params = seq.params
+        # the step also produces the token after the drafts: both must fit max_tokens and the context
+        max_tokens = min(max_tokens, self.max_draft_tokens, params.max_tokens - len(seq.output_ids) - 1,
+                         self.kv.max_model_len - seq.num_tokens - 1)  # fmt: skip
+        if max_tokens <= 0:
+            return []
+        if seq.drafter is None:
+            seq.drafter = NgramDrafter(seq.all_token_ids(), MAX_NGRAM, self.max_draft_tokens)
+        if self.speculative == "auto" and seq.drafter.acceptance <= self.step_times.acceptance_needed():
+            seq.drafter.shadow(max_tokens)  # learns what it would have accepted, at no cost
+            return []
+        drafts = seq.drafter.propose(max_tokens)
+        if drafts and not self.kv.can_append(seq.seq_id, 1 + len(drafts)):
+            return []  # nobody is preempted for a draft
+        return drafts
 
     def _schedule_decodes(self, out: SchedulerOutput) -> int:
         num_scheduled = 0
-        for seq in list(self.running):
+        num_candidates = len(self.running)
+        for position, seq in enumerate(list(self.running)):
             if seq.status != SequenceStatus.RUNNING or not (seq.is_prefill_done and seq.num_uncomputed_tokens == 1):
                 continue
             if seq.is_paused:  # it keeps its blocks; it goes on once its client reads
@@ -197,8 +229,11 @@ class Scheduler:
                     break
             if seq.status != SequenceStatus.RUNNING:
                 continue
-            out.chunks.append(self._chunk(seq, 1, out))
-            num_scheduled += 1
+            # a decode token for every sequence still to come goes before any draft
+            drafts = self._draft(seq, self.max_num_batched_tokens - num_scheduled - (num_candidates - position))
+            out.chunks.append(self._chunk(seq, 1, out, drafts))
+            num_scheduled += 1 + len(drafts)
+            out.num_draft_tokens += len(drafts)
         return num_scheduled
 
     def _schedule_prefills(self, out: SchedulerOutput, budget: _PrefillBudget) -> None:
@@ -235,11 +270,13 @@ class Scheduler:
             if num_tokens:
                 out.chunks.append(self._chunk(seq, num_tokens, out))
 
-    def _chunk(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> ScheduledChunk:
+    def _chunk(self, seq: Sequence, num_tokens: int, out: SchedulerOutput,
+               drafts: list[int] | None = None) -> ScheduledChunk:  # fmt: skip
         begin = seq.num_computed_tokens
-        token_ids = seq.token_ids(begin, begin + num_tokens)
+        token_ids = seq.token_ids(begin, begin + num_tokens) + (drafts or [])
         out.block_copies.extend(self.kv.append_slots(seq.seq_id, token_ids))
-        return ScheduledChunk(seq, token_ids, samples=begin + num_tokens == seq.num_tokens)
+        return ScheduledChunk(seq, token_ids, samples=begin + num_tokens == seq.num_tokens,
+                              num_draft_tokens=len(drafts or ()))  # fmt: skip
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)

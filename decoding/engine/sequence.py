@@ -74,6 +74,7 @@ class Sequence:
     num_preemptions: int = 0
     matcher: Any = None  # structured output: this choice's grammar state (decoding.engine.structured)
     json_guard: Any = None  # and, for JSON, where its answer stands outside strings (JsonRunGuard)
+    drafter: Any = None  # speculative decoding: its n-gram index (NgramDrafter), made at its first decode
 
     @property
     def params(self) -> SamplingParams:

@@ -15,7 +15,8 @@ def build_step_batch(kv: KVCacheManager, scheduled: SchedulerOutput) -> tuple[St
     """The batch, and for each chunk the index of its first logits row (-1 if it needs none).
 
     A chunk needs logits for its last row when it samples, and for every row while a request asks
-    for prompt logprobs; only those rows go through the final norm and the LM head.
+    for prompt logprobs or when it verifies draft tokens; only those rows go through the final norm
+    and the LM head.
     """
     token_ids = np.fromiter((t for c in scheduled.chunks for t in c.token_ids), dtype=np.int32,
                             count=scheduled.num_tokens)
@@ -25,7 +26,7 @@ def build_step_batch(kv: KVCacheManager, scheduled: SchedulerOutput) -> tuple[St
     row = 0
     for chunk in scheduled.chunks:
         end = row + chunk.num_tokens
-        if chunk.seq.params.prompt_logprobs is not None and not chunk.seq.output_ids:
+        if chunk.num_draft_tokens or (chunk.seq.params.prompt_logprobs is not None and not chunk.seq.output_ids):
             first_rows.append(len(logit_rows))
             logit_rows.extend(range(row, end))
         elif chunk.samples:

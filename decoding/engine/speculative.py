@@ -1,0 +1,130 @@
+"""Speculative decoding from the context: n-gram drafts, and when they pay.
+
+A decoding sequence often repeats its own context — an edited file it was shown, a quoted document,
+a JSON structure it already wrote. `NgramDrafter` keeps, for every n-gram (n = 1..max_n) of the
+sequence's tokens, where it last occurred; the longest n-gram ending the sequence that occurred
+before proposes the tokens that followed it then. Each token updates the index in O(max_n): no
+rescans of the context.
+
+The engine verifies a draft in the ordinary model step, as a short chunk beside everyone else, and
+keeps the longest prefix that plain decoding would have produced plus the token plain decoding
+produces after it (`Engine._verify`), so speculation never changes what a request generates.
+
+It is not free: a draft's tokens are computed whether or not they are accepted. `StepTimeModel`
+fits a step's time as `base + per_token * tokens` over recent decode steps (drafts give it the
+variation it needs); a draft token is worth its compute when the chance it is accepted exceeds the
+share of the step that per-token compute takes — near zero for one stream, whose step is bound by
+reading the weights, near one for a full batch, which is bound by compute. Each drafter estimates
+its acceptance rate from its verified drafts and, while it is not speculating, from the drafts it
+would have proposed (compared with the tokens that came), so a sequence that starts repeating its
+context is noticed at no cost.
+"""
+
+from __future__ import annotations
+
+MAX_NGRAM = 3
+MAX_DRAFT_TOKENS = 8
+_ACCEPTANCE_SMOOTHING = 0.3
+_INITIAL_ACCEPTANCE = 0.5
+
+
+class NgramDrafter:
+    """One sequence's n-gram index, its draft length and its acceptance estimate."""
+
+    __slots__ = ("_continuations", "_shadow", "_shadow_matched", "acceptance", "max_draft_tokens", "max_n",
+                 "num_accepted", "num_drafted", "num_tokens_to_draft", "tokens")
+
+    def __init__(self, tokens: list[int], max_n: int = MAX_NGRAM, max_draft_tokens: int = MAX_DRAFT_TOKENS) -> None:
+        self.max_n = max_n
+        self.max_draft_tokens = max_draft_tokens
+        self.tokens: list[int] = []
+        self._continuations: dict[tuple[int, ...], int] = {}  # n-gram -> index of the token after its latest occurrence
+        self.num_tokens_to_draft = min(2, max_draft_tokens)  # adapted to the acceptance (1..max_draft_tokens)
+        self.acceptance = _INITIAL_ACCEPTANCE  # moving average of the share of drafted tokens accepted
+        self.num_drafted = 0  # verified in model steps
+        self.num_accepted = 0
+        self._shadow: list[int] = []  # a draft not run: compared with the tokens that come instead
+        self._shadow_matched = 0
+        for token in tokens:
+            self.append(token)
+
+    def append(self, token: int) -> None:
+        """The sequence's next token (prompt or generated)."""
+        end = len(self.tokens)
+        for n in range(1, min(self.max_n, end) + 1):  # the n-grams ending before it now have a continuation
+            self._continuations[tuple(self.tokens[end - n : end])] = end
+        self.tokens.append(token)
+        if self._shadow:
+            matches = token == self._shadow[self._shadow_matched]
+            self._shadow_matched += matches
+            if not matches or self._shadow_matched == len(self._shadow):
+                self._observe(len(self._shadow), self._shadow_matched)
+                self._shadow = []
+
+    def propose(self, max_tokens: int) -> list[int]:
+        """Up to `max_tokens` tokens that followed the latest earlier occurrence of the longest n-gram
+        ending the sequence; [] when none occurred."""
+        num = min(self.num_tokens_to_draft, max_tokens)
+        if num <= 0:
+            return []
+        end = len(self.tokens)
+        for n in range(min(self.max_n, end), 0, -1):
+            at = self._continuations.get(tuple(self.tokens[end - n :]))
+            if at is not None:
+                return self.tokens[at : at + num]
+        return []
+
+    def shadow(self, max_tokens: int) -> None:
+        """Propose a draft that will not run, to learn the acceptance it would have had."""
+        if not self._shadow:
+            self._shadow = self.propose(max_tokens)
+            self._shadow_matched = 0
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        """A draft was verified: `num_accepted` of its `num_drafted` tokens were what decoding produced."""
+        self.num_drafted += num_drafted
+        self.num_accepted += num_accepted
+        self._shadow = []
+        self._observe(num_drafted, num_accepted)
+
+    def _observe(self, num_drafted: int, num_accepted: int) -> None:
+        self.acceptance += _ACCEPTANCE_SMOOTHING * (num_accepted / num_drafted - self.acceptance)
+        if num_accepted == num_drafted:  # all taken: try longer drafts
+            self.num_tokens_to_draft = min(self.max_draft_tokens, 2 * self.num_tokens_to_draft)
+        else:
+            self.num_tokens_to_draft = max(1, num_accepted + 1)
+
+
+class StepTimeModel:
+    """A decode step's time as `base + per_token * tokens`, fitted by exponentially weighted least
+    squares over recent decode steps (with or without drafts; prefill steps cost more per token
+    with their growing context and are left out)."""
+
+    _DECAY = 0.97  # ~30 steps of memory: batches change as requests come and go
+    _MIN_VARIANCE = 0.25  # tokens²: below it the steps do not tell base and per-token cost apart
+
+    def __init__(self) -> None:
+        self._weight = self._tokens = self._seconds = self._tokens_sq = self._tokens_seconds = 0.0
+        self.per_token_seconds: float | None = None
+        self.mean_tokens = 0.0
+        self.mean_seconds = 0.0
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        d = self._DECAY
+        self._weight = d * self._weight + 1.0
+        self._tokens = d * self._tokens + num_tokens
+        self._seconds = d * self._seconds + seconds
+        self._tokens_sq = d * self._tokens_sq + num_tokens * num_tokens
+        self._tokens_seconds = d * self._tokens_seconds + num_tokens * seconds
+        self.mean_tokens, self.mean_seconds = self._tokens / self._weight, self._seconds / self._weight
+        variance = self._tokens_sq / self._weight - self.mean_tokens**2
+        if variance >= self._MIN_VARIANCE:
+            covariance = self._tokens_seconds / self._weight - self.mean_tokens * self.mean_seconds
+            self.per_token_seconds = max(0.0, covariance / variance)
+
+    def acceptance_needed(self) -> float:
+        """The acceptance rate above which a draft token adds throughput: the share of a step's time
+        its per-token compute takes. 0 until measured (drafts then provide the measurement)."""
+        if self.per_token_seconds is None or self.mean_seconds <= 0.0:
+            return 0.0
+        return min(1.0, self.per_token_seconds * self.mean_tokens / self.mean_seconds)

@@ -1,0 +1,69 @@
+"""The n-gram drafter and the step-time model behind speculative decoding (decoding/engine/speculative.py)."""
+
+from __future__ import annotations
+
+import random
+
+from decoding.engine.speculative import NgramDrafter, StepTimeModel
+
+
+def brute_force_proposal(tokens: list[int], max_n: int, num: int) -> list[int]:
+    """The longest n-gram ending `tokens` that occurred earlier, its latest earlier occurrence's continuation."""
+    for n in range(min(max_n, len(tokens)), 0, -1):
+        suffix = tokens[len(tokens) - n :]
+        for start in range(len(tokens) - n - 1, -1, -1):  # occurrences that end before the last token
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + num]
+    return []
+
+
+def test_proposals_match_a_rescan_of_the_whole_context():
+    rng = random.Random(0)
+    for trial in range(30):
+        tokens = [rng.randrange(6) for _ in range(rng.randrange(1, 80))]
+        drafter = NgramDrafter(tokens[:5], max_n=3, max_draft_tokens=8)
+        drafter.num_tokens_to_draft = 8
+        for token in tokens[5:]:
+            drafter.append(token)
+            assert drafter.propose(8) == brute_force_proposal(drafter.tokens, 3, 8), (trial, drafter.tokens)
+            drafter.num_tokens_to_draft = 8  # the shadow drafts adapt it; fixed here to compare
+
+
+def test_a_repeated_passage_is_proposed_whole_and_the_draft_grows_while_accepted():
+    passage = list(range(100, 140))
+    drafter = NgramDrafter([1, 2, *passage, 3, 4, *passage[:3]])
+    assert drafter.propose(8) == passage[3:5]  # starts short
+    drafter.record(2, 2)
+    assert drafter.propose(8) == passage[3:7]
+    drafter.record(4, 4)
+    assert drafter.propose(8) == passage[3:11] and drafter.propose(3) == passage[3:6]
+    drafter.record(8, 1)  # mostly refused: back to what was accepted, plus one
+    assert drafter.num_tokens_to_draft == 2 and drafter.acceptance < 0.7
+    assert NgramDrafter([5, 6, 7]).propose(8) == []  # nothing repeats
+
+
+def test_drafts_not_run_still_teach_the_acceptance():
+    drafter = NgramDrafter([1, 2, 3, 4, 1, 2])
+    before = drafter.acceptance
+    drafter.shadow(8)  # would propose [3, 4]
+    drafter.append(3)
+    drafter.append(4)
+    assert drafter.acceptance > before and drafter.num_tokens_to_draft == 4 and drafter.num_drafted == 0
+    drafter.shadow(8)  # after "... 1 2 3 4": proposes what followed "3 4" earlier: [1, 2]
+    drafter.append(9)
+    assert drafter.num_tokens_to_draft == 1
+
+
+def test_the_step_model_finds_base_and_per_token_cost():
+    model = StepTimeModel()
+    assert model.acceptance_needed() == 0.0  # unmeasured: drafts run, and measure
+    rng = random.Random(1)
+    for _ in range(200):  # one stream: a 3 ms step bound by reading the weights, 0.1 ms a token
+        tokens = 1 + rng.randrange(0, 9)
+        model.observe(tokens, 0.003 + 0.0001 * tokens + rng.uniform(-1e-5, 1e-5))
+    assert abs(model.per_token_seconds - 0.0001) < 1e-5
+    assert model.acceptance_needed() < 0.25
+    for _ in range(200):  # 32 streams, compute-bound: 0.9 ms a token on a 1 ms base
+        tokens = 32 + rng.randrange(0, 9)
+        model.observe(tokens, 0.001 + 0.0009 * tokens)
+    assert model.acceptance_needed() > 0.95
