@@ -280,8 +280,13 @@ class Engine:
                     requests.append(SampleRequest(s.params, s.rng, s.prompt_ids, s.output_ids))
         if seqs:
             rows_logits = logits[rows]  # a copy: the masks below change only it
-            constrained = [(i, self._matcher(s), s.json_guard) for i, s in enumerate(seqs)
-                           if s.params.constraint is not None or s.matcher is not None]  # fmt: skip
+            constrained = []
+            i = 0
+            while i < len(seqs):
+                s, drafts = seqs[i], drafts_at.get(i, [])
+                if s.params.constraint is not None or s.matcher is not None:
+                    constrained.append((i, self._matcher(s), s.json_guard, drafts))
+                i += 1 + len(drafts)
             dead = set(apply_masks(rows_logits, constrained, self.guide))
             rows_logits[list(dead)] = 0.0  # sampled, then dropped: the sampler needs finite rows
             rng_states = {i: seqs[i].rng.bit_generator.state for i in drafts_at if not seqs[i].params.is_greedy}
@@ -291,37 +296,41 @@ class Engine:
             while i < len(seqs):
                 seq = seqs[i]
                 if i in drafts_at:
-                    i = self._verify(seq, i, drafts_at[i], token_list, logprobs, rng_states.get(i))
+                    i = self._verify(seq, i, drafts_at[i], token_list, logprobs, rng_states.get(i), dead)
                     continue
-                token, lp = token_list[i], logprobs[i]
+                if seq.finish_reason is None:  # else a choice of its request failed below
+                    self._produce(seq, token_list[i], logprobs[i], i in dead)
                 i += 1
-                if seq.finish_reason is not None:  # a choice of a request failed below
-                    continue
-                complete = False
-                if seq.matcher is not None:
-                    if i - 1 in dead or not seq.matcher.consume_token(token):
-                        self._fail_request(seq.request, "error", "structured output: the grammar allows no "
-                                           f"further token ({seq.matcher.get_error() or 'dead end'})")
-                        continue
-                    complete = seq.matcher.is_stopped()
-                    if seq.json_guard is not None:
-                        seq.json_guard.add(self.guide.token_texts()[0][token])
-                    if complete and seq.params.constraint is None:  # a call under auto is over: free text again
-                        seq.matcher, seq.json_guard, complete = None, None, False
-                elif seq.params.call_trigger is not None and token == seq.params.call_trigger[0]:
-                    seq.matcher = self.guide.matcher(seq.params.call_trigger[1])  # the call's arguments
-                    seq.json_guard = JsonRunGuard()
-                self._emit(seq, token, lp, complete)
         return kernel_seconds
 
+    def _produce(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None, is_dead_end: bool) -> None:
+        """A token sampled for the sequence: its grammar (if any) takes it, then it is emitted."""
+        complete = False
+        if seq.matcher is not None:
+            if is_dead_end or not seq.matcher.consume_token(token):
+                self._fail_request(seq.request, "error", "structured output: the grammar allows no "
+                                   f"further token ({seq.matcher.get_error() or 'dead end'})")
+                return
+            complete = seq.matcher.is_stopped()
+            if seq.json_guard is not None:
+                seq.json_guard.add(self.guide.token_texts()[0][token])
+            if complete and seq.params.constraint is None:  # a call under auto is over: free text again
+                seq.matcher, seq.json_guard, complete = None, None, False
+        elif seq.params.call_trigger is not None and token == seq.params.call_trigger[0]:
+            seq.matcher = self.guide.matcher(seq.params.call_trigger[1])  # the call's arguments
+            seq.json_guard = JsonRunGuard()
+        self._emit(seq, token, logprobs, complete)
+
     def _verify(self, seq: Sequence, first: int, drafts: list[int], tokens: list[int],
-                logprobs: list[TokenLogprobs | None], rng_state: dict | None) -> int:  # fmt: skip
+                logprobs: list[TokenLogprobs | None], rng_state: dict | None, dead: set[int]) -> int:  # fmt: skip
         """A decode with drafts: row j was sampled after drafts[:j], as plain decoding would sample it
         had it produced them. The drafts agree with those samples up to the first that does not; the
         tokens produced are the samples up to and including that one. Their KV stays; the rejected
         drafts' is rolled back. A seeded row's generator is left as plain decoding would leave it: one
         draw per token produced. Returns the index after the group's rows."""
         end = first + len(drafts) + 1
+        if seq.finish_reason is not None:  # a choice of its request failed: its blocks are gone
+            return end
         num_accepted = 0
         while num_accepted < len(drafts) and tokens[first + num_accepted] == drafts[num_accepted]:
             num_accepted += 1
@@ -336,7 +345,7 @@ class Engine:
         for j in range(num_accepted + 1):
             if seq.finish_reason is not None:  # ended by a stop condition: what follows is not output
                 break
-            self._emit(seq, tokens[first + j], logprobs[first + j], False)
+            self._produce(seq, tokens[first + j], logprobs[first + j], first + j in dead)
         return end
 
     def _emit(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None, grammar_complete: bool) -> None:

@@ -191,9 +191,10 @@ class Scheduler:
             self.step_times.observe(scheduled.num_decode_tokens, seconds)
 
     def _draft(self, seq: Sequence, max_tokens: int) -> list[int]:
-        """Draft tokens for a decode this step (at most `max_tokens`): none when speculation is off,
-        the request is constrained, or (auto) its drafts would cost more compute than they save."""
-        if self.speculative == "off" or seq.params.constraint is not None or seq.params.call_trigger is not None:
+        """Draft tokens for a decode this step (at most `max_tokens`): none when speculation is off, a
+        tool call may begin (its grammar attaches at a token a draft could skip past), or (auto) its
+        drafts would cost more compute than they save."""
+        if self.speculative == "off" or seq.params.call_trigger is not None:
             return []
         params = seq.params
         # the step also produces the token after the drafts: both must fit max_tokens and the context

@@ -163,15 +163,24 @@ class JsonRunGuard:
             else:
                 self.digits = self.digits + 1 if char.isdigit() else 0
 
+    def copy(self) -> JsonRunGuard:
+        other = JsonRunGuard()
+        other.in_string, other.escaped, other.digits = self.in_string, self.escaped, self.digits
+        return other
+
     @property
     def number_is_full(self) -> bool:
         return not self.in_string and self.digits >= MAX_NUMBER_DIGITS
 
 
-def apply_masks(logits: np.ndarray, constrained: list[tuple[int, Any, JsonRunGuard | None]], guide: Guide) -> list[int]:
+def apply_masks(logits: np.ndarray, constrained: list[tuple[int, Any, JsonRunGuard | None, list[int]]],
+                guide: Guide) -> list[int]:  # fmt: skip
     """Set to -inf the logits each row's matcher forbids (and, for JSON, digits past a full number);
-    `constrained`: (row of `logits`, matcher, JSON guard or None). Returns the rows whose matcher
-    allows no token at all (a dead end: the caller ends them).
+    `constrained`: (row of `logits`, matcher, JSON guard or None, draft tokens). A sequence with
+    draft tokens (speculative decoding) owns that row and one more per draft: row j gets the mask of
+    the state after drafts[:j] (the matcher consumes the drafts the grammar allows, then rolls them
+    back); rows after a draft the grammar refuses only copy the row before, as verification stops
+    there. Returns the rows whose matcher allows no token at all (a dead end: the caller ends them).
 
     The masks are filled one row after another on the engine thread, after the model step, and
     applied by a numba loop over their 32-bit words. Measured (docs/performance.md): llguidance's
@@ -182,17 +191,32 @@ def apply_masks(logits: np.ndarray, constrained: list[tuple[int, Any, JsonRunGua
 
     if not constrained:
         return []
-    bitmask = allocate_token_bitmask(len(constrained), guide.vocab_size)
-    for i, (_, matcher, _) in enumerate(constrained):
-        fill_next_token_bitmask(matcher, bitmask, i)
-    rows = np.array([row for row, _, _ in constrained], dtype=np.int64)
-    for i, (_, _, guard) in enumerate(constrained):
-        if guard is not None and guard.number_is_full:
-            _forbid_digits(bitmask[i], guide)
-    allowed_counts = np.zeros(len(constrained), dtype=np.int64)
-    _apply_bitmask(logits, rows, bitmask, allowed_counts)
-    return [int(rows[i]) for i, (_, matcher, _) in enumerate(constrained)
-            if allowed_counts[i] == 0 or matcher.is_error()]  # fmt: skip
+    bitmask = allocate_token_bitmask(sum(1 + len(drafts) for *_, drafts in constrained), guide.vocab_size)
+    rows: list[int] = []
+    owners: list[Any] = []
+    for first_row, matcher, guard, drafts in constrained:
+        num_valid = matcher.validate_tokens(drafts) if drafts else 0
+        for j in range(len(drafts) + 1):
+            i = len(rows)
+            if j <= num_valid:
+                fill_next_token_bitmask(matcher, bitmask, i)
+                if guard is not None and guard.number_is_full:
+                    _forbid_digits(bitmask[i], guide)
+                if j < num_valid:
+                    matcher.consume_token(drafts[j])
+                    if guard is not None:
+                        guard = guard.copy()
+                        guard.add(guide.token_texts()[0][drafts[j]])
+            else:
+                bitmask[i] = bitmask[i - 1]
+            rows.append(first_row + j)
+            owners.append(matcher)
+        if num_valid:
+            matcher.rollback(num_valid)
+    row_array = np.array(rows, dtype=np.int64)
+    allowed_counts = np.zeros(len(rows), dtype=np.int64)
+    _apply_bitmask(logits, row_array, bitmask, allowed_counts)
+    return [rows[i] for i, matcher in enumerate(owners) if allowed_counts[i] == 0 or matcher.is_error()]
 
 
 def _forbid_digits(words: np.ndarray, guide: Guide) -> None:
