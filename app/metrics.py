@@ -53,6 +53,11 @@ class ServerMetrics:
         self.prefix_cache_hit_tokens = Counter("treadle_prefix_cache_hit_tokens",
                                                "Prompt tokens served from the prefix cache.", registry=registry)
         self.preemptions = Counter("treadle_preemptions", "Sequences preempted for KV blocks.", registry=registry)
+        self.spec_draft_tokens = Counter("treadle_spec_draft_tokens",
+                                         "Speculative draft tokens verified, of finished requests.", registry=registry)
+        self.spec_accepted_tokens = Counter("treadle_spec_accepted_tokens",
+                                            "Speculative draft tokens accepted, of finished requests.",
+                                            registry=registry)
         self.slow_reader_aborts = Counter("treadle_slow_reader_aborts",
                                           "Requests aborted because their client read nothing for the timeout.",
                                           registry=registry)
@@ -101,6 +106,9 @@ class EngineMetricsObserver:
         m.prompt_tokens.inc(len(request.prompt_ids))
         m.generation_tokens.inc(request.num_completion_tokens)
         m.prefix_cache_hit_tokens.inc(request.num_cached_tokens)
+        drafted, accepted = request.num_draft_tokens
+        m.spec_draft_tokens.inc(drafted)
+        m.spec_accepted_tokens.inc(accepted)
         m.request_success.labels(finish_reason=finish_reason).inc()
         m.e2e_request_latency.observe(time.monotonic() - request.arrival_time)
 

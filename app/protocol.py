@@ -60,8 +60,11 @@ class TokenText:
 def usage_body(usage: Usage | None) -> dict[str, Any] | None:
     if usage is None:
         return None
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+    body = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+    if usage.draft_tokens:  # treadle's extension, only where speculation ran
+        body["speculative"] = {"drafted": usage.draft_tokens, "accepted": usage.accepted_draft_tokens}
+    return body
 
 
 @dataclass(slots=True)

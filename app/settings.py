@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from decoding import DEFAULT_MODEL
+from decoding.engine.config import SPECULATIVE_MODES
 from decoding.engine.engine import KV_CACHE_DTYPES, EngineConfig
 from decoding.kernels.forward import KERNEL_MODES
 
@@ -38,13 +39,16 @@ class ServerSettings:
     shutdown_grace_seconds: float = 20.0  # below Kubernetes' default 30 s before SIGKILL
     log_level: str = "info"
     chat_page: bool = True  # examples/chat.html at GET /
+    speculative: str = _ENGINE_DEFAULTS.speculative
+    speculative_max_tokens: int = _ENGINE_DEFAULTS.speculative_max_tokens
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                             kv_cache_mb=self.kv_cache_mb, block_size=self.block_size, max_queue=self.max_queue,
                             n_threads=self.threads, kernels=self.kernels, kv_cache_dtype=self.kv_cache_dtype,
                             max_unread_bytes=self.max_unread_bytes,
-                            slow_reader_timeout_seconds=self.slow_reader_timeout_seconds)
+                            slow_reader_timeout_seconds=self.slow_reader_timeout_seconds,
+                            speculative=self.speculative, speculative_max_tokens=self.speculative_max_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +99,19 @@ def _kv_cache_dtype(text: str) -> str:
     if text not in KV_CACHE_DTYPES:
         raise argparse.ArgumentTypeError(f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {text!r}")
     return text
+
+
+def _speculative(text: str) -> str:
+    if text not in SPECULATIVE_MODES:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(SPECULATIVE_MODES)}, got {text!r}")
+    return text
+
+
+def _draft_length(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 16:
+        raise argparse.ArgumentTypeError(f"must be between 1 and 16, got {value}")
+    return value
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -152,6 +169,12 @@ def build_parser(prog: str = "treadle serve") -> argparse.ArgumentParser:
            "stored type of the KV cache: float16 halves its bytes per token (twice the tokens per MiB, half "
            "the reads per decode), float32 keeps exact attention inputs; auto: float16 with the fast kernels, "
            "float32 with the exact ones (default %(default)s)")
+    option("--speculative", _speculative, defaults.speculative,
+           "speculative decoding with drafts from the context (n-grams of the prompt and the answer so far; the "
+           "output stays what plain decoding gives): auto drafts while the measured step costs say it pays, "
+           "ngram always, off never (default %(default)s)")
+    option("--speculative-max-tokens", _draft_length, defaults.speculative_max_tokens,
+           "the longest draft a sequence verifies in one step (default %(default)s)")
     option("--max-queue", _positive_int, defaults.max_queue,
            "requests admitted at once (running + waiting); more are answered 429 (default %(default)s)")
     option("--api-key", str, None, "require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import threading
 
+import httpx
 import jsonschema
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -154,3 +155,29 @@ def test_any_mix_of_requests_batches_and_chunks_matches_plain_decoding(engines, 
     plain = run(engines("off", speculative="off"), requests)
     options = {"speculative": "ngram", **CONFIGS[config]}
     assert run(engines(config, **options), requests) == plain
+
+
+def test_usage_and_metrics_report_the_drafts_over_http():
+    import openai
+
+    from tests.reliability import running_server
+
+    with running_server(["--speculative", "ngram", "--speculative-max-tokens", "6", "--kv-cache-mb", "64"]) as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        completion = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=30, temperature=0)
+        drafts = completion.usage.model_extra["speculative"]
+        assert 0 < drafts["accepted"] <= drafts["drafted"]
+        stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                                max_tokens=30, temperature=0, stream=True,
+                                                stream_options={"include_usage": True})  # fmt: skip
+        usage = [chunk.usage for chunk in stream if chunk.usage][-1]
+        streamed = usage.model_extra.get("speculative", {"drafted": 0, "accepted": 0})
+        samples = server.wait_for_metrics(lambda m: m.get("treadle_spec_draft_tokens_total", 0)
+                                          >= drafts["drafted"] + streamed["drafted"])  # fmt: skip
+        assert samples["treadle_spec_draft_tokens_total"] == drafts["drafted"] + streamed["drafted"]
+        assert samples["treadle_spec_accepted_tokens_total"] == drafts["accepted"] + streamed["accepted"]
+    with running_server(["--speculative", "off", "--kv-cache-mb", "64"]) as server:
+        reply = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
+                           json={"prompt": PROMPTS[1], "max_tokens": 10, "temperature": 0})  # fmt: skip
+        assert "speculative" not in reply.json()["usage"]  # only where speculation ran

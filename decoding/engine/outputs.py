@@ -16,6 +16,8 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    draft_tokens: int = 0  # speculative tokens verified
+    accepted_draft_tokens: int = 0  # of which accepted
 
     @property
     def total_tokens(self) -> int:

@@ -48,6 +48,12 @@ class Request:
     def num_completion_tokens(self) -> int:
         return sum(len(s.output_ids) for s in self.sequences)
 
+    @property
+    def num_draft_tokens(self) -> tuple[int, int]:
+        """Speculative draft tokens verified for its choices, and how many of them were accepted."""
+        drafters = [s.drafter for s in self.sequences if s.drafter is not None]
+        return sum(d.num_drafted for d in drafters), sum(d.num_accepted for d in drafters)
+
 
 def seed_generator(seed: int | None, index: int) -> np.random.Generator:
     """Choice `index` of a request: choice 0 of seed s draws what a single-choice request with seed s draws."""
