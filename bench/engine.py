@@ -26,6 +26,7 @@ from bench.engine_peers import run_llama_cpp, run_peers
 from bench.engine_quality import measure_quality
 from bench.engine_report import print_table
 from bench.engine_rooflines import measure_gemm_gflops, measure_int8_gmacs, measure_read_bandwidth
+from bench.speculative import measure_speculative
 from decoding.engine.engine import Engine, EngineConfig
 from decoding.engine.params import SamplingParams
 from decoding.engine.structured import Constraint
@@ -294,6 +295,11 @@ def main(argv: list[str]) -> int:
                              "speed drifts from one minute to the next)")
     parser.add_argument("--structured", default="1,32",
                         help="levels run constrained by a ~10-field JSON schema beside unconstrained ones ('' skips)")
+    parser.add_argument("--speculative", default="",
+                        help="levels (e.g. 1,4,32) at which the edit, quote and chat workloads run with speculative "
+                             "decoding off and auto ('' skips; the rest of the bench runs with it off)")
+    parser.add_argument("--speculative-tokens", type=int, default=256, help="tokens per request of those workloads")
+    parser.add_argument("--speculative-rounds", type=int, default=2)
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -301,9 +307,10 @@ def main(argv: list[str]) -> int:
     model = load_model(args.model)
     prompt_ids = model.tokenizer.encode(PROMPT)
     structured_levels = [int(c) for c in args.structured.split(",")] if args.structured else []
-    max_seqs = max(*levels, *structured_levels, args.interference_streams + 1)  # the long prompt needs a free slot
+    speculative_levels = [int(c) for c in args.speculative.split(",")] if args.speculative else []
+    max_seqs = max(*levels, *structured_levels, *speculative_levels, args.interference_streams + 1)  # +1: the long prompt
     config = EngineConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max(512, max_seqs),
-                          kv_cache_mb=1024, n_threads=args.threads, kernels=args.kernels)
+                          kv_cache_mb=1024, n_threads=args.threads, kernels=args.kernels, speculative="off")
     engine = Engine(model, config).start()
     try:
         engine.generate(prompt_ids, SamplingParams(max_tokens=4))  # warm-up: numba compiles or loads its cache
@@ -315,6 +322,8 @@ def main(argv: list[str]) -> int:
             results.append(result)
             print(f"  {level:>3} streams: {result.tokens_per_second:8.1f} tokens/s", flush=True)
         structured = measure_structured(engine, model, structured_levels) if structured_levels else None
+        speculative = (measure_speculative(engine, model, speculative_levels, args.speculative_tokens,
+                                           args.speculative_rounds) if speculative_levels else None)  # fmt: skip
         engine.kv.enable_prefix_caching = False
         prefill = measure_prefill(engine, model, args.prefill_tokens)
         interference = None
@@ -365,6 +374,7 @@ def main(argv: list[str]) -> int:
         "model_file_mb": model.path.stat().st_size / 2**20,
         "rounds": rounds,
         "structured": structured,
+        "speculative": speculative,
     }
     print_table(report)
     if args.json:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from bench.engine_peers import TRANSFORMERS_BATCH
+from bench.speculative import format_speculative
 
 
 def print_table(r: dict) -> None:
@@ -60,6 +61,8 @@ def print_table(r: dict) -> None:
                           f"(rounds {min(lv['round_ratios']):.2f}-{max(lv['round_ratios']):.2f}), "
                           f"step {lv['constrained']['step_ms_median']:.2f} vs {lv['unconstrained']['step_ms_median']:.2f} ms"
                           for lv in st["levels"]))
+    if r.get("speculative"):
+        print(format_speculative(r["speculative"]))
     if r.get("rounds") and "skipped" not in r["rounds"]:
         a = r["rounds"]
         m = a["medians"]

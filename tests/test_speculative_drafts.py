@@ -56,14 +56,15 @@ def test_drafts_not_run_still_teach_the_acceptance():
 
 def test_the_step_model_finds_base_and_per_token_cost():
     model = StepTimeModel()
-    assert model.acceptance_needed() == 0.0  # unmeasured: drafts run, and measure
+    assert model.acceptance_needed(1) == 0.0  # unmeasured: drafts run, and measure
     rng = random.Random(1)
     for _ in range(200):  # one stream: a 3 ms step bound by reading the weights, 0.1 ms a token
         tokens = 1 + rng.randrange(0, 9)
         model.observe(tokens, 0.003 + 0.0001 * tokens + rng.uniform(-1e-5, 1e-5))
     assert abs(model.per_token_seconds - 0.0001) < 1e-5
-    assert model.acceptance_needed() < 0.25
+    assert model.acceptance_needed(1) < 0.05 + model.MARGIN
+    assert model.acceptance_needed(32) > 0.5  # the same costs at 32 decodes: their compute is half the step
     for _ in range(200):  # 32 streams, compute-bound: 0.9 ms a token on a 1 ms base
         tokens = 32 + rng.randrange(0, 9)
         model.observe(tokens, 0.001 + 0.0009 * tokens)
-    assert model.acceptance_needed() > 0.95
+    assert model.acceptance_needed(32) == 1.0

@@ -190,8 +190,9 @@ class Scheduler:
         if num_prefill == 0 and scheduled.num_decode_tokens:
             self.step_times.observe(scheduled.num_decode_tokens, seconds)
 
-    def _draft(self, seq: Sequence, max_tokens: int) -> list[int]:
-        """Draft tokens for a decode this step (at most `max_tokens`): none when speculation is off, a
+    def _draft(self, seq: Sequence, max_tokens: int, num_decodes: int) -> list[int]:
+        """Draft tokens for a decode this step (at most `max_tokens`; the step has about `num_decodes`
+        decodes): none when speculation is off, a
         tool call may begin (its grammar attaches at a token a draft could skip past), or (auto) its
         drafts would cost more compute than they save."""
         if self.speculative == "off" or seq.params.call_trigger is not None:
@@ -204,7 +205,7 @@ class Scheduler:
             return []
         if seq.drafter is None:
             seq.drafter = NgramDrafter(seq.all_token_ids(), MAX_NGRAM, self.max_draft_tokens)
-        if self.speculative == "auto" and seq.drafter.acceptance <= self.step_times.acceptance_needed():
+        if self.speculative == "auto" and seq.drafter.acceptance <= self.step_times.acceptance_needed(num_decodes):
             seq.drafter.shadow(max_tokens)  # learns what it would have accepted, at no cost
             return []
         drafts = seq.drafter.propose(max_tokens)
@@ -231,7 +232,8 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING:
                 continue
             # a decode token for every sequence still to come goes before any draft
-            drafts = self._draft(seq, self.max_num_batched_tokens - num_scheduled - (num_candidates - position))
+            drafts = self._draft(seq, self.max_num_batched_tokens - num_scheduled - (num_candidates - position),
+                                 num_candidates)
             out.chunks.append(self._chunk(seq, 1, out, drafts))
             num_scheduled += 1 + len(drafts)
             out.num_draft_tokens += len(drafts)
