@@ -6,8 +6,8 @@
 - chat: free writing with nothing to copy (seeded sampling, temperature 0.8): drafts mostly fail, and
   `auto` must turn them off by itself.
 
-Each workload runs at each concurrency level with speculation off and `auto`, alternating, `rounds`
-times, on one engine (its scheduler's mode switched between runs, so both sides share the pool, the
+Each workload runs at each concurrency level with speculation off and `auto`, `rounds` times in the
+order off, auto, auto, off, ... (a drift of the host cancels), on one engine (its scheduler's mode switched between runs, so both sides share the pool, the
 cache and the machine's minute). Every request of a level is submitted at once; the rate is all
 their tokens over the time from submission to the last token. The workload's prompt is prefilled
 once first, so the prefix cache serves it and the rate is the decode's.
@@ -78,7 +78,7 @@ def run_once(engine: Engine, prompt_ids: list[int], workload: Workload, concurre
 
 def measure_speculative(engine: Engine, model: Model, levels: list[int], max_tokens: int, rounds: int) -> dict:
     """Per workload and level: tokens/s without and with speculation (`auto`), medians of `rounds`
-    alternating runs, their ratio, and the share of drafted tokens accepted."""
+    runs of each (off, auto, auto, off, ...), their ratio, and the share of drafted tokens accepted."""
     mode = engine.scheduler.speculative
     results = []
     try:
@@ -87,10 +87,10 @@ def measure_speculative(engine: Engine, model: Model, levels: list[int], max_tok
             engine.generate(prompt_ids, SamplingParams(max_tokens=1))  # the prompt, cached for every run
             for level in levels:
                 sides: dict[str, list[Run]] = {"off": [], "auto": []}
-                for _ in range(rounds):
-                    for side, runs in sides.items():
+                for round_index in range(rounds):  # off, auto, auto, off, ...: a drift of the host cancels
+                    for side in ("off", "auto") if round_index % 2 == 0 else ("auto", "off"):
                         engine.scheduler.speculative = side
-                        runs.append(run_once(engine, prompt_ids, workload, level, max_tokens))
+                        sides[side].append(run_once(engine, prompt_ids, workload, level, max_tokens))
                 off, auto = (statistics.median(r.tokens_per_second for r in sides[s]) for s in ("off", "auto"))
                 drafted, accepted = sum(r.drafted for r in sides["auto"]), sum(r.accepted for r in sides["auto"])
                 results.append({"workload": workload.name, "concurrency": level, "prompt_tokens": len(prompt_ids),
@@ -106,10 +106,11 @@ def measure_speculative(engine: Engine, model: Model, levels: list[int], max_tok
 
 def format_speculative(report: dict) -> str:
     lines = [(f"speculative decoding (drafts from the context), {report['max_tokens']} tokens a request, medians of "
-              f"{report['rounds']} alternating runs:"),
-             f"{'workload':>9} {'streams':>8} {'off tok/s':>10} {'auto tok/s':>11} {'ratio':>7} {'accepted':>9}"]
+              f"{report['rounds']} runs each (off, auto, auto, off, ...):"),
+             (f"{'workload':>9} {'streams':>8} {'off tok/s':>10} {'auto tok/s':>11} {'ratio':>7} {'drafted':>8} "
+              f"{'accepted':>9}")]
     for r in report["levels"]:
         share = f"{r['accepted'] / r['drafted']:.0%}" if r["drafted"] else "-"
         lines.append(f"{r['workload']:>9} {r['concurrency']:>8} {r['off_tokens_per_second']:>10.1f} "
-                     f"{r['auto_tokens_per_second']:>11.1f} {r['ratio']:>6.2f}× {share:>9}")
+                     f"{r['auto_tokens_per_second']:>11.1f} {r['ratio']:>6.2f}× {r['drafted']:>8} {share:>9}")
     return "\n".join(lines)

@@ -188,7 +188,8 @@ class Scheduler:
         if self.step_costs is not None:
             self.step_costs.observe(scheduled.num_decode_tokens, num_prefill, seconds)
         if num_prefill == 0 and scheduled.num_decode_tokens:
-            self.step_times.observe(scheduled.num_decode_tokens, seconds)
+            num_decodes = scheduled.num_decode_tokens - scheduled.num_draft_tokens
+            self.step_times.observe(num_decodes, scheduled.num_decode_tokens, seconds)
 
     def _draft(self, seq: Sequence, max_tokens: int, num_decodes: int) -> list[int]:
         """Draft tokens for a decode this step (at most `max_tokens`; the step has about `num_decodes`

@@ -11,8 +11,8 @@ keeps the longest prefix that plain decoding would have produced plus the token 
 produces after it (`Engine._verify`), so speculation never changes what a request generates.
 
 It is not free: a draft's tokens are computed whether or not they are accepted. `StepTimeModel`
-fits a step's time as `base + per_token * tokens` over recent decode steps (drafts give it the
-variation it needs); a draft token is worth its compute when the chance it is accepted exceeds the
+compares recent decode steps with drafts and without, at about the same batch size, for the cost of
+a token and the base a step pays anyway; a draft token is worth its compute when the chance it is accepted exceeds the
 share of the coming step's time that per-token compute takes — near zero for one stream, whose step
 is bound by reading the weights, near one for a full batch, which is bound by compute. Each drafter estimates
 its acceptance rate from its verified drafts and, while it is not speculating, from the drafts it
@@ -96,43 +96,53 @@ class NgramDrafter:
 
 
 class StepTimeModel:
-    """A decode step's time as `base + per_token * tokens`, fitted by exponentially weighted least
-    squares over recent decode steps (with or without drafts; prefill steps cost more per token
-    with their growing context and are left out)."""
+    """What a draft token costs in a decode step, per batch size range (1, 2-3, 4-7, 8-15, ...
+    decoding sequences): a step of one sequence is bound by reading the weights and its extra rows
+    cost little, one of 32 is bound by compute, and one estimate across both regimes misjudges each.
 
-    _DECAY = 0.97  # ~30 steps of memory: batches change as requests come and go
-    _MIN_VARIANCE = 0.25  # tokens²: below it the steps do not tell base and per-token cost apart
-    # Drafts must beat the fitted break-even by this much: the straight line misses what does not
-    # grow linearly (measured: 4 Qwen2.5-Coder streams drafting at ~100% acceptance, just above the
-    # fitted break-even, ran at 0.95x of not drafting).
-    MARGIN = 0.1
+    Within a range, moving averages of (tokens, seconds) are kept apart for steps with drafts and
+    steps without; the cost of a token is their difference in seconds over their difference in
+    tokens, and the steps without drafts give the base. The base follows every plain step (the
+    contexts grow); the drafted side keeps its last measurement while nobody drafts."""
 
     def __init__(self) -> None:
-        self._weight = self._tokens = self._seconds = self._tokens_sq = self._tokens_seconds = 0.0
-        self.per_token_seconds: float | None = None
-        self.mean_tokens = 0.0
-        self.mean_seconds = 0.0
+        self._ranges: dict[int, tuple[_MovingMean, _MovingMean]] = {}  # bit length -> (plain, with drafts)
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        d = self._DECAY
-        self._weight = d * self._weight + 1.0
-        self._tokens = d * self._tokens + num_tokens
-        self._seconds = d * self._seconds + seconds
-        self._tokens_sq = d * self._tokens_sq + num_tokens * num_tokens
-        self._tokens_seconds = d * self._tokens_seconds + num_tokens * seconds
-        self.mean_tokens, self.mean_seconds = self._tokens / self._weight, self._seconds / self._weight
-        variance = self._tokens_sq / self._weight - self.mean_tokens**2
-        if variance >= self._MIN_VARIANCE:
-            covariance = self._tokens_seconds / self._weight - self.mean_tokens * self.mean_seconds
-            self.per_token_seconds = max(0.0, covariance / variance)
+    def observe(self, num_decodes: int, num_tokens: int, seconds: float) -> None:
+        """A step of `num_decodes` decoding sequences that computed `num_tokens` tokens (drafts included)."""
+        plain, drafted = self._ranges.setdefault(num_decodes.bit_length(), (_MovingMean(), _MovingMean()))
+        (drafted if num_tokens > num_decodes else plain).add(num_tokens / num_decodes, seconds / num_decodes)
 
-    def acceptance_needed(self, num_tokens: int) -> float:
-        """The acceptance rate above which a draft token adds throughput to a step of `num_tokens`
-        tokens (its decodes): the share of that step's fitted time its per-token compute takes, plus
-        a margin. The step's own size, not the recent average, so that a burst of arrivals turns
-        drafts off at once. 0 until measured (drafts then provide the measurement)."""
-        if self.per_token_seconds is None:
+    def acceptance_needed(self, num_decodes: int) -> float:
+        """The acceptance rate above which a draft token adds throughput to a step of `num_decodes`
+        decodes: the share of that step's time its per-token compute takes, plus a margin. 0 while
+        steps of that size have not been measured with drafts and without (drafts then measure)."""
+        plain, drafted = self._ranges.get(num_decodes.bit_length(), (None, None))
+        if plain is None or plain.count == 0 or drafted.count == 0 or drafted.tokens <= plain.tokens + 0.1:
             return 0.0
-        per_token = self.per_token_seconds * num_tokens
-        base = max(0.0, self.mean_seconds - self.per_token_seconds * self.mean_tokens)
-        return min(1.0, per_token / max(base + per_token, 1e-9) + self.MARGIN)
+        per_token = max(0.0, (drafted.seconds - plain.seconds) / (drafted.tokens - plain.tokens))
+        base = max(0.0, plain.seconds - per_token * plain.tokens)  # per decoding sequence
+        return min(1.0, per_token / max(base + per_token, 1e-12) + MARGIN)
+
+
+# Drafts must beat the measured break-even by this much: the estimate misses what does not grow
+# linearly (measured: 4 Qwen2.5-Coder streams drafting at ~100% acceptance, just above the fitted
+# break-even, ran at 0.95x of not drafting).
+MARGIN = 0.1
+
+
+class _MovingMean:
+    """Moving averages of a kind of step's tokens and seconds per decoding sequence."""
+
+    _SMOOTHING = 0.1
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.tokens = 0.0
+        self.seconds = 0.0
+
+    def add(self, tokens: float, seconds: float) -> None:
+        weight = 1.0 if self.count == 0 else self._SMOOTHING
+        self.tokens += weight * (tokens - self.tokens)
+        self.seconds += weight * (seconds - self.seconds)
+        self.count += 1
