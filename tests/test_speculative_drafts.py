@@ -70,4 +70,18 @@ def test_the_step_model_measures_each_batch_size_range_on_its_own():
     assert model.acceptance_needed(1) < 0.05 + MARGIN  # one stream's estimate is not disturbed
     for _ in range(300):  # nobody drafts for a while: the base follows, the draft cost is remembered
         model.observe(1, 1, 0.004 + 0.0001)
-    assert model.acceptance_needed(1) < 0.05 + MARGIN
+    assert 0.0 < model.acceptance_needed(1) < 0.05 + MARGIN
+    for _ in range(StepTimeModel.REMEASURE_AFTER_STEPS):  # ... until it is old: drafts measure it again
+        model.observe(1, 1, 0.004 + 0.0001)
+    assert model.acceptance_needed(1) == 0.0
+
+
+def test_one_noisy_step_with_drafts_does_not_stop_drafting():
+    model = StepTimeModel()
+    for _ in range(20):
+        model.observe(4, 4, 0.04)
+    model.observe(4, 12, 0.12)  # the first step with drafts, on a busy host: three times too long
+    assert model.acceptance_needed(4) == 0.0  # not trusted yet: drafts go on and measure
+    for _ in range(StepTimeModel.MIN_DRAFTED_STEPS):
+        model.observe(4, 12, 0.05)
+    assert model.acceptance_needed(4) < 0.5

@@ -105,20 +105,36 @@ class StepTimeModel:
     tokens, and the steps without drafts give the base. The base follows every plain step (the
     contexts grow); the drafted side keeps its last measurement while nobody drafts."""
 
+    # Drafts are measured over this many steps before the measurement is trusted (one noisy step could
+    # otherwise stop them for good), and measured again after this many steps without any.
+    MIN_DRAFTED_STEPS = 8
+    REMEASURE_AFTER_STEPS = 1000
+
     def __init__(self) -> None:
         self._ranges: dict[int, tuple[_MovingMean, _MovingMean]] = {}  # bit length -> (plain, with drafts)
 
     def observe(self, num_decodes: int, num_tokens: int, seconds: float) -> None:
         """A step of `num_decodes` decoding sequences that computed `num_tokens` tokens (drafts included)."""
         plain, drafted = self._ranges.setdefault(num_decodes.bit_length(), (_MovingMean(), _MovingMean()))
-        (drafted if num_tokens > num_decodes else plain).add(num_tokens / num_decodes, seconds / num_decodes)
+        if num_tokens > num_decodes:
+            drafted.add(num_tokens / num_decodes, seconds / num_decodes)
+            plain.steps_since_other = 0
+        else:
+            plain.add(1.0, seconds / num_decodes)
+            plain.steps_since_other += 1
 
     def acceptance_needed(self, num_decodes: int) -> float:
         """The acceptance rate above which a draft token adds throughput to a step of `num_decodes`
         decodes: the share of that step's time its per-token compute takes, plus a margin. 0 while
-        steps of that size have not been measured with drafts and without (drafts then measure)."""
+        steps of that size have not been measured with drafts and without (drafts then measure), and
+        again once the drafts' measurement is old."""
         plain, drafted = self._ranges.get(num_decodes.bit_length(), (None, None))
-        if plain is None or plain.count == 0 or drafted.count == 0 or drafted.tokens <= plain.tokens + 0.1:
+        if plain is None or plain.count == 0 or drafted.count < self.MIN_DRAFTED_STEPS:
+            return 0.0
+        if plain.steps_since_other > self.REMEASURE_AFTER_STEPS:
+            drafted.count = 0  # measure again: the drafts' cost moves with the contexts and the machine
+            return 0.0
+        if drafted.tokens <= plain.tokens + 0.1:
             return 0.0
         per_token = max(0.0, (drafted.seconds - plain.seconds) / (drafted.tokens - plain.tokens))
         base = max(0.0, plain.seconds - per_token * plain.tokens)  # per decoding sequence
@@ -132,7 +148,8 @@ MARGIN = 0.1
 
 
 class _MovingMean:
-    """Moving averages of a kind of step's tokens and seconds per decoding sequence."""
+    """Moving averages of a kind of step's tokens and seconds per decoding sequence: the plain mean
+    of the first ten, then exponential."""
 
     _SMOOTHING = 0.1
 
@@ -140,9 +157,10 @@ class _MovingMean:
         self.count = 0
         self.tokens = 0.0
         self.seconds = 0.0
+        self.steps_since_other = 0  # plain steps since the latest step with drafts
 
     def add(self, tokens: float, seconds: float) -> None:
-        weight = 1.0 if self.count == 0 else self._SMOOTHING
+        self.count += 1
+        weight = max(1.0 / self.count, self._SMOOTHING)
         self.tokens += weight * (tokens - self.tokens)
         self.seconds += weight * (seconds - self.seconds)
-        self.count += 1
