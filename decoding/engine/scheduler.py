@@ -191,9 +191,9 @@ class Scheduler:
             num_decodes = scheduled.num_decode_tokens - scheduled.num_draft_tokens
             self.step_times.observe(num_decodes, scheduled.num_decode_tokens, seconds)
 
-    def _draft(self, seq: Sequence, max_tokens: int, num_decodes: int) -> list[int]:
+    def _draft(self, seq: Sequence, max_tokens: int, num_decodes: int, num_drafted: int) -> list[int]:
         """Draft tokens for a decode this step (at most `max_tokens`; the step has about `num_decodes`
-        decodes): none when speculation is off, a
+        decodes and `num_drafted` draft tokens so far): none when speculation is off, a
         tool call may begin (its grammar attaches at a token a draft could skip past), or (auto) its
         drafts would cost more compute than they save."""
         if self.speculative == "off" or seq.params.call_trigger is not None:
@@ -206,9 +206,13 @@ class Scheduler:
             return []
         if seq.drafter is None:
             seq.drafter = NgramDrafter(seq.all_token_ids(), MAX_NGRAM, self.max_draft_tokens)
-        if self.speculative == "auto" and seq.drafter.acceptance <= self.step_times.acceptance_needed(num_decodes):
-            seq.drafter.shadow(max_tokens)  # learns what it would have accepted, at no cost
-            return []
+        if self.speculative == "auto":
+            needed = self.step_times.acceptance_needed(num_decodes)
+            # unmeasured at this batch size: one sequence's draft a step measures what drafts cost
+            exploring_done = needed is None and num_drafted > 0
+            if exploring_done or (needed is not None and seq.drafter.acceptance <= needed):
+                seq.drafter.shadow(max_tokens)  # learns what it would have accepted, at no cost
+                return []
         drafts = seq.drafter.propose(max_tokens)
         if drafts and not self.kv.can_append(seq.seq_id, 1 + len(drafts)):
             return []  # nobody is preempted for a draft
@@ -234,7 +238,7 @@ class Scheduler:
                 continue
             # a decode token for every sequence still to come goes before any draft
             drafts = self._draft(seq, self.max_num_batched_tokens - num_scheduled - (num_candidates - position),
-                                 num_candidates)
+                                 num_candidates, out.num_draft_tokens)
             out.chunks.append(self._chunk(seq, 1, out, drafts))
             num_scheduled += 1 + len(drafts)
             out.num_draft_tokens += len(drafts)

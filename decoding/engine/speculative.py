@@ -123,19 +123,19 @@ class StepTimeModel:
             plain.add(1.0, seconds / num_decodes)
             plain.steps_since_other += 1
 
-    def acceptance_needed(self, num_decodes: int) -> float:
+    def acceptance_needed(self, num_decodes: int) -> float | None:
         """The acceptance rate above which a draft token adds throughput to a step of `num_decodes`
-        decodes: the share of that step's time its per-token compute takes, plus a margin. 0 while
-        steps of that size have not been measured with drafts and without (drafts then measure), and
-        again once the drafts' measurement is old."""
+        decodes: the share of that step's time its per-token compute takes, plus a margin. None while
+        steps of that size have not been measured with drafts and without (a few drafts then
+        measure), and again once the drafts' measurement is old."""
         plain, drafted = self._ranges.get(num_decodes.bit_length(), (None, None))
         if plain is None or plain.count == 0 or drafted.count < self.MIN_DRAFTED_STEPS:
-            return 0.0
+            return None
         if plain.steps_since_other > self.REMEASURE_AFTER_STEPS:
             drafted.count = 0  # measure again: the drafts' cost moves with the contexts and the machine
-            return 0.0
+            return None
         if drafted.tokens <= plain.tokens + 0.1:
-            return 0.0
+            return None
         per_token = max(0.0, (drafted.seconds - plain.seconds) / (drafted.tokens - plain.tokens))
         base = max(0.0, plain.seconds - per_token * plain.tokens)  # per decoding sequence
         return min(1.0, per_token / max(base + per_token, 1e-12) + MARGIN)
