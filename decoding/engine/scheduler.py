@@ -1,7 +1,8 @@
 """The scheduler: which sequences compute how many tokens this step (Orca/vLLM iteration-level scheduling).
 
 Each step has a token budget. It goes first to every running sequence's decode token, so streams keep
-flowing; then to prefills already under way, a chunk each; then to waiting sequences, first come first
+flowing (with draft tokens after it where speculative decoding pays: decoding/engine/speculative.py,
+never at the cost of another sequence's decode); then to prefills already under way, a chunk each; then to waiting sequences, first come first
 served, as far as the budget, `max_num_seqs` and free KV blocks allow. A long prompt is therefore split
 over several steps instead of stalling every stream. When a decode needs a block and none is free, the
 most recently admitted sequence is preempted: its blocks are freed and it goes back to the front of
