@@ -231,7 +231,9 @@ def test_a_prompt_preempted_mid_prefill_answers_as_if_it_never_was(default_model
     # 17 blocks of 16: two decoders with 70-token prompts hold 10 (10 tokens of room each), the
     # 100-token prompt takes the other 7 and prefills 6 tokens a step, so the decoders' first new
     # blocks must preempt it mid-prefill; it is recomputed once they are done.
-    config = EngineConfig(num_kv_blocks=17, max_num_seqs=3, max_num_batched_tokens=8, kernels="exact", n_threads=1)
+    # speculation off: drafts would change how fast each sequence grows, and so whether this one is preempted
+    config = EngineConfig(num_kv_blocks=17, max_num_seqs=3, max_num_batched_tokens=8, kernels="exact", n_threads=1,
+                          speculative="off")
     prompt = [int(t) for t in np.random.default_rng(3).integers(1000, 30000, 100)]
     params = greedy(1, logprobs=1, prompt_logprobs=prompt_logprobs)
     eng = Engine(default_model, config)  # never started: this test turns the loop itself
