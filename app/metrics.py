@@ -106,7 +106,7 @@ class EngineMetricsObserver:
         m.prompt_tokens.inc(len(request.prompt_ids))
         m.generation_tokens.inc(request.num_completion_tokens)
         m.prefix_cache_hit_tokens.inc(request.num_cached_tokens)
-        drafted, accepted = request.num_draft_tokens
+        drafted, accepted = request.draft_token_counts
         m.spec_draft_tokens.inc(drafted)
         m.spec_accepted_tokens.inc(accepted)
         m.request_success.labels(finish_reason=finish_reason).inc()

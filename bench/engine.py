@@ -26,6 +26,7 @@ from bench.engine_peers import run_llama_cpp, run_peers
 from bench.engine_quality import measure_quality
 from bench.engine_report import print_table
 from bench.engine_rooflines import measure_gemm_gflops, measure_int8_gmacs, measure_read_bandwidth
+from bench.engine_streams import generate_together
 from bench.speculative import measure_speculative
 from decoding.engine.engine import Engine, EngineConfig
 from decoding.engine.params import SamplingParams
@@ -67,24 +68,11 @@ def run_level(engine: Engine, prompt_ids: list[int], concurrency: int, max_token
     engine.observers.append(timer)
     params = [SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=i, ignore_eos=constraint is None,
                              constraint=constraint) for i in range(concurrency)]  # fmt: skip
-    counts = [0] * concurrency
-    started = time.perf_counter()
-    streams = [engine.submit(prompt_ids, p) for p in params]
-
-    def drain(i: int) -> None:
-        counts[i] = sum(len(o.token_ids) for o in streams[i])
-
-    threads = [threading.Thread(target=drain, args=(i,)) for i in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    seconds = time.perf_counter() - started
+    total, seconds = generate_together(engine, prompt_ids, params)
     engine.observers.remove(timer)
     decode_steps = timer.steps[1:] or timer.steps  # the first step is the prompts' prefill
     step_seconds = [s for s, _ in decode_steps]
     python = sum(s - k for s, k in decode_steps) / max(sum(step_seconds), 1e-12)
-    total = sum(counts)
     return LevelResult(concurrency, total, seconds, total / seconds, 1000 * statistics.median(step_seconds), python)
 
 

@@ -16,11 +16,10 @@ once first, so the prefix cache serves it and the rate is the decode's.
 from __future__ import annotations
 
 import statistics
-import threading
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bench.engine_streams import generate_together
 from decoding.engine.engine import Engine
 from decoding.engine.params import SamplingParams
 from decoding.model.model import Model
@@ -59,20 +58,8 @@ def run_once(engine: Engine, prompt_ids: list[int], workload: Workload, concurre
     params = [SamplingParams(max_tokens=max_tokens, temperature=workload.temperature, seed=i, ignore_eos=True)
               for i in range(concurrency)]  # fmt: skip
     drafted, accepted = engine.stats.num_draft_tokens, engine.stats.num_accepted_draft_tokens
-    counts = [0] * concurrency
-    started = time.perf_counter()
-    streams = [engine.submit(prompt_ids, p) for p in params]
-
-    def drain(i: int) -> None:
-        counts[i] = sum(len(o.token_ids) for o in streams[i])
-
-    threads = [threading.Thread(target=drain, args=(i,)) for i in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    seconds = time.perf_counter() - started
-    return Run(sum(counts) / seconds, engine.stats.num_draft_tokens - drafted,
+    tokens, seconds = generate_together(engine, prompt_ids, params)
+    return Run(tokens / seconds, engine.stats.num_draft_tokens - drafted,
                engine.stats.num_accepted_draft_tokens - accepted)
 
 

@@ -1,10 +1,10 @@
-"""The n-gram drafter and the step-time model behind speculative decoding (decoding/engine/speculative.py)."""
+"""The n-gram drafter and the draft cost model behind speculative decoding (decoding/engine/speculative.py)."""
 
 from __future__ import annotations
 
 import random
 
-from decoding.engine.speculative import MARGIN, NgramDrafter, StepTimeModel
+from decoding.engine.speculative import MARGIN, DraftCostModel, NgramDrafter
 
 
 def brute_force_proposal(tokens: list[int], max_n: int, num: int) -> list[int]:
@@ -55,7 +55,7 @@ def test_drafts_not_run_still_teach_the_acceptance():
 
 
 def test_the_step_model_measures_each_batch_size_range_on_its_own():
-    model = StepTimeModel()
+    model = DraftCostModel()
     assert model.acceptance_needed(1) is None  # unmeasured: a few drafts run, and measure
     rng = random.Random(1)
     for _ in range(200):  # one stream: a 3 ms step bound by reading the weights, 0.1 ms a token
@@ -71,17 +71,17 @@ def test_the_step_model_measures_each_batch_size_range_on_its_own():
     for _ in range(300):  # nobody drafts for a while: the base follows, the draft cost is remembered
         model.observe(1, 1, 0.004 + 0.0001)
     assert 0.0 < model.acceptance_needed(1) < 0.05 + MARGIN
-    for _ in range(StepTimeModel.REMEASURE_AFTER_STEPS):  # ... until it is old: drafts measure it again
+    for _ in range(DraftCostModel.REMEASURE_AFTER_STEPS):  # ... until it is old: drafts measure it again
         model.observe(1, 1, 0.004 + 0.0001)
     assert model.acceptance_needed(1) is None
 
 
 def test_one_noisy_step_with_drafts_does_not_stop_drafting():
-    model = StepTimeModel()
+    model = DraftCostModel()
     for _ in range(20):
         model.observe(4, 4, 0.04)
     model.observe(4, 12, 0.12)  # the first step with drafts, on a busy host: three times too long
     assert model.acceptance_needed(4) is None  # not trusted yet: drafts go on and measure
-    for _ in range(StepTimeModel.MIN_DRAFTED_STEPS):
+    for _ in range(DraftCostModel.MIN_DRAFTED_STEPS):
         model.observe(4, 12, 0.05)
     assert model.acceptance_needed(4) < 0.5

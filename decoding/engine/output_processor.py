@@ -71,7 +71,7 @@ def process_token(seq: Sequence, token: int, logprobs: TokenLogprobs | None, eos
 
 def usage_of(request: Request) -> Usage:
     return Usage(len(request.prompt_ids), request.num_completion_tokens, request.num_cached_tokens,
-                 *request.num_draft_tokens)
+                 *request.draft_token_counts)
 
 
 def record_prompt_logprobs(seq: Sequence, token_ids: list[int], logits: np.ndarray) -> None:

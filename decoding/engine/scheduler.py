@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from kvcache.manager import BlockCopy, KVCacheManager
 
 from .sequence import Sequence, SequenceStatus
-from .speculative import MAX_NGRAM, NgramDrafter, StepTimeModel
+from .speculative import MAX_NGRAM, DraftCostModel, NgramDrafter
 
 
 @dataclass(slots=True)
@@ -132,9 +132,9 @@ class Scheduler:
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError("max_num_batched_tokens must be at least max_num_seqs: every decode needs a slot")
         self.kv = kv
-        self.speculative = speculative  # "off", "auto" (while drafts pay, by `step_times`) or "ngram"
+        self.speculative = speculative  # "off", "auto" (while drafts pay, by `draft_costs`) or "ngram"
         self.max_draft_tokens = max_draft_tokens
-        self.step_times = StepTimeModel()
+        self.draft_costs = DraftCostModel()
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # None: prefill chunks take whatever budget the decodes leave (throughput over smoothness)
@@ -190,13 +190,13 @@ class Scheduler:
             self.step_costs.observe(scheduled.num_decode_tokens, num_prefill, seconds)
         if num_prefill == 0 and scheduled.num_decode_tokens:
             num_decodes = scheduled.num_decode_tokens - scheduled.num_draft_tokens
-            self.step_times.observe(num_decodes, scheduled.num_decode_tokens, seconds)
+            self.draft_costs.observe(num_decodes, scheduled.num_decode_tokens, seconds)
 
-    def _draft(self, seq: Sequence, max_tokens: int, num_decodes: int, num_drafted: int) -> list[int]:
-        """Draft tokens for a decode this step (at most `max_tokens`; the step has about `num_decodes`
-        decodes and `num_drafted` draft tokens so far): none when speculation is off, a
-        tool call may begin (its grammar attaches at a token a draft could skip past), or (auto) its
-        drafts would cost more compute than they save."""
+    def _draft(self, seq: Sequence, max_tokens: int, acceptance_needed: float | None, num_drafted: int) -> list[int]:
+        """Draft tokens for a decode this step (at most `max_tokens`; `num_drafted` draft tokens so far
+        this step): none when speculation is off, a tool call may begin (its grammar attaches at a
+        token a draft could skip past), or (auto) its drafts would cost more compute than they save
+        (`acceptance_needed` at this step's size, None while unmeasured)."""
         if self.speculative == "off" or seq.params.call_trigger is not None:
             return []
         params = seq.params
@@ -208,10 +208,9 @@ class Scheduler:
         if seq.drafter is None:
             seq.drafter = NgramDrafter(seq.all_token_ids(), MAX_NGRAM, self.max_draft_tokens)
         if self.speculative == "auto":
-            needed = self.step_times.acceptance_needed(num_decodes)
             # unmeasured at this batch size: one sequence's draft a step measures what drafts cost
-            exploring_done = needed is None and num_drafted > 0
-            if exploring_done or (needed is not None and seq.drafter.acceptance <= needed):
+            measured_enough = acceptance_needed is None and num_drafted > 0
+            if measured_enough or (acceptance_needed is not None and seq.drafter.acceptance <= acceptance_needed):
                 seq.drafter.shadow(max_tokens)  # learns what it would have accepted, at no cost
                 return []
         drafts = seq.drafter.propose(max_tokens)
@@ -222,6 +221,7 @@ class Scheduler:
     def _schedule_decodes(self, out: SchedulerOutput) -> int:
         num_scheduled = 0
         num_candidates = len(self.running)
+        acceptance_needed = self.draft_costs.acceptance_needed(num_candidates) if self.speculative == "auto" else None
         for position, seq in enumerate(list(self.running)):
             if seq.status != SequenceStatus.RUNNING or not (seq.is_prefill_done and seq.num_uncomputed_tokens == 1):
                 continue
@@ -239,7 +239,7 @@ class Scheduler:
                 continue
             # a decode token for every sequence still to come goes before any draft
             drafts = self._draft(seq, self.max_num_batched_tokens - num_scheduled - (num_candidates - position),
-                                 num_candidates, out.num_draft_tokens)
+                                 acceptance_needed, out.num_draft_tokens)
             out.chunks.append(self._chunk(seq, 1, out, drafts))
             num_scheduled += 1 + len(drafts)
             out.num_draft_tokens += len(drafts)

@@ -49,7 +49,7 @@ class Request:
         return sum(len(s.output_ids) for s in self.sequences)
 
     @property
-    def num_draft_tokens(self) -> tuple[int, int]:
+    def draft_token_counts(self) -> tuple[int, int]:
         """Speculative draft tokens verified for its choices, and how many of them were accepted."""
         drafters = [s.drafter for s in self.sequences if s.drafter is not None]
         return sum(d.num_drafted for d in drafters), sum(d.num_accepted for d in drafters)

@@ -10,7 +10,7 @@ The engine verifies a draft in the ordinary model step, as a short chunk beside 
 keeps the longest prefix that plain decoding would have produced plus the token plain decoding
 produces after it (`Engine._verify`), so speculation never changes what a request generates.
 
-It is not free: a draft's tokens are computed whether or not they are accepted. `StepTimeModel`
+It is not free: a draft's tokens are computed whether or not they are accepted. `DraftCostModel`
 compares recent decode steps with drafts and without, at about the same batch size, for the cost of
 a token and the base a step pays anyway; a draft token is worth its compute when the chance it is accepted exceeds the
 share of the coming step's time that per-token compute takes — near zero for one stream, whose step
@@ -95,15 +95,16 @@ class NgramDrafter:
             self.num_tokens_to_draft = max(1, num_accepted + 1)
 
 
-class StepTimeModel:
+class DraftCostModel:
     """What a draft token costs in a decode step, per batch size range (1, 2-3, 4-7, 8-15, ...
     decoding sequences): a step of one sequence is bound by reading the weights and its extra rows
     cost little, one of 32 is bound by compute, and one estimate across both regimes misjudges each.
 
-    Within a range, moving averages of (tokens, seconds) are kept apart for steps with drafts and
-    steps without; the cost of a token is their difference in seconds over their difference in
-    tokens, and the steps without drafts give the base. The base follows every plain step (the
-    contexts grow); the drafted side keeps its last measurement while nobody drafts."""
+    Within a range, moving averages per decoding sequence are kept apart for steps with drafts
+    (tokens and seconds) and steps without (seconds, for one token); the cost of a token is their
+    difference in seconds over their difference in tokens, and the steps without drafts give the
+    base. The base follows every plain step (the contexts grow); the drafted side keeps its last
+    measurement while nobody drafts."""
 
     # Drafts are measured over this many steps before the measurement is trusted (one noisy step could
     # otherwise stop them for good), and measured again after this many steps without any.
@@ -111,27 +112,28 @@ class StepTimeModel:
     REMEASURE_AFTER_STEPS = 1000
 
     def __init__(self) -> None:
-        self._ranges: dict[int, tuple[_MovingMean, _MovingMean]] = {}  # bit length -> (plain, with drafts)
+        self._ranges: dict[int, _BatchSizeRange] = {}  # by the bit length of the number of decodes
 
     def observe(self, num_decodes: int, num_tokens: int, seconds: float) -> None:
         """A step of `num_decodes` decoding sequences that computed `num_tokens` tokens (drafts included)."""
-        plain, drafted = self._ranges.setdefault(num_decodes.bit_length(), (_MovingMean(), _MovingMean()))
+        steps = self._ranges.setdefault(num_decodes.bit_length(), _BatchSizeRange())
         if num_tokens > num_decodes:
-            drafted.add(num_tokens / num_decodes, seconds / num_decodes)
-            plain.steps_since_other = 0
+            steps.drafted.add(num_tokens / num_decodes, seconds / num_decodes)
+            steps.plain_steps_since_drafts = 0
         else:
-            plain.add(1.0, seconds / num_decodes)
-            plain.steps_since_other += 1
+            steps.plain.add(1.0, seconds / num_decodes)
+            steps.plain_steps_since_drafts += 1
 
     def acceptance_needed(self, num_decodes: int) -> float | None:
         """The acceptance rate above which a draft token adds throughput to a step of `num_decodes`
         decodes: the share of that step's time its per-token compute takes, plus a margin. None while
         steps of that size have not been measured with drafts and without (a few drafts then
         measure), and again once the drafts' measurement is old."""
-        plain, drafted = self._ranges.get(num_decodes.bit_length(), (None, None))
-        if plain is None or plain.count == 0 or drafted.count < self.MIN_DRAFTED_STEPS:
+        steps = self._ranges.get(num_decodes.bit_length())
+        if steps is None or steps.plain.count == 0 or steps.drafted.count < self.MIN_DRAFTED_STEPS:
             return None
-        if plain.steps_since_other > self.REMEASURE_AFTER_STEPS:
+        plain, drafted = steps.plain, steps.drafted
+        if steps.plain_steps_since_drafts > self.REMEASURE_AFTER_STEPS:
             drafted.count = 0  # measure again: the drafts' cost moves with the contexts and the machine
             return None
         if drafted.tokens <= plain.tokens + 0.1:
@@ -157,10 +159,18 @@ class _MovingMean:
         self.count = 0
         self.tokens = 0.0
         self.seconds = 0.0
-        self.steps_since_other = 0  # plain steps since the latest step with drafts
 
     def add(self, tokens: float, seconds: float) -> None:
         self.count += 1
         weight = max(1.0 / self.count, self._SMOOTHING)
         self.tokens += weight * (tokens - self.tokens)
         self.seconds += weight * (seconds - self.seconds)
+
+
+class _BatchSizeRange:
+    __slots__ = ("drafted", "plain", "plain_steps_since_drafts")
+
+    def __init__(self) -> None:
+        self.plain = _MovingMean()
+        self.drafted = _MovingMean()
+        self.plain_steps_since_drafts = 0
