@@ -61,6 +61,9 @@ class ServerMetrics:
         self.slow_reader_aborts = Counter("treadle_slow_reader_aborts",
                                           "Requests aborted because their client read nothing for the timeout.",
                                           registry=registry)
+        self.queue_timeouts = Counter("treadle_queue_timeouts",
+                                      "Requests ended unstarted because they waited in the queue past their timeout.",
+                                      registry=registry)
         self.request_success = Counter("treadle_request_success", "Finished requests by finish reason.",
                                        ["finish_reason"], registry=registry)
         self.requests_rejected = Counter("treadle_requests_rejected", "Requests refused with 429 (queue full).",
@@ -117,6 +120,9 @@ class EngineMetricsObserver:
 
     def on_slow_reader_abort(self) -> None:
         self.metrics.slow_reader_aborts.inc()
+
+    def on_queue_timeout(self) -> None:
+        self.metrics.queue_timeouts.inc()
 
 
 class TokenGapTimer:

@@ -352,3 +352,30 @@ def test_a_broken_pool_ends_the_engine_instead_of_failing_every_later_step(defau
         assert eng.is_failed and "BrokenPool" in eng.failure
     finally:
         eng.shutdown()
+
+
+def test_a_request_that_waits_past_its_queue_timeout_ends_unstarted_and_is_counted(default_model):
+    timeouts = []
+
+    class CountTimeouts:
+        def __getattr__(self, name):
+            return lambda *args: timeouts.append(name) if name == "on_queue_timeout" else None
+
+    eng = Engine(default_model, EngineConfig(max_num_seqs=1, kv_cache_mb=16)).start()
+    eng.observers.append(CountTimeouts())
+    try:
+        ids = default_model.tokenizer.encode(CAPITAL)
+        busy = eng.submit(ids, greedy(400, ignore_eos=True))
+        first = next(iter(busy))  # the only slot is taken
+        assert first.token_ids
+        in_time = eng.submit(ids, greedy(2), queue_timeout=600)
+        late = eng.generate(ids, greedy(4), queue_timeout=0.2)
+        assert [(o.finish_reason, o.token_ids) for o in late] == [("timeout", [])]
+        assert "queue" in late[0].error and timeouts == ["on_queue_timeout"]
+        eng.abort(busy.request_id)
+        # one that was admitted in time is served in full, whatever its timeout
+        assert sum(len(o.token_ids) for o in in_time) == 2
+    finally:
+        eng.shutdown()
+    with pytest.raises(InvalidParams):
+        eng.submit([1, 2], greedy(1), queue_timeout=0)

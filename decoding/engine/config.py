@@ -30,6 +30,9 @@ class EngineConfig:
     # while the cost model says a draft pays, "ngram" always drafts, "off" never.
     speculative: str = "auto"
     speculative_max_tokens: int = 8  # the longest draft
+    # Admission goes by priority, then arrival; a request that has waited this long goes ahead of every
+    # priority (in arrival order), so a low priority delays a request but never starves it. None: never.
+    priority_starvation_seconds: float | None = 60.0
 
 
 SPECULATIVE_MODES = ("off", "auto", "ngram")

@@ -9,6 +9,7 @@ parks on a condition while there is nothing to do: an idle server burns no CPU.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import itertools
 import logging
 import threading
@@ -65,7 +66,7 @@ class Engine:
         if cfg.speculative not in SPECULATIVE_MODES:
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {cfg.speculative!r}")
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_itl_stretch,
-                                   cfg.speculative, cfg.speculative_max_tokens)
+                                   cfg.speculative, cfg.speculative_max_tokens, cfg.priority_starvation_seconds)
         self.pool = SpinPool(cfg.n_threads, pin=cfg.pin_threads)
         max_logit_rows = max(cfg.max_num_batched_tokens, cfg.max_num_seqs)
         self.runner = ModelRunner(model, self.storage, self.pool, cfg.max_num_batched_tokens, max_logit_rows,
@@ -77,6 +78,7 @@ class Engine:
         self.observers: list[EngineObserver] = []
         self.fault_hook: Callable[[SchedulerOutput], None] | None = None  # tests inject step failures here
         self._requests: dict[str, Request] = {}  # engine thread only
+        self._queue_deadlines: list[tuple[float, int, Request]] = []  # a heap; engine thread only
         self._inbox: deque[_Command] = deque()
         self._wakeup = threading.Condition()
         self._num_unfinished = 0  # submitted and not yet finished; guarded by _wakeup
@@ -97,9 +99,16 @@ class Engine:
         return self
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-               loop: asyncio.AbstractEventLoop | None = None) -> RequestStream:
-        """Queue a request; its outputs arrive on the returned stream (async if `loop` is given)."""
+               loop: asyncio.AbstractEventLoop | None = None, priority: int = 0,
+               queue_timeout: float | None = None) -> RequestStream:
+        """Queue a request; its outputs arrive on the returned stream (async if `loop` is given).
+
+        `priority`: lower is admitted first (see the scheduler). `queue_timeout`: seconds it may wait
+        for admission; past them it ends with finish_reason "timeout" instead of being served late.
+        """
         self.validate(prompt_ids, params)
+        if queue_timeout is not None and not queue_timeout > 0:
+            raise InvalidParams("timeout", f"timeout must be positive, got {queue_timeout}")
         request_id = request_id or f"req-{next(self._ids)}"
         stream = RequestStream(request_id, loop, self.config.max_unread_bytes, on_drained=self._wake)
         with self._wakeup:
@@ -110,7 +119,10 @@ class Engine:
             if self._num_unfinished >= self.config.max_queue:
                 raise QueueFull(f"{self._num_unfinished} requests are running or waiting (max_queue)")
             self._num_unfinished += 1
-            self._inbox.append(("add", Request(request_id, list(prompt_ids), params, stream)))
+            request = Request(request_id, list(prompt_ids), params, stream, priority=priority)
+            if queue_timeout is not None:
+                request.queue_deadline = request.arrival_time + queue_timeout
+            self._inbox.append(("add", request))
             self._wakeup.notify()
         return stream
 
@@ -211,6 +223,7 @@ class Engine:
         """One turn: apply the inbox, schedule, run the model, sample, publish."""
         self._drain_inbox()
         self._abort_slow_readers()
+        self._end_queue_timeouts()
         try:
             self._step()
         finally:
@@ -377,6 +390,19 @@ class Engine:
                 self._notify("on_slow_reader_abort")
                 self._fail_request(request, "abort", f"the client read nothing for {timeout:g} s")
 
+    def _end_queue_timeouts(self) -> None:
+        """End requests still waiting for admission past their deadline (finish_reason "timeout")."""
+        deadlines = self._queue_deadlines
+        now = time.monotonic()
+        while deadlines and deadlines[0][0] < now:
+            request = heapq.heappop(deadlines)[2]
+            if request.request_id in self._requests and not request.was_admitted:
+                waited = now - request.arrival_time
+                log.warning("ending %s: it waited %.1f s in the queue, past its timeout", request.request_id, waited)
+                self._notify("on_queue_timeout")
+                self._fail_request(request, "timeout", f"the request waited {waited:.1f} s in the queue, past "
+                                                       "its timeout, and was not started")  # fmt: skip
+
     def _count_prompt_tokens(self, seq: Sequence) -> None:
         """Each prompt position counts once per request: recomputing it after a preemption is not new work
         asked for, and positions found in the prefix cache at admission were never computed here."""
@@ -432,6 +458,8 @@ class Engine:
                        seed_generator(params.seed, 0))
         request.sequences.append(seq)
         self.scheduler.add(seq)
+        if request.queue_deadline is not None:
+            heapq.heappush(self._queue_deadlines, (request.queue_deadline, seq.seq_id, request))
 
     def _publish(self, seq: Sequence, output: RequestOutput) -> None:
         request = seq.request
@@ -492,6 +520,7 @@ class Engine:
             except Exception:  # noqa: BLE001 - one stream must not keep the others open
                 log.exception("could not end request %s", request.request_id)
         self._requests.clear()
+        self._queue_deadlines.clear()
         self.num_running_requests = self.num_paused_requests = 0
         self.scheduler.running.clear()
         self.scheduler.waiting.clear()
@@ -526,11 +555,11 @@ class Engine:
 
     # ---- convenience for synchronous callers (CLI, benchmarks, tests) -------------------------------
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams,
-                 request_id: str | None = None) -> list[RequestOutput]:
+    def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                 priority: int = 0, queue_timeout: float | None = None) -> list[RequestOutput]:
         """Submit and wait: the merged output of each choice."""
         merged: dict[int, RequestOutput] = {}
-        for output in self.submit(prompt_ids, params, request_id):
+        for output in self.submit(prompt_ids, params, request_id, priority=priority, queue_timeout=queue_timeout):
             if output.index in merged:
                 merged[output.index].merge(output)
             else:

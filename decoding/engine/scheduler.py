@@ -2,12 +2,18 @@
 
 Each step has a token budget. It goes first to every running sequence's decode token, so streams keep
 flowing (with draft tokens after it where speculative decoding pays: decoding/engine/speculative.py,
-never at the cost of another sequence's decode); then to prefills already under way, a chunk each; then to waiting sequences, first come first
-served, as far as the budget, `max_num_seqs` and free KV blocks allow. A long prompt is therefore split
-over several steps instead of stalling every stream. When a decode needs a block and none is free, the
-most recently admitted sequence is preempted: its blocks are freed and it goes back to the front of
-the queue, to be recomputed (prefix caching often finds its blocks still there). A sequence whose
-client has stopped reading (`Sequence.is_paused`) keeps its place and its blocks but is not scheduled.
+never at the cost of another sequence's decode); then to prefills already under way, a chunk each; then to waiting sequences, as far as
+the budget, `max_num_seqs` and free KV blocks allow. A long prompt is therefore split over several steps
+instead of stalling every stream.
+
+Waiting sequences are admitted by priority (lower first, vLLM's convention), then arrival; nobody
+overtakes the sequence at the head of that order. A request that has waited `priority_starvation_seconds`
+goes ahead of every priority, in arrival order: a low priority delays a request by at most that bound
+plus the admission of the requests that reached it earlier, never for ever. When a decode needs a block
+and none is free, the running sequence with the lowest priority (the most recently admitted among equals)
+is preempted: its blocks are freed and it goes back to the queue, to be recomputed (prefix caching
+often finds its blocks still there). A sequence whose client has stopped reading (`Sequence.is_paused`)
+keeps its place and its blocks but is not scheduled.
 
 While streams are decoding, chunks of *long* prompts (more than LONG_PREFILL_TOKENS to compute when
 admitted, prefix-cache hits aside; the whole prompt stays long to its last chunk) are also held to a time budget: a step may take at most `max_itl_stretch` times as long as a
@@ -21,6 +27,7 @@ Chunk sizes never change any sequence's numbers (the kernels are batch-invariant
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -128,7 +135,7 @@ class StepCostModel:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_itl_stretch: float | None = 2.0, speculative: str = "off",
-                 max_draft_tokens: int = 8) -> None:  # fmt: skip
+                 max_draft_tokens: int = 8, priority_starvation_seconds: float | None = None) -> None:  # fmt: skip
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError("max_num_batched_tokens must be at least max_num_seqs: every decode needs a slot")
         self.kv = kv
@@ -140,8 +147,9 @@ class Scheduler:
         # None: prefill chunks take whatever budget the decodes leave (throughput over smoothness)
         self.step_costs = StepCostModel(max_itl_stretch) if max_itl_stretch else None
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in admission order: the newest is preempted first
+        self.running: list[Sequence] = []  # in admission order: among equal priorities the newest is preempted first
         self.num_preemptions = 0
+        self.priority_starvation_seconds = priority_starvation_seconds
 
     @property
     def has_work(self) -> bool:
@@ -231,7 +239,7 @@ class Scheduler:
                 self._preempt(seq, out)  # the loop goes oldest first: the newest give way
                 continue
             while not self.kv.can_append(seq.seq_id, 1):
-                victim = self.running[-1]
+                victim = self._preemption_victim()
                 self._preempt(victim, out)
                 if victim is seq:
                     break
@@ -255,18 +263,32 @@ class Scheduler:
             if num_tokens:
                 out.chunks.append(self._chunk(seq, num_tokens, out))
 
+    def _preemption_victim(self) -> Sequence:
+        """The running sequence of the lowest priority (highest value); the newest among equals."""
+        running = self.running
+        return running[max(range(len(running)), key=lambda i: (running[i].request.priority, i))]
+
+    def next_waiting(self, now: float | None = None) -> Sequence:
+        """The waiting sequence to admit next: by priority then arrival, the starved first."""
+        starvation = self.priority_starvation_seconds
+        if starvation is None:
+            return min(self.waiting, key=_admission_order)
+        starved_since = (time.monotonic() if now is None else now) - starvation
+        return min(self.waiting, key=lambda seq: (seq.request.arrival_time > starved_since, *_admission_order(seq)))
+
     def _admit(self, out: SchedulerOutput, budget: _PrefillBudget) -> None:
         num_reserved = self.num_reserved_seqs
+        now = time.monotonic()
         while self.waiting:
-            seq = self.waiting[0]
+            seq = self.next_waiting(now)
             if num_reserved + _num_seqs_reserved_by(seq) > self.max_num_seqs:
                 break
             token_ids = seq.all_token_ids()
             # prompt logprobs need every prompt row's logits: nothing of the prompt may come from the cache
             use_cache = seq.params.prompt_logprobs is None or bool(seq.output_ids)
             if not budget.share(len(token_ids), len(token_ids)) or not self.kv.can_allocate(token_ids, use_cache):
-                break  # first come, first served: nobody overtakes the head of the queue
-            self.waiting.popleft()
+                break  # nobody overtakes the head of the queue (a big prompt would wait for ever)
+            self.waiting.remove(seq)
             num_cached = self.kv.allocate(seq.seq_id, token_ids, use_cache)
             seq.num_computed_tokens = num_cached
             if seq.index == 0 and seq.num_preemptions == 0:  # a recompute finds its own blocks: not a hit
@@ -294,8 +316,14 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)  # older victims are preempted later, so they end up first
+        self.waiting.appendleft(seq)
         out.preempted.append(seq)
+
+
+def _admission_order(seq: Sequence) -> tuple[int, float, int]:
+    """Priority, then arrival (a preempted sequence keeps its request's), then choice index."""
+    request = seq.request
+    return request.priority, request.arrival_time, seq.index
 
 
 def _num_seqs_reserved_by(seq: Sequence) -> int:

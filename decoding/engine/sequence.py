@@ -31,6 +31,8 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     stream: RequestStream
+    priority: int = 0  # lower first (vLLM's convention); see Scheduler for how long a low one can wait
+    queue_deadline: float | None = None  # time.monotonic() past which it is not admitted any more (a 503)
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -43,6 +45,12 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.num_finished_choices == self.params.n
+
+    @property
+    def was_admitted(self) -> bool:
+        """Its first sequence has been scheduled at least once (it may be waiting again, preempted)."""
+        first = self.sequences[0] if self.sequences else None
+        return first is not None and (first.status != SequenceStatus.WAITING or first.num_preemptions > 0)
 
     @property
     def num_completion_tokens(self) -> int:
