@@ -14,6 +14,7 @@ from starlette.middleware.cors import CORSMiddleware
 from decoding.engine.engine import Engine
 
 from .errors import EXCEPTION_HANDLERS
+from .responses_routes import RESPONSES_ROUTES
 from .routes import CHAT_PAGE_ROUTE, ROUTES
 from .server import APIKeyMiddleware, ServingState
 from .settings import ServerSettings
@@ -34,11 +35,11 @@ def build_app(settings: ServerSettings, engine: Engine, on_startup_failure: Call
     middleware = []
     if settings.cors_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
-                                     allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"],
+                                     allow_methods=["GET", "POST", "DELETE", "OPTIONS"], allow_headers=["*"],
                                      expose_headers=["Retry-After"]))
     if settings.api_key:
         middleware.append(Middleware(APIKeyMiddleware, api_key=settings.api_key))
-    routes = [*ROUTES, CHAT_PAGE_ROUTE] if settings.chat_page else ROUTES
+    routes = [*ROUTES, *RESPONSES_ROUTES, *([CHAT_PAGE_ROUTE] if settings.chat_page else [])]
     app = Starlette(routes=routes, middleware=middleware, exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
     app.state.serving = state
     return app

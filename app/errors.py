@@ -15,6 +15,8 @@ log = logging.getLogger(__name__)
 
 MSGPACK = "application/msgpack"
 
+RETRY_AFTER_SECONDS = "1"  # a queue slot frees when any request ends: usually within a second or two
+
 # OpenAI's `type` values; clients branch on the HTTP status, humans read the message.
 _TYPE_OF_STATUS = {
     400: "invalid_request_error",
@@ -23,6 +25,8 @@ _TYPE_OF_STATUS = {
     405: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
+    409: "invalid_request_error",
+    410: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable_error",
 }

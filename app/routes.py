@@ -8,7 +8,8 @@ A generation request goes: admission (429 when full) → body → prompt ids →
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import anyio
@@ -25,9 +26,16 @@ from .errors import APIError, encoded_response
 from .metrics import TokenGapTimer
 from .openapi import openapi_schema
 from .protocol import ChatFormatter, CompletionFormatter, ResponseHeader
-from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .runs import EventsGone, Run
+from .schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    SchedulingFields,
+    TokenizeRequest,
+)
 from .server import ServingState, serving
-from .streaming import Generation, respond
+from .streaming import SSE_FRAMING, Formatter, Framing, Generation, respond, stream_run
 from .tools import HermesToolCalls, syntax_for
 
 # Without max_tokens, chat may use the rest of the context (as vLLM), capped so that a forgotten
@@ -44,27 +52,14 @@ async def chat_completions(request: Request) -> Response:
     with state.admission() as engine:
         body = await read_body(request, ChatCompletionRequest, state.settings.max_body_bytes)
         state.check_model(body.model)
-        syntax = _tool_syntax(state, body)
-        prompt_ids = await anyio.to_thread.run_sync(_chat_prompt_ids, state, body)
-        params = _sampling_params(engine, body, len(prompt_ids), DEFAULT_CHAT_MAX_TOKENS, "messages")
-        if syntax is not None:
-            tag_ids = {tag: ids[0] if len(ids := state.model.tokenizer.encode(tag)) == 1 else None
-                       for tag in (syntax.start, syntax.end)}  # fmt: skip
-            if body.forces_a_call:
-                if params.constraint is not None:
-                    raise APIError(400, f"tool_choice {body.tool_choice!r} and {params.constraint.field} both "
-                                        "constrain the output: give one", "tool_choice")  # fmt: skip
-                params = replace(params, constraint=syntax.constraint(body.called_functions(),
-                                                                      body.parallel_tool_calls, tag_ids))  # fmt: skip
-            elif params.constraint is None:  # auto: a call the model begins gets valid arguments
-                params = replace(params, call_trigger=syntax.call_trigger(body.called_functions(), tag_ids))
-            # the tags may be special tokens: the parser must see them in the text
-            params = replace(params, skip_special_tokens=False)
+        syntax = tool_syntax(state, body)
+        prompt_ids = await anyio.to_thread.run_sync(chat_prompt_ids, state, body)
+        params = sampling_params(engine, body, len(prompt_ids), DEFAULT_CHAT_MAX_TOKENS, "messages")
+        params = with_tools(state, body, params, syntax)
         header = ResponseHeader.new("chatcmpl", state.model_name, state.system_fingerprint)
         formatter = ChatFormatter(header, state.tokens, params.n, body.include_usage, syntax)
-        generation = _submit(state, engine, prompt_ids, params, header.id, formatter)
-    return await respond(request, generation, body.stream, state.settings.sse_ping_seconds,
-                         state.settings.slow_reader_timeout_seconds)
+        generation = submit(state, engine, prompt_ids, params, header.id, formatter, scheduling(state, request, body))
+    return await respond(request, generation, body.stream, state.stream_settings, state.runs)
 
 
 async def completions(request: Request) -> Response:
@@ -76,18 +71,17 @@ async def completions(request: Request) -> Response:
             prompt_ids = await anyio.to_thread.run_sync(_encode, state, body.prompt, True, "prompt")
         else:
             prompt_ids = _checked_token_ids(state, body.prompt, "prompt")  # before `echo` decodes them
-        params = _sampling_params(engine, body, len(prompt_ids), DEFAULT_COMPLETION_MAX_TOKENS, "prompt")
+        params = sampling_params(engine, body, len(prompt_ids), DEFAULT_COMPLETION_MAX_TOKENS, "prompt")
         echo_text = None
         if body.echo:
             echo_text = body.prompt if isinstance(body.prompt, str) else state.model.tokenizer.decode(prompt_ids)
         header = ResponseHeader.new("cmpl", state.model_name, state.system_fingerprint)
         formatter = CompletionFormatter(header, state.tokens, params.n, body.include_usage, prompt_ids, echo_text)
-        generation = _submit(state, engine, prompt_ids, params, header.id, formatter)
-    return await respond(request, generation, body.stream, state.settings.sse_ping_seconds,
-                         state.settings.slow_reader_timeout_seconds)
+        generation = submit(state, engine, prompt_ids, params, header.id, formatter, scheduling(state, request, body))
+    return await respond(request, generation, body.stream, state.stream_settings, state.runs)
 
 
-def _tool_syntax(state: ServingState, body: ChatCompletionRequest) -> HermesToolCalls | None:
+def tool_syntax(state: ServingState, body: ChatCompletionRequest) -> HermesToolCalls | None:
     """The model's tool-call syntax when the request calls tools; a 400 if treadle cannot read it."""
     if not body.calls_tools:
         return None
@@ -100,7 +94,27 @@ def _tool_syntax(state: ServingState, body: ChatCompletionRequest) -> HermesTool
     return syntax
 
 
-def _chat_prompt_ids(state: ServingState, body: ChatCompletionRequest) -> list[int]:
+def with_tools(state: ServingState, body: ChatCompletionRequest, params: SamplingParams,
+               syntax: HermesToolCalls | None) -> SamplingParams:
+    """The sampling parameters of a request that calls tools: a forced call's grammar, or (auto) the
+    trigger that gives a call the model begins valid arguments."""
+    if syntax is None:
+        return params
+    tag_ids = {tag: ids[0] if len(ids := state.model.tokenizer.encode(tag)) == 1 else None
+               for tag in (syntax.start, syntax.end)}  # fmt: skip
+    if body.forces_a_call:
+        if params.constraint is not None:
+            raise APIError(400, f"tool_choice {body.tool_choice!r} and {params.constraint.field} both "
+                                "constrain the output: give one", "tool_choice")  # fmt: skip
+        params = replace(params, constraint=syntax.constraint(body.called_functions(),
+                                                              body.parallel_tool_calls, tag_ids))  # fmt: skip
+    elif params.constraint is None:  # auto: a call the model begins gets valid arguments
+        params = replace(params, call_trigger=syntax.call_trigger(body.called_functions(), tag_ids))
+    # the tags may be special tokens: the parser must see them in the text
+    return replace(params, skip_special_tokens=False)
+
+
+def chat_prompt_ids(state: ServingState, body: ChatCompletionRequest) -> list[int]:
     tokenizer = state.model.tokenizer
     extra = {"tools": body.tools_for_template()} if body.calls_tools else {}
     try:
@@ -132,7 +146,7 @@ def _encode(state: ServingState, text: str, add_special_tokens: bool, param: str
     return ids
 
 
-def _sampling_params(engine: Engine, body: ChatCompletionRequest | CompletionRequest, num_prompt_tokens: int,
+def sampling_params(engine: Engine, body: ChatCompletionRequest | CompletionRequest, num_prompt_tokens: int,
                      default_max_tokens: int, prompt_param: str) -> SamplingParams:
     max_tokens = _max_tokens(engine, num_prompt_tokens, body.requested_max_tokens, default_max_tokens, prompt_param)
     try:
@@ -159,10 +173,33 @@ def _max_tokens(engine: Engine, num_prompt_tokens: int, requested: int | None, d
     return requested
 
 
-def _submit(state: ServingState, engine: Engine, prompt_ids: list[int], params: SamplingParams, request_id: str,
-            formatter: ChatFormatter | CompletionFormatter) -> Generation:
+@dataclass(frozen=True, slots=True)
+class Scheduling:
+    priority: int = 0
+    queue_timeout: float | None = None
+
+
+def scheduling(state: ServingState, request: Request, body: SchedulingFields) -> Scheduling:
+    """The body's `priority` (else --priority-header's value) and `timeout` (else --queue-timeout-seconds)."""
+    priority = body.priority
+    header = state.settings.priority_header
+    if "priority" not in body.model_fields_set and header and (value := request.headers.get(header)) is not None:
+        try:
+            priority = int(value.strip())
+        except ValueError:
+            raise APIError(400, f"the {header} header must be an integer priority, got {value!r}", header,
+                           code="invalid_value") from None
+        if not -(2**31) <= priority < 2**31:
+            raise APIError(400, f"the {header} header is out of range", header, code="invalid_value")
+    timeout = body.timeout if body.timeout is not None else state.settings.queue_timeout_seconds
+    return Scheduling(priority, timeout)
+
+
+def submit(state: ServingState, engine: Engine, prompt_ids: list[int], params: SamplingParams, request_id: str,
+            formatter: Formatter, scheduling: Scheduling) -> Generation:
     try:
-        stream = engine.submit(prompt_ids, params, request_id, loop=asyncio.get_running_loop())
+        stream = engine.submit(prompt_ids, params, request_id, loop=asyncio.get_running_loop(),
+                               priority=scheduling.priority, queue_timeout=scheduling.queue_timeout)
     except QueueFull:
         raise state.queue_full() from None
     except RequestTooLarge as exc:
@@ -174,6 +211,61 @@ def _submit(state: ServingState, engine: Engine, prompt_ids: list[int], params: 
     except EngineFailed as exc:
         raise APIError(503, str(exc), code="engine_failed") from None
     return Generation(engine, stream, formatter, TokenGapTimer(state.metrics.inter_token_latency))
+
+
+def _run_of(request: Request, id_prefix: str) -> Run:
+    """The stream named in the path, if this server still holds it (chat ids go to the chat route only)."""
+    run_id = request.path_params["id"]
+    run = serving(request).runs.get(run_id) if run_id.startswith(id_prefix) else None
+    if run is None:
+        raise APIError(404, f"no stream {run_id!r} here: it finished and was read to its end, its reconnect grace "
+                            "period passed, or it was never streamed by this server", code="not_found")  # fmt: skip
+    return run
+
+
+def last_event_id(request: Request) -> int:
+    """The number of the last event a reconnecting client saw: the Last-Event-ID header (EventSource and
+    most SSE clients send it), or a `last_event_id` query parameter; -1 (from the start) without either."""
+    value = request.headers.get("last-event-id", request.query_params.get("last_event_id"))
+    if value is None or not value.strip():
+        return -1
+    try:
+        return int(value.strip())
+    except ValueError:
+        raise APIError(400, f"Last-Event-ID must be an event number of this stream, got {value!r}",
+                       "Last-Event-ID", code="invalid_value") from None
+
+
+def resume_from(request: Request, run: Run, after: int, framing: Framing = SSE_FRAMING) -> Response:
+    try:
+        run.check_kept(after)
+    except EventsGone as exc:
+        raise APIError(410, f"{exc}: the stream cannot be resumed from there", code="events_expired") from None
+    except ValueError as exc:
+        raise APIError(400, str(exc), "Last-Event-ID", code="invalid_value") from None
+    return stream_run(request, run, after, serving(request).stream_settings, framing)
+
+
+def resume_stream(id_prefix: str) -> Callable[[Request], Awaitable[Response]]:
+    """GET /v1/chat/completions/{id}/stream (and completions'): the events after Last-Event-ID, then the
+    live ones: what a client that lost its connection missed, and the rest."""
+
+    async def route(request: Request) -> Response:
+        return resume_from(request, _run_of(request, id_prefix), last_event_id(request))
+
+    return route
+
+
+def cancel_stream(id_prefix: str) -> Callable[[Request], Awaitable[Response]]:
+    """POST /v1/chat/completions/{id}/cancel: end a stream's generation now (a stream outlives its
+    connection for the reconnect grace period, so closing the connection alone stops it only then)."""
+
+    async def route(request: Request) -> Response:
+        run = _run_of(request, id_prefix)
+        run.abort_generation()
+        return encoded_response(request, {"id": run.id, "object": "stream.cancel", "cancelled": not run.is_done})
+
+    return route
 
 
 async def tokenize(request: Request) -> Response:
@@ -242,7 +334,11 @@ async def openapi(request: Request) -> Response:
 
 ROUTES = [
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/chat/completions/{id}/stream", resume_stream("chatcmpl-"), methods=["GET"]),
+    Route("/v1/chat/completions/{id}/cancel", cancel_stream("chatcmpl-"), methods=["POST"]),
     Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/completions/{id}/stream", resume_stream("cmpl-"), methods=["GET"]),
+    Route("/v1/completions/{id}/cancel", cancel_stream("cmpl-"), methods=["POST"]),
     Route("/v1/models", models, methods=["GET"]),
     Route("/tokenize", tokenize, methods=["POST"]),
     Route("/detokenize", detokenize, methods=["POST"]),

@@ -50,8 +50,8 @@ Stop = Annotated[str | list[str], _one_of("must be a string or a list of strings
 
 # Fields that would change the output and are not implemented, each with the values that change nothing.
 # Any other value is refused with 400 `unsupported_parameter` naming the field: never silently dropped.
-# (OpenAI's old `functions` / `function_call` are refused: `tools` / `tool_choice` replace them.) Fields that only describe the caller (user, metadata, store,
-# service_tier, ...) or only tune scheduling (priority, ...) are not listed: they are accepted and ignored.
+# (OpenAI's old `functions` / `function_call` are refused: `tools` / `tool_choice` replace them.) Fields that only
+# describe the caller (user, metadata, store, service_tier, ...) are not listed: they are accepted and ignored.
 NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     # OpenAI's
     "functions": (None, []),
@@ -221,7 +221,15 @@ def _json_schema_constraint(schema: dict[str, Any] | str, field: str) -> Constra
     return Constraint("json", json.dumps(schema), field)  # key order kept: properties come in schema order
 
 
-class _SamplingBody(_Body):
+class SchedulingFields(_Body):
+    """When a generation runs: vLLM's `priority` (lower is admitted first) and a queue `timeout` in
+    seconds (a request not started by then is answered 503 instead of being served late)."""
+
+    priority: int = Field(0, ge=-(2**31), lt=2**31)
+    timeout: float | None = Field(None, gt=0)
+
+
+class _SamplingBody(SchedulingFields):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
     not_implemented: ClassVar[dict[str, tuple[Any, ...]]] = NOT_IMPLEMENTED

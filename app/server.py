@@ -20,14 +20,15 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from decoding.engine.engine import Engine, resolve_kv_cache_dtype
 from decoding.engine.params import SamplingParams
 
-from .errors import APIError, encoded_response, error_body
+from .errors import RETRY_AFTER_SECONDS, APIError, encoded_response, error_body
 from .metrics import ServerMetrics
 from .protocol import TokenText
+from .response_store import ResponseStore
+from .runs import RunRegistry
 from .settings import ServerSettings
+from .streaming import StreamSettings
 
 log = logging.getLogger("treadle")
-
-RETRY_AFTER_SECONDS = "1"  # a queue slot frees when any request ends: usually within a second or two
 
 # Greedy, then sampled with every option, so the first clients' requests meet no first-use costs.
 WARM_UP_PARAMS = (
@@ -64,6 +65,12 @@ class ServingState:
         self.system_fingerprint = system_fingerprint(engine)
         self.tokens = TokenText(engine.model.tokenizer)
         self.metrics = ServerMetrics()
+        self.runs = RunRegistry()  # streams a client may reconnect to
+        self.responses = ResponseStore(settings.responses_store_max, settings.responses_store_seconds,
+                                       max(settings.stream_grace_seconds, 1.0))
+        self.stream_settings = StreamSettings(settings.sse_ping_seconds, settings.slow_reader_timeout_seconds,
+                                              settings.max_unread_bytes, settings.stream_resume_bytes,
+                                              settings.stream_grace_seconds)
         self.created = int(time.time())
         self.is_ready = False
         self.startup_error: str | None = None

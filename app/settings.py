@@ -41,6 +41,13 @@ class ServerSettings:
     chat_page: bool = True  # examples/chat.html at GET /
     speculative: str = _ENGINE_DEFAULTS.speculative
     speculative_max_tokens: int = _ENGINE_DEFAULTS.speculative_max_tokens
+    priority_header: str | None = None  # a header that gives `priority` when the body does not
+    priority_starvation_seconds: float = _ENGINE_DEFAULTS.priority_starvation_seconds or 60.0
+    queue_timeout_seconds: float | None = None  # a request's `timeout` when it gives none; None: wait as long as it takes
+    stream_grace_seconds: float = 30.0  # a stream whose client left keeps generating this long for a reconnect
+    stream_resume_bytes: int = 4 << 20  # of one stream's events kept for a reconnect; older sent ones are dropped
+    responses_store_seconds: float = 3600.0  # how long a finished stored response stays retrievable
+    responses_store_max: int = 1000  # stored responses kept at most (the oldest go first)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
@@ -48,7 +55,8 @@ class ServerSettings:
                             n_threads=self.threads, kernels=self.kernels, kv_cache_dtype=self.kv_cache_dtype,
                             max_unread_bytes=self.max_unread_bytes,
                             slow_reader_timeout_seconds=self.slow_reader_timeout_seconds,
-                            speculative=self.speculative, speculative_max_tokens=self.speculative_max_tokens)
+                            speculative=self.speculative, speculative_max_tokens=self.speculative_max_tokens,
+                            priority_starvation_seconds=self.priority_starvation_seconds)
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +200,26 @@ def build_parser(prog: str = "treadle serve") -> argparse.ArgumentParser:
     option("--shutdown-grace-seconds", _non_negative_float, defaults.shutdown_grace_seconds,
            "on SIGTERM or SIGINT, how long requests in flight may run on before their streams are ended with "
            "an error event; new requests get 503 meanwhile (default %(default)s)")
+    option("--priority-header", str, None,
+           "read a request's `priority` from this header when its body gives none, for front ends that cannot add "
+           "fields (an integer; lower is served first)")
+    option("--priority-starvation-seconds", _positive_float, defaults.priority_starvation_seconds,
+           "a request that has waited this long for admission goes ahead of every priority, in arrival order, so "
+           "a low priority delays a request but never starves it (default %(default)s)")
+    option("--queue-timeout-seconds", _positive_float, None,
+           "the default `timeout` of a request: one still waiting for admission past it is answered 503 with "
+           "Retry-After (an error event if its stream has begun) instead of being served late (default: none)")
+    option("--stream-grace-seconds", _non_negative_float, defaults.stream_grace_seconds,
+           "a stream whose client disconnects keeps generating this long, so that the client can reconnect "
+           "(GET /v1/chat/completions/ID/stream with Last-Event-ID) and lose nothing; 0 aborts it at once "
+           "(default %(default)s)")
+    option("--stream-resume-bytes", _positive_int, defaults.stream_resume_bytes,
+           "events of one stream kept for a reconnect; past it the oldest events already sent are dropped "
+           "(default %(default)s)")
+    option("--responses-store-seconds", _positive_float, defaults.responses_store_seconds,
+           "how long a finished response created with store: true stays retrievable (default %(default)s)")
+    option("--responses-store-max", _positive_int, defaults.responses_store_max,
+           "stored responses kept at most, in memory; the oldest finished ones go first (default %(default)s)")
     parser.add_argument("--no-chat-page", dest="chat_page", action="store_false",
                         default=_env_flag(env_var("--chat-page"), defaults.chat_page),
                         help="do not serve the browser chat page (examples/chat.html) at / [TREADLE_CHAT_PAGE=0]")

@@ -1,5 +1,6 @@
-"""Delivering one request's outputs — an SSE stream, a msgpack stream or one body — and aborting it
-in the engine on every way out: finished, failed, client gone (streamed or not), server stopping.
+"""Delivering one request's outputs: one body (aborted in the engine when its client leaves), or a
+stream — an SSE or msgpack connection reading a run (runs.py), which a client that lost its connection
+can read again from where it was cut.
 """
 
 from __future__ import annotations
@@ -20,25 +21,23 @@ from starlette.types import Receive, Scope, Send
 from decoding.engine.engine import Engine
 from decoding.engine.outputs import RequestOutput, RequestStream
 
-from .errors import MSGPACK, APIError, encoded_response, wants_msgpack
+from .errors import MSGPACK, RETRY_AFTER_SECONDS, APIError, encoded_response, error_body, wants_msgpack
 from .metrics import TokenGapTimer
 from .protocol import Chunk, merge_outputs
+from .runs import Event, EventsGone, Run, RunFormatter, RunRegistry
 
 log = logging.getLogger("treadle")
 
 
-class Formatter(Protocol):
-    def first_chunks(self) -> list[Chunk]: ...
-    def chunks(self, output: RequestOutput) -> list[Chunk]: ...
-    def last_chunks(self) -> list[Chunk]: ...
+class Formatter(RunFormatter, Protocol):
     def response(self, outputs: list[RequestOutput]) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True, slots=True)
 class Framing:
-    """How chunks go on the wire, and how the end of the stream is marked."""
+    """How events go on the wire, and how the end of the stream is marked."""
 
-    encode: Callable[[Chunk], bytes]
+    encode: Callable[[Event], bytes]
     end: bytes
 
 
@@ -48,13 +47,24 @@ class Framing:
 _LINE_BREAKERS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
-def _sse_event(chunk: Chunk) -> bytes:
+def sse_data(chunk: Chunk) -> bytes:
     text = json.dumps(chunk, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKERS)
     return b"data: " + text.encode() + b"\n\n"
 
 
+def _sse_event(event: Event) -> bytes:
+    """`id:` is the event's number: a client that reconnects sends the last it saw as Last-Event-ID."""
+    return b"id: %d\n" % event.number + sse_data(event.chunk)
+
+
+def _typed_sse_event(event: Event) -> bytes:
+    """The Responses API's events: the type in the `event:` line too, as OpenAI sends them."""
+    return b"id: %d\nevent: %s\n" % (event.number, event.chunk["type"].encode()) + sse_data(event.chunk)
+
+
 SSE_FRAMING = Framing(_sse_event, b"data: [DONE]\n\n")
-MSGPACK_FRAMING = Framing(msgpack.packb, msgpack.packb({"done": True}))
+TYPED_SSE_FRAMING = Framing(_typed_sse_event, b"")  # a Responses stream ends after response.completed
+MSGPACK_FRAMING = Framing(lambda event: msgpack.packb(event.chunk), msgpack.packb({"done": True}))
 
 
 @dataclass(slots=True)
@@ -71,41 +81,70 @@ class Generation:
             self.engine.abort(self.stream.request_id)
 
 
-async def respond(request: Request, generation: Generation, is_streamed: bool, ping_seconds: float,
-                  send_timeout_seconds: float | None = None) -> Response:
-    """`send_timeout_seconds`: a write to a client that reads nothing for this long ends the stream (and
-    the request), so a stalled connection holds neither the engine's output nor a socket for ever."""
+@dataclass(frozen=True, slots=True)
+class StreamSettings:
+    ping_seconds: float
+    send_timeout_seconds: float | None  # a write blocked this long ends the connection (not the run)
+    max_unread_bytes: int
+    keep_bytes: int
+    grace_seconds: float
+
+
+async def respond(request: Request, generation: Generation, is_streamed: bool, settings: StreamSettings,
+                  runs: RunRegistry) -> Response:
+    """A whole response, or a stream: its run is registered, so a client that loses the connection can
+    reconnect to it (`resume_stream`)."""
     if not is_streamed:
         return await _whole_response(request, generation)
+    run = runs.add(new_run(generation, settings))
+    return stream_run(request, run, -1, settings)
+
+
+def new_run(generation: Generation, settings: StreamSettings, is_background: bool = False) -> Run:
+    return Run(generation.stream.request_id, generation.engine, generation.stream, generation.formatter,
+               generation.token_gaps, max_unread_bytes=settings.max_unread_bytes, keep_bytes=settings.keep_bytes,
+               grace_seconds=settings.grace_seconds, is_background=is_background).start()
+
+
+def stream_run(request: Request, run: Run, after: int, settings: StreamSettings,
+               framing: Framing = SSE_FRAMING) -> Response:
+    """A run's events after number `after` (-1: all), then the live ones, over SSE or msgpack."""
     if wants_msgpack(request):
-        return MsgpackStreamResponse(generation, _relay(generation, MSGPACK_FRAMING), media_type=MSGPACK,
-                                     send_timeout_seconds=send_timeout_seconds)
-    return SSEResponse(generation, _relay(generation, SSE_FRAMING), sep="\n", ping=ping_seconds,
-                       ping_message_factory=lambda: ServerSentEvent(comment="ping", sep="\n"),
-                       send_timeout=send_timeout_seconds)
+        return MsgpackStreamResponse(run, lambda response: _relay(run, after, MSGPACK_FRAMING, response),
+                                     media_type=MSGPACK, send_timeout_seconds=settings.send_timeout_seconds)
+    return SSEResponse(run, lambda response: _relay(run, after, framing, response), sep="\n",
+                       ping=settings.ping_seconds, ping_message_factory=PingComment,
+                       send_timeout=settings.send_timeout_seconds)
 
 
-async def _relay(generation: Generation, framing: Framing) -> AsyncGenerator[bytes, None]:
-    """The stream's body. Its `finally` runs on completion, on cancellation (the client left: the
-    response cancels us) and on close, so the engine never generates for nobody."""
-    formatter = generation.formatter
-    stream = generation.stream
+class PingComment(ServerSentEvent):
+    """`: ping` and no blank line: a comment line alone dispatches nothing. The openai package (and any
+    parser that keeps the last event id, as the spec says, but then dispatches whenever an id is set)
+    turns the blank line after a comment into an event with empty data, which it fails to parse."""
+
+    def encode(self) -> bytes:
+        return b": ping\n"
+
+
+async def _relay(run: Run, after: int, framing: Framing, response: RunResponse) -> AsyncGenerator[bytes, None]:
+    """One connection's body: the run's events from `after` on. Leaving early (the client left) ends
+    only this connection; the run decides what happens to the generation."""
     try:
-        for chunk in formatter.first_chunks():
-            yield framing.encode(chunk)
-        async for output in stream:
-            generation.token_gaps.observe(output)
-            for chunk in formatter.chunks(output):
-                # The response resumes us once it has written the chunk: a write that does not come
-                # back means a client that does not read, and the engine pauses its request.
-                stream.reader_writes(True)
-                yield framing.encode(chunk)
-                stream.reader_writes(False)
-        for chunk in formatter.last_chunks():
-            yield framing.encode(chunk)
+        async for event in run.follow(after):
+            # The response resumes us once it has written the event: a write that does not come back
+            # means a client that does not read, and the engine pauses its request.
+            run.reader_writes(True)
+            yield framing.encode(event)
+            run.reader_writes(False)
+    except EventsGone as exc:  # a reconnect that fell behind what a long stream keeps
+        yield framing.encode(Event(-1, error_body(410, str(exc), code="events_expired"), 0))
+    if framing.end:
         yield framing.end
-    finally:
-        generation.abort_unless_finished()
+    response.read_to_the_end = True
+
+
+class RunResponse(Protocol):
+    read_to_the_end: bool
 
 
 async def _whole_response(request: Request, generation: Generation) -> Response:
@@ -125,7 +164,10 @@ async def _whole_response(request: Request, generation: Generation) -> Response:
     if not is_complete:
         return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
     merged = merge_outputs(outputs)
-    failed = next((o for o in merged if o.finish_reason in ("error", "abort")), None)
+    failed = next((o for o in merged if o.finish_reason in ("error", "abort", "timeout")), None)
+    if failed is not None and failed.finish_reason == "timeout":
+        raise APIError(503, failed.error or "the request waited in the queue past its timeout", code="queue_timeout",
+                       headers={"Retry-After": RETRY_AFTER_SECONDS})
     if failed is not None and failed.finish_reason == "error":
         raise APIError(500, failed.error or "generation failed")
     if failed is not None:
@@ -155,16 +197,17 @@ async def run_until_disconnect(receive: Receive, work: Callable[[], Awaitable[No
 
 
 class SSEResponse(EventSourceResponse):
-    """sse-starlette's response (pings, disconnect watcher, send timeouts), plus the abort for a client
-    that left before the body's generator ever started (its `finally` would then never run), and no
-    ping after the last event: sse-starlette's ping task could otherwise write one between
-    `data: [DONE]` and the end of the response (clients that stop at [DONE] never see it; strict
-    parsers and tests that check the stream's end do)."""
+    """sse-starlette's response (pings, disconnect watcher, send timeouts) as one reader of a run: it
+    counts as the run's reader from before its body starts (a client that leaves before then still
+    detaches), and sends no ping after the last event: sse-starlette's ping task could otherwise write
+    one between `data: [DONE]` and the end of the response (clients that stop at [DONE] never see it;
+    strict parsers and tests that check the stream's end do)."""
 
-    def __init__(self, generation: Generation, content: AsyncGenerator[bytes, None], *args: Any,
+    def __init__(self, run: Run, content: Callable[[RunResponse], AsyncGenerator[bytes, None]], *args: Any,
                  **kwargs: Any) -> None:
-        super().__init__(self._then_stop_pinging(content), *args, **kwargs)
-        self.generation = generation
+        self.run = run
+        self.read_to_the_end = False
+        super().__init__(self._then_stop_pinging(content(self)), *args, **kwargs)
 
     async def _then_stop_pinging(self, content: AsyncGenerator[bytes, None]) -> AsyncIterator[bytes]:
         try:
@@ -172,27 +215,29 @@ class SSEResponse(EventSourceResponse):
                 yield chunk
             self.active = False  # the last chunk is written (we were resumed after it): pings stop here
         finally:
-            await content.aclose()  # closed with us (client gone), so the relay's own `finally` runs now
+            await content.aclose()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.run.attach()
         try:
             await super().__call__(scope, receive, send)
         except TimeoutError:  # sse-starlette's send timeout: the client stopped reading
-            log.warning("ended the stream of %s: its client read nothing for %g s", self.generation.stream.request_id,
+            log.warning("ended a connection of %s: its client read nothing for %g s", self.run.id,
                         self.send_timeout)
         finally:
-            self.generation.abort_unless_finished()
+            self.run.detach(self.read_to_the_end)
 
 
 class MsgpackStreamResponse(StreamingResponse):
     """Starlette's StreamingResponse stops watching `http.disconnect` on ASGI ≥ 2.4 servers and then
     notices a vanished client only when a send fails — never while a request waits in the queue.
-    This one always races the body against the disconnect, and aborts on every way out."""
+    This one always races the body against the disconnect, and detaches from its run on every way out."""
 
-    def __init__(self, generation: Generation, *args: Any, send_timeout_seconds: float | None = None,
-                 **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.generation = generation
+    def __init__(self, run: Run, content: Callable[[RunResponse], AsyncGenerator[bytes, None]], *args: Any,
+                 send_timeout_seconds: float | None = None, **kwargs: Any) -> None:
+        self.run = run
+        self.read_to_the_end = False
+        super().__init__(content(self), *args, **kwargs)
         self.send_timeout_seconds = send_timeout_seconds
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -200,10 +245,11 @@ class MsgpackStreamResponse(StreamingResponse):
             with anyio.fail_after(self.send_timeout_seconds):
                 await send(message)
 
+        self.run.attach()
         try:
             await run_until_disconnect(receive, lambda: self.stream_response(send_or_give_up))
         except* TimeoutError:  # raised inside run_until_disconnect's task group
-            log.warning("ended the stream of %s: its client read nothing for %g s", self.generation.stream.request_id,
+            log.warning("ended a connection of %s: its client read nothing for %g s", self.run.id,
                         self.send_timeout_seconds)
         finally:
-            self.generation.abort_unless_finished()
+            self.run.detach(self.read_to_the_end)

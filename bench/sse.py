@@ -17,13 +17,19 @@ _LINE_END = re.compile(rb"\r\n|\r|\n")
 
 class SSEDecoder:
     """Feed it the response's bytes as they arrive; it returns the `data` of each event completed
-    (multi-line data joined with "\\n"). Comments (`: ping`) and the other fields are skipped; lines that
-    are neither data, a comment nor blank are kept in `other_lines` for a checker that expects none."""
+    (multi-line data joined with "\\n"). `last_event_id` is the latest `id:` field (what a client sends as
+    Last-Event-ID when it reconnects); `event_ids` and `event_types` hold, for each event returned, the
+    last event id then and its `event:` field (None where there was none). Comments (`: ping`) are skipped; lines that are none of these nor blank are kept
+    in `other_lines` for a checker that expects none."""
 
     def __init__(self) -> None:
         self._buffer = b""  # the unfinished line
         self._after_cr = False  # the last chunk ended with CR: a LF first in the next one ends no line
         self._data: list[str] | None = None  # the data lines of the event being read, None before any
+        self._event_type: str | None = None
+        self.last_event_id: str | None = None
+        self.event_ids: list[str | None] = []
+        self.event_types: list[str | None] = []
         self.other_lines: list[str] = []
 
     def feed(self, chunk: bytes) -> list[str]:
@@ -38,10 +44,20 @@ class SSEDecoder:
     def _line(self, line: str) -> str | None:
         if line == "":
             data, self._data = self._data, None
-            return None if data is None else "\n".join(data)
+            event_type, self._event_type = self._event_type, None
+            if data is None:
+                return None
+            self.event_ids.append(self.last_event_id)
+            self.event_types.append(event_type)
+            return "\n".join(data)
         field, _, value = line.partition(":")
+        value = value.removeprefix(" ")
         if field == "data":
-            self._data = [*(self._data or []), value.removeprefix(" ")]
+            self._data = [*(self._data or []), value]
+        elif field == "id" and "\0" not in value:  # the spec ignores an id holding NUL
+            self.last_event_id = value
+        elif field == "event":
+            self._event_type = value
         elif field:  # "" is a comment
             self.other_lines.append(line)
         return None

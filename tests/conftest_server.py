@@ -30,10 +30,12 @@ CORS_ORIGIN = "http://chat.example.test"
 # queue, one sequence at a time and fast pings, for the overload, auth, CORS and queued-client tests.
 CONFIGS = {
     # exact kernels: greedy text through the API is compared with transformers' continuations
+    # a stream whose client left runs on for 3 s (reconnect tests), then is aborted (disconnect tests)
     "main": ["--kv-cache-mb", "128", "--max-num-seqs", "8", "--max-queue", "16", "--sse-ping-seconds", "0.5",
-             "--kernels", "exact"],
+             "--kernels", "exact", "--stream-grace-seconds", "3"],
     "guarded": ["--kv-cache-mb", "128", "--max-num-seqs", "1", "--max-queue", "2", "--sse-ping-seconds", "0.2",
-                "--api-key", API_KEY, "--cors-origins", CORS_ORIGIN, "--max-body-bytes", "65536", "--threads", "1"],
+                "--api-key", API_KEY, "--cors-origins", CORS_ORIGIN, "--max-body-bytes", "65536", "--threads", "1",
+                "--stream-grace-seconds", "0"],
 }
 
 

@@ -13,6 +13,7 @@ import pytest
 from app.metrics import ServerMetrics
 from app.protocol import ChatFormatter, CompletionFormatter, ResponseHeader, TokenText
 from app.settings import RayOptions, parse_serve_args, parse_settings
+from app.runs import Event
 from app.streaming import SSE_FRAMING, run_until_disconnect
 from decoding.engine.engine import resolve_kv_cache_dtype
 from decoding.engine.outputs import RequestOutput, Usage
@@ -155,11 +156,12 @@ def test_a_whole_answer_has_usage_whichever_choice_finished_last(formatter_class
 def test_sse_events_never_carry_a_raw_unicode_line_separator():
     """httpx's iter_lines (like str.splitlines) cuts lines at NEL, U+2028 and U+2029; JSON escapes keep them."""
     text = "a\x85b\u2028c\u2029d é"
-    event = SSE_FRAMING.encode({"text": text})
-    assert event.startswith(b"data: ") and event.endswith(b"\n\n")
-    line = event.decode().removesuffix("\n\n")
+    event = SSE_FRAMING.encode(Event(7, {"text": text}, 0))
+    id_line, data = event.split(b"\n", 1)
+    assert id_line == b"id: 7" and data.startswith(b"data: ") and data.endswith(b"\n\n")
+    line = data.decode().removesuffix("\n\n")
     assert line.splitlines() == [line]
-    assert json.loads(event[6:])["text"] == text
+    assert json.loads(data[6:])["text"] == text
 
 
 def test_completion_echo_prefixes_the_prompt_once_per_choice_with_its_logprobs():

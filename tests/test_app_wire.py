@@ -9,6 +9,7 @@ import subprocess
 
 import httpx
 import msgpack
+import openai
 import pytest
 from httpx_sse import connect_sse
 
@@ -33,8 +34,12 @@ def test_curl_sees_data_lines_then_done(server):
                              "Content-Type: application/json", "-d", body],
                             capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr
-    # Every event is `data: ...` (or a `: ping` comment) followed by a blank line; the last is [DONE].
-    assert re.fullmatch(r"((data: [^\n]+|: ping)\n\n)*data: \[DONE\]\n\n", result.stdout), result.stdout
+    # Every event is `id: N` and `data: ...` and a blank line (`: ping` comment lines may come between
+    # events); the last is [DONE].
+    assert re.fullmatch(r"((: ping\n)*id: \d+\ndata: [^\n]+\n\n)*(: ping\n)*data: \[DONE\]\n\n", result.stdout), \
+        result.stdout
+    ids = [int(line[4:]) for line in result.stdout.splitlines() if line.startswith("id: ")]
+    assert ids == list(range(len(ids))) and ids  # what a reconnect names in Last-Event-ID
     chunks = [json.loads(line[6:]) for line in result.stdout.splitlines() if line.startswith("data: {")]
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert chunks[-1]["choices"][0]["delta"] == {} and chunks[-1]["choices"][0]["finish_reason"] == "length"
@@ -140,3 +145,11 @@ def test_nothing_follows_done_on_an_sse_stream_even_with_pings_every_few_millise
             response = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
             assert response.status_code == 200
             assert response.text.endswith("data: [DONE]\n\n"), response.text[-200:]
+        # Once events carry ids, a client that keeps the last id (as the openai package does, against the
+        # spec) dispatches an empty event at every blank line: pings must not end with one.
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+        name = client.models.list().data[0].id
+        for _ in range(10):
+            chunks = list(client.chat.completions.create(model=name, messages=body["messages"],
+                                                         max_tokens=24, stream=True))
+            assert chunks[-1].choices[0].finish_reason is not None

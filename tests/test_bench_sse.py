@@ -27,10 +27,11 @@ def test_chunk_boundaries_change_nothing_even_inside_a_crlf_or_a_character():
     assert list(iter_sse_data(PAYLOAD[i:i + 1] for i in range(len(PAYLOAD)))) == EVENTS
 
 
-def test_fields_other_than_data_are_kept_for_a_checker():
+def test_ids_and_event_types_are_read_and_unknown_fields_kept_for_a_checker():
     decoder = SSEDecoder()
-    decoder.feed(PAYLOAD)
-    assert decoder.other_lines == ["event: x", "id: 7"]
+    events = decoder.feed(b"retry: 5\n\n" + PAYLOAD)
+    assert decoder.last_event_id == "7" and decoder.other_lines == ["retry: 5"]
+    assert len(decoder.event_types) == len(events) and "x" in decoder.event_types
 
 
 def test_the_async_reader_gives_the_same_events():

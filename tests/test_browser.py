@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -36,7 +37,7 @@ CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-
 pytestmark = pytest.mark.slow
 
 # Counts every change to the last assistant message, recording its text length each time, and
-# records the bodies the page sends. Installed by the test, not shipped in the page.
+# records the bodies and the URLs the page sends. Installed by the test, not shipped in the page.
 INSTRUMENT_JS = """
 window.__lengths = [];
 window.__bodies = [];
@@ -44,8 +45,11 @@ new MutationObserver(() => {
   const replies = document.querySelectorAll('.msg.assistant');
   if (replies.length) window.__lengths.push(replies[replies.length - 1].textContent.length);
 }).observe(document.getElementById('messages'), {subtree: true, childList: true, characterData: true});
+window.__urls = [];
 const originalFetch = window.fetch;
-window.fetch = (url, init) => {
+window.fetch = (url, init = {}) => {
+  window.__urls.push(`${init.method || "GET"} ${url}`);
+  if (!init.body) return originalFetch(url, init);  // a reconnect or a cancel
   const body = JSON.parse(init.body);
   Object.assign(body, window.__extraBody || {});
   window.__bodies.push(body);
@@ -238,3 +242,84 @@ def test_tool_calls_show_in_the_reply_as_they_stream(browser, tmp_path):
         json.loads(arguments)
         assert browser.execute_script("return window.__bodies[0].tools.length") == len(TOOLS)
         screenshot(browser, "chat-tool-call.png")
+
+
+class CuttingProxy:
+    """A TCP proxy in front of the server that drops every connection through it on `cut()`, as a
+    phone changing networks or a proxy's idle timeout would; new connections go through again."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            with self._lock:
+                self._sockets += [client, upstream]
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (source, sink):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def cut(self) -> int:
+        """Drop every open connection (both ends); the number dropped."""
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        for s in sockets:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+                s.close()
+            except OSError:
+                pass
+        return len(sockets) // 2
+
+    def close(self) -> None:
+        self.listener.close()
+        self.cut()
+
+
+def test_a_reply_cut_by_a_network_drop_resumes_where_it_left_off(server, browser):
+    """The connection is dropped mid-answer; the page reconnects with Last-Event-ID and the reply ends
+    as the uncut answer would: nothing lost, nothing twice."""
+    proxy = CuttingProxy(server.port)
+    try:
+        browser.get(f"http://127.0.0.1:{proxy.port}/")  # the page and its API calls go through the proxy
+        browser.execute_script(INSTRUMENT_JS)
+        browser.execute_script("window.__extraBody = arguments[0];", {"ignore_eos": True})
+        browser.execute_script("document.getElementById('max-tokens').value = 160;"
+                               "document.getElementById('temperature').value = 0;")
+        ask(browser, "Tell me a story about a lighthouse keeper.")
+        wait_for(lambda: len((last_reply(browser) or {}).get("text", "")) > 20, what="the reply to start")
+        assert proxy.cut() >= 1
+        reply = wait_for(lambda: (r := last_reply(browser)) and r["state"] != "streaming" and r, what="the reply")
+        assert reply["state"] == "done", browser.execute_script("return document.getElementById('error').textContent")
+        urls = browser.execute_script("return window.__urls;")
+        assert any(u.startswith("GET ") and u.endswith("/stream") for u in urls), urls
+        assert "resumed" in browser.execute_script("return document.getElementById('status').textContent;")
+        body = {**browser.execute_script("return window.__bodies[0];"), "stream": False}
+        whole = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120).json()
+        assert reply["text"] == whole["choices"][0]["message"]["content"]
+        screenshot(browser, "chat-page-resumed.png")
+    finally:
+        proxy.close()
