@@ -183,6 +183,41 @@ def test_tool_choice_none_is_a_plain_chat(client):
     assert completion.choices[0].message.tool_calls is None
 
 
+FLAT_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]  # the Responses API's shape
+
+
+def test_the_responses_api_calls_functions_whole_and_streamed(client):
+    for seed in range(3):
+        response = client.responses.create(model="qwen2-hermes", input="What is the weather in Paris?",
+                                           tools=FLAT_TOOLS, tool_choice="required", parallel_tool_calls=False,
+                                           temperature=1.0, max_output_tokens=200, extra_body={"seed": seed})
+        (call,) = [item for item in response.output if item.type == "function_call"]
+        assert call.call_id.startswith("call_") and call.id.startswith("fc_") and call.status == "completed"
+        if response.status == "completed":
+            jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+        events = list(client.responses.create(model="qwen2-hermes", input="What is the weather in Paris?",
+                                              tools=FLAT_TOOLS, tool_choice="required", parallel_tool_calls=False,
+                                              temperature=1.0, max_output_tokens=200, stream=True,
+                                              extra_body={"seed": seed}))
+        added = [e for e in events if e.type == "response.output_item.added" and e.item.type == "function_call"]
+        deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+        done = next(e for e in events if e.type == "response.function_call_arguments.done")
+        final = events[-1].response.output[-1]
+        assert len(added) == 1 and added[0].item.arguments == "" and len(deltas) > 2
+        assert "".join(deltas) == done.arguments == final.arguments == call.arguments  # seeded: the same call
+
+
+def test_the_responses_api_takes_calls_and_their_outputs_as_input_items(client):
+    items = [{"role": "user", "content": "What is the weather in Paris?"},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+              "arguments": '{"city": "Paris", "unit": "celsius"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "18 degrees, sunny"}]
+    response = client.responses.create(model="qwen2-hermes", input=items, tools=FLAT_TOOLS, max_output_tokens=5)
+    without_output = client.responses.create(model="qwen2-hermes", input=items[:2], tools=FLAT_TOOLS,
+                                             max_output_tokens=5)
+    assert response.usage.input_tokens > without_output.usage.input_tokens  # the output reached the prompt
+
+
 REFUSED = [
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
