@@ -8,7 +8,10 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode, models_json_schema
 
+from .responses_protocol import ResponsesRequest
 from .schemas import REQUEST_MODELS
+
+_POST_BODIES: dict[str, type[BaseModel]] = {**REQUEST_MODELS, "/v1/responses": ResponsesRequest}
 
 _ERROR = {
     "type": "object",
@@ -22,6 +25,8 @@ _OBJECT = {"type": "object"}
 _GENERATION_SUMMARIES = {
     "/v1/chat/completions": "Chat completion (OpenAI); `stream: true` answers with server-sent events",
     "/v1/completions": "Text completion (OpenAI legacy); `stream: true` answers with server-sent events",
+    "/v1/responses": "Response (OpenAI's Responses API); `stream: true` answers with typed server-sent events, "
+                     "`background: true` at once",
     "/tokenize": "Token ids of a prompt or of messages rendered with the chat template (vLLM)",
     "/detokenize": "Text of token ids (vLLM)",
 }
@@ -30,6 +35,12 @@ _GETS = {
     "/health": ("200 once the model is loaded and warm, 503 before", "application/json"),
     "/metrics": ("Prometheus metrics", "text/plain"),
     "/openapi.json": ("This document", "application/json"),
+    "/v1/chat/completions/{id}/stream": ("A chat stream's events after the Last-Event-ID header, then the live "
+                                         "ones (a reconnect)", "text/event-stream"),
+    "/v1/completions/{id}/stream": ("A completion stream's events after Last-Event-ID, then the live ones",
+                                    "text/event-stream"),
+    "/v1/responses/{id}": ("A response as it stands; with stream=true&starting_after=N its events after N",
+                           "application/json"),
 }
 
 
@@ -39,10 +50,10 @@ def _errors(*statuses: int) -> dict[str, Any]:
 
 @lru_cache(maxsize=4)
 def openapi_schema(model_name: str) -> dict[str, Any]:
-    keyed: list[tuple[type[BaseModel], JsonSchemaMode]] = [(m, "validation") for m in REQUEST_MODELS.values()]
+    keyed: list[tuple[type[BaseModel], JsonSchemaMode]] = [(m, "validation") for m in _POST_BODIES.values()]
     refs, definitions = models_json_schema(keyed, ref_template="#/components/schemas/{model}")
     paths: dict[str, Any] = {}
-    for path, model in REQUEST_MODELS.items():
+    for path, model in _POST_BODIES.items():
         body_schema = refs[(model, "validation")]
         is_generation = path.startswith("/v1/")
         content = {"application/json": {"schema": _OBJECT}}
