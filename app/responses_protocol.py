@@ -16,11 +16,11 @@ import secrets
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from decoding.engine.outputs import RequestOutput, Usage
 
-from .errors import APIError
+from .errors import APIError, invalid_body
 from .protocol import Chunk
 from .schemas import ChatCompletionRequest, SchedulingFields, _Body, _one_of, _refuse_not_implemented
 from .tools import HermesToolCalls, ToolCallStream
@@ -206,6 +206,10 @@ class ResponsesRequest(SchedulingFields):
                 "name": text_format.name, "schema": text_format.json_schema, "strict": text_format.strict}}
         try:
             return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+        except ValidationError as exc:  # what the input items make of messages: named after `input`
+            error = invalid_body(exc)
+            raise APIError(400, error.message, "input" if (error.param or "").startswith("messages") else error.param,
+                           error.code) from None
         except APIError as exc:  # named after the Responses field it came from
             param = {"response_format": "text.format", "messages": "input"}.get(exc.param or "", exc.param)
             raise APIError(exc.status, exc.message.replace("response_format", "text.format"), param,

@@ -20,6 +20,7 @@ end whoever reads, and are dropped by their owner.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -74,6 +75,8 @@ def chunk_size(chunk: Chunk) -> int:
 
 
 class Run:
+    RECHECK_SECONDS = 0.25  # how often a held pump looks whether the engine ended the request
+
     def __init__(self, run_id: str, engine: Engine, stream: RequestStream, formatter: RunFormatter,
                  token_gaps: TokenGapTimer, *, max_unread_bytes: int, keep_bytes: int, grace_seconds: float,
                  is_background: bool = False, on_forget: Callable[[Run], None] | None = None) -> None:
@@ -156,7 +159,10 @@ class Run:
         self._is_pump_waiting = True
         try:
             while self.num_unread_bytes > self.max_unread_bytes and not self.stream.is_finished:
-                await self._changed.wait()
+                # a reader taking events wakes us; the engine ending the request (aborted as a slow
+                # reader, or by the grace period) does not, so look again now and then
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), self.RECHECK_SECONDS)
         finally:
             self._is_pump_waiting = False
             self.stream.reader_writes(False)

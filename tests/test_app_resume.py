@@ -8,6 +8,7 @@ import json
 from collections.abc import Iterator
 
 import httpx
+import msgpack
 import pytest
 
 from bench.sse import SSEDecoder
@@ -135,3 +136,34 @@ def test_cancel_ends_a_stream_now_and_bad_resumes_are_refused(server):
     last = json.loads(rest[-2][1])
     assert last["choices"][0]["finish_reason"] == "abort" and rest[-1][1] == "[DONE]"
     assert httpx.get(f"{server.base_url}/v1/chat/completions/chatcmpl-unknown/stream").status_code == 404
+
+
+def test_a_msgpack_stream_resumes_too_counting_the_maps_read(server):
+    """Map k of a msgpack stream is event k: a client that read k maps resumes with Last-Event-ID k-1."""
+    body = {"prompt": "The history of the lighthouse begins", "max_tokens": 24, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    headers = {"Accept": "application/msgpack"}
+
+    def maps(response: httpx.Response, limit: int | None = None) -> list[dict]:
+        unpacker, read = msgpack.Unpacker(), []
+        for data in response.iter_raw():
+            unpacker.feed(data)
+            read += list(unpacker)
+            if limit is not None and len(read) >= limit:
+                return read[:limit]
+        return read
+
+    with httpx.stream("POST", server.base_url + "/v1/completions", json=body, headers=headers, timeout=120) as r:
+        whole = maps(r)
+    client = httpx.Client(timeout=120)
+    with client.stream("POST", server.base_url + "/v1/completions", json=body, headers=headers) as r:
+        head = maps(r, limit=4)
+    client.close()
+    with httpx.stream("GET", f"{server.base_url}/v1/completions/{head[0]['id']}/stream", timeout=120,
+                      headers={**headers, "Last-Event-ID": str(len(head) - 1)}) as r:
+        rest = maps(r)
+
+    def text(chunks: list[dict]) -> str:
+        return "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
+
+    assert rest[-1] == {"done": True} and text(head + rest) == text(whole)

@@ -150,3 +150,16 @@ def test_a_run_read_to_its_end_leaves_the_registry_at_once_and_a_background_run_
         assert engine.aborted == []
 
     asyncio.run(scenario())
+
+
+def test_a_held_pump_ends_when_the_engine_ends_the_request():
+    async def scenario():
+        run, stream = new_run(AbortRecorder(), max_unread_bytes=100)
+        await put_words(stream, [f"word{i}" for i in range(20)], last=False)
+        assert not run.is_done  # held: nobody reads
+        # the engine aborts it (a slow reader, or the grace period): the run must finish, not hang
+        stream.put(RequestOutput("r1", 0, finish_reason="abort"), is_last=True)
+        await asyncio.wait_for(run._pump_task, 2)
+        assert run.is_done
+
+    asyncio.run(scenario())
