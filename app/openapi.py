@@ -35,8 +35,8 @@ _GETS = {
     "/health": ("200 once the model is loaded and warm, 503 before", "application/json"),
     "/metrics": ("Prometheus metrics", "text/plain"),
     "/openapi.json": ("This document", "application/json"),
-    "/v1/chat/completions/{id}/stream": ("A chat stream's events after the Last-Event-ID header, then the live "
-                                         "ones (a reconnect)", "text/event-stream"),
+    "/v1/chat/completions/{id}/stream": (("A chat stream's events after the Last-Event-ID header, then the live "
+                                          "ones (a reconnect)"), "text/event-stream"),
     "/v1/completions/{id}/stream": ("A completion stream's events after Last-Event-ID, then the live ones",
                                     "text/event-stream"),
     "/v1/responses/{id}": ("A response as it stands; with stream=true&starting_after=N its events after N",

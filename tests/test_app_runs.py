@@ -116,7 +116,7 @@ def test_an_abandoned_run_is_aborted_after_the_grace_period_unless_a_reader_come
     async def scenario():
         engine = AbortRecorder()
         registry = RunRegistry()
-        run, stream = new_run(engine, grace_seconds=0.1)
+        run, _ = new_run(engine, grace_seconds=0.1)
         registry.add(run)
         run.attach()
         run.detach()

@@ -12,8 +12,8 @@ import pytest
 
 from app.metrics import ServerMetrics
 from app.protocol import ChatFormatter, CompletionFormatter, ResponseHeader, TokenText
-from app.settings import RayOptions, parse_serve_args, parse_settings
 from app.runs import Event
+from app.settings import RayOptions, parse_serve_args, parse_settings
 from app.streaming import SSE_FRAMING, run_until_disconnect
 from decoding.engine.engine import resolve_kv_cache_dtype
 from decoding.engine.outputs import RequestOutput, Usage

@@ -237,7 +237,7 @@ def test_tool_calls_show_in_the_reply_as_they_stream(browser, tmp_path):
         browser.execute_script("document.getElementById('tools').value = arguments[0];", json.dumps(TOOLS))
         ask(browser, "What is the weather in Paris?")
         reply = wait_for(lambda: (r := last_reply(browser)) and r["state"] == "done" and r, what="the reply")
-        name, arguments = re.fullmatch(r"\u2192 (\w+)\((.*)\)", reply["text"], re.S).groups()
+        name, arguments = re.fullmatch(r"\u2192 (\w+)\((.*)\)", reply["text"], re.DOTALL).groups()
         assert name in {t["function"]["name"] for t in TOOLS}
         json.loads(arguments)
         assert browser.execute_script("return window.__bodies[0].tools.length") == len(TOOLS)
