@@ -73,8 +73,10 @@ golden-llamacpp-tokenizers: install
 		CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" FORCE_CMAKE=1 $(PIP) install --no-binary llama-cpp-python '$(LLAMA_CPP_PYTHON)'
 	$(PY) scripts/make_golden_llamacpp_tokenizers.py
 
-# The side-by-side serving benchmark (bench/README.md): treadle against llama-cpp-python's server on
-# the same GGUF (built from source into .venv the first time: 10-20 minutes on 2 cores) and against
+# The side-by-side serving benchmark (bench/README.md): treadle against llama.cpp's llama-server (built
+# once from the llama.cpp inside the pinned llama-cpp-python sdist into ~/.cache/treadle: ~7 minutes on
+# 2 cores), llama-cpp-python's server as a single-stream reference (built from source into .venv the
+# first time: 10-20 minutes on 2 cores) on the same GGUF, and against
 # `transformers serve` in .venv-bench (torch, which never enters .venv; torch first and alone: the
 # CPU wheel on disk). Run it on a quiet machine; it takes about 10 minutes.
 BENCH_VENV := .venv-bench
@@ -96,6 +98,7 @@ $(BENCH_STAMP): bench/requirements-transformers.txt
 bench: install $(BENCH_STAMP)
 	$(PY) -c "import llama_cpp.server" 2>/dev/null || \
 		CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" FORCE_CMAKE=1 $(PIP) install --no-binary llama-cpp-python '$(LLAMA_CPP_PYTHON)'
+	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" PYTHON=$(PY) scripts/build_llama_server.sh
 	$(PY) bench/side_by_side.py --plot docs/bench-serve.png --update-readme bench/README.md
 
 clean:

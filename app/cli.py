@@ -18,6 +18,7 @@ BENCHMARKS = {
     "kv": "bench.kv",
     "kernels": "bench.kernels",
     "engine": "bench.engine",
+    "churn": "bench.churn",
     "serve": "bench.serve",
     "soak": "bench.soak",
 }

@@ -25,7 +25,15 @@ import numpy as np
 from bench.engine_peers import run_llama_cpp, run_peers
 from bench.engine_quality import measure_quality
 from bench.engine_report import print_table
-from bench.engine_rooflines import measure_gemm_gflops, measure_int8_gmacs, measure_read_bandwidth
+from bench.engine_rooflines import flops_per_token as token_flops
+from bench.engine_rooflines import (
+    measure_gemm_gflops,
+    measure_int8_gmacs,
+    measure_numpy_read_bandwidth,
+    measure_read_bandwidth,
+    measure_triad_bandwidth,
+    vnni_issue_gmacs,
+)
 from bench.engine_streams import generate_together
 from bench.speculative import measure_speculative
 from decoding.engine.engine import Engine, EngineConfig
@@ -328,12 +336,12 @@ def main(argv: list[str]) -> int:
     rounds = (alternate_with_llama_cpp(model, config, prompt_ids, args.max_tokens, args.prefill_tokens, args.rounds)
               if args.peers and args.rounds > 1 else None)
     bandwidth = measure_read_bandwidth(threads)
+    numpy_bandwidth = measure_numpy_read_bandwidth(threads)
+    triad_bandwidth = measure_triad_bandwidth(threads)
     gflops = measure_gemm_gflops()
     int8_gmacs = measure_int8_gmacs(model, threads) if args.kernels == "fast" else None
     weight_bytes = model.weights.nbytes
-    flops_per_token = 2 * sum(m.n_rows * m.n_cols for layer in model.weights.layers
-                              for m in (layer.wq, layer.wk, layer.wv, layer.wo, layer.w_gate, layer.w_up, layer.w_down))
-    flops_per_token += 2 * model.weights.lm_head.n_rows * model.weights.lm_head.n_cols
+    flops_per_token = token_flops(model)
     bandwidth_roofline = bandwidth * 1e9 / weight_bytes
     report = {
         "model": model.name,
@@ -350,6 +358,9 @@ def main(argv: list[str]) -> int:
         "kernels": args.kernels,
         "long_prompt_interference": asdict(interference) if interference else None,
         "read_bandwidth_gb_s": bandwidth,
+        "numpy_read_bandwidth_gb_s": numpy_bandwidth,
+        "triad_bandwidth_gb_s": triad_bandwidth,
+        "vnni_issue_gmacs": vnni_issue_gmacs(threads),
         "gemm_gflops": gflops,
         "weight_bytes_per_step": weight_bytes,
         "flops_per_token": flops_per_token,

@@ -25,6 +25,9 @@ def print_table(r: dict) -> None:
               f"grew meanwhile; the p99 gap during it is {i['p99_gap_ms'] / i['median_gap_after_ms']:.2f}× that)")
     print(f"read bandwidth {r['read_bandwidth_gb_s']:.1f} GB/s on {r['threads']} threads → roofline {r['bandwidth_roofline_tokens_per_second']:.0f}"
           f" tokens/s for one stream ({r['weight_bytes_per_step'] / 1e6:.1f} MB of weights per step)")
+    if r.get("numpy_read_bandwidth_gb_s"):
+        print(f"  checks, same minute: numpy sum in {r['threads']} threads {r['numpy_read_bandwidth_gb_s']:.1f} GB/s, "
+              f"STREAM triad {r['triad_bandwidth_gb_s']:.1f} GB/s")
     if single:
         print(f"single stream reaches {100 * single / r['bandwidth_roofline_tokens_per_second']:.0f}% of it")
     print(f"GEMM {r['gemm_gflops']:.0f} GFLOP/s → compute roofline {r['compute_roofline_tokens_per_second']:.0f}"
@@ -32,6 +35,9 @@ def print_table(r: dict) -> None:
     if r.get("int8_gmacs"):
         print(f"int8 VNNI kernels {r['int8_gmacs']:.0f} GMAC/s on {r['threads']} threads (weights in cache, 32 rows) → "
               f"compute roofline {r['int8_roofline_tokens_per_second']:.0f} tokens/s for a batched decode step")
+        if r.get("vnni_issue_gmacs"):
+            print(f"  check: one 512-bit VNNI instruction per cycle per thread at the reported clock is "
+                  f"{r['vnni_issue_gmacs']:.0f} GMAC/s; the kernels reach {100 * r['int8_gmacs'] / r['vnni_issue_gmacs']:.0f}% of it")
     if r["quality"]:
         q = r["quality"]
         print(f"fast vs exact kernels over {q['positions']} positions of real text: top-1 agrees at "

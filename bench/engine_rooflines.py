@@ -3,7 +3,9 @@ decode step streams its weights at, float32 GEMM, and the int8 kernels' multiply
 
 from __future__ import annotations
 
+import threading
 import time
+from pathlib import Path
 
 import numpy as np
 from numba import njit
@@ -15,22 +17,43 @@ from decoding.model.model import Model
 from threadpool import SpinPool, barrier_wait
 
 
-@njit(nogil=True, cache=True)
+def flops_per_token(model: Model) -> int:
+    """Floating-point operations of one token through the weight matrices (2 per multiply-accumulate)."""
+    flops = 2 * sum(m.n_rows * m.n_cols for layer in model.weights.layers
+                    for m in (layer.wq, layer.wk, layer.wv, layer.wo, layer.w_gate, layer.w_up, layer.w_down))
+    return flops + 2 * model.weights.lm_head.n_rows * model.weights.lm_head.n_cols
+
+
+@njit(nogil=True, cache=True, fastmath=True)
 def _read_share(tid, nthreads, barrier, data, sums):  # type: ignore[no-untyped-def]
-    """Sum this thread's share of `data` in independent lanes (a vectorised pure read)."""
-    begin, end = split_range(data.shape[0] // 16, tid, nthreads)
-    lanes = np.zeros(16, dtype=np.float32)
-    for i in range(begin, end):
-        for lane in range(16):
-            lanes[lane] += data[16 * i + lane]
-    sums[tid] = lanes.sum()
+    """Sum this thread's contiguous share of `data`: a pure streaming read. Iterating over the slice
+    (not `data[i]` over `range(begin, end)`, whose wraparound check keeps LLVM from vectorising) and
+    fastmath (the sum may be reassociated into vector lanes) let it run at the memory's speed."""
+    begin, end = split_range(data.shape[0], tid, nthreads)
+    total = np.float32(0.0)
+    for value in data[begin:end]:
+        total += value
+    sums[tid] = total
     barrier_wait(barrier, tid)
 
 
+@njit(nogil=True, cache=True, fastmath=True)
+def _triad_share(tid, nthreads, barrier, a, b, c, scalar):  # type: ignore[no-untyped-def]
+    """STREAM's triad on this thread's share: a = b + scalar * c (two arrays read, one written)."""
+    begin, end = split_range(a.shape[0], tid, nthreads)
+    a_share, b_share, c_share = a[begin:end], b[begin:end], c[begin:end]
+    for i in range(a_share.shape[0]):
+        a_share[i] = b_share[i] + scalar * c_share[i]
+    barrier_wait(barrier, tid)
+
+
+GIB_FLOAT32 = 256 * 1024 * 1024  # float32 values in 1 GiB: far past every cache
+
+
 def measure_read_bandwidth(threads: int) -> float:
-    """GB/s reading 1 GiB of float32 on the pool's threads, each its own half: the memory roofline
-    for a decode step, which streams every weight once split over the same threads."""
-    data = np.ones(256 * 1024 * 1024, dtype=np.float32)
+    """GB/s reading 1 GiB of float32 on the pool's threads, each its own part: the memory roofline
+    for a decode step, which streams every weight once split over the same threads. Best of 3."""
+    data = np.ones(GIB_FLOAT32, dtype=np.float32)
     sums = np.zeros(threads, dtype=np.float32)
     best = 0.0
     with SpinPool(threads) as pool:
@@ -40,6 +63,50 @@ def measure_read_bandwidth(threads: int) -> float:
             pool.run(_read_share, data, sums)
             best = max(best, data.nbytes / (time.perf_counter() - started) / 1e9)
     return best
+
+
+def measure_numpy_read_bandwidth(threads: int) -> float:
+    """The check on `measure_read_bandwidth`: numpy's `sum` over 1 GiB split into one part per Python
+    thread (numpy releases the GIL inside the reduction). Best of 3."""
+    data = np.ones(GIB_FLOAT32, dtype=np.float32)
+    parts = np.array_split(data, threads)
+    best = 0.0
+    for _ in range(3):
+        workers = [threading.Thread(target=np.sum, args=(part,)) for part in parts]
+        started = time.perf_counter()
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        best = max(best, data.nbytes / (time.perf_counter() - started) / 1e9)
+    return best
+
+
+def measure_triad_bandwidth(threads: int) -> float:
+    """GB/s of STREAM's triad (a = b + s·c, three 1/3-GiB arrays, counted as 3 × 4 bytes per element as
+    STREAM counts them) on the pool's threads. Best of 3."""
+    n = GIB_FLOAT32 // 3
+    a, b, c = np.zeros(n, np.float32), np.ones(n, np.float32), np.ones(n, np.float32)
+    best = 0.0
+    with SpinPool(threads) as pool:
+        pool.run(_triad_share, a[:4096], b[:4096], c[:4096], np.float32(3.0))
+        for _ in range(3):
+            started = time.perf_counter()
+            pool.run(_triad_share, a, b, c, np.float32(3.0))
+            best = max(best, 3 * a.nbytes / (time.perf_counter() - started) / 1e9)
+    return best
+
+
+def vnni_issue_gmacs(threads: int) -> float | None:
+    """The int8 probe's check: one 512-bit VNNI dot product (64 multiply-accumulates) issued per cycle
+    per thread at the clock /proc/cpuinfo reports, in GMAC/s (cores with two such ports reach twice
+    that). None where the clock is not reported."""
+    try:
+        clocks = [float(line.split(":")[1]) for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("cpu MHz")]
+    except OSError:
+        return None
+    return threads * max(clocks) / 1e3 * 64 if clocks else None
 
 
 def measure_gemm_gflops() -> float:

@@ -8,9 +8,14 @@
 Peers, each started here on a free loopback port with the same number of threads and stopped before
 the next one starts (so no two compete for the cores):
   * treadle          — `treadle serve --threads N` (fast kernels, continuous batching);
+  * llama-server     — llama.cpp's own server, the serving peer: `llama-server --model GGUF --threads N
+                       --threads-batch N --parallel P --ctx-size P×512` (continuous batching over P slots,
+                       P the highest concurrency), built once by scripts/build_llama_server.sh from the
+                       llama.cpp that the pinned llama-cpp-python vendors;
   * llama-cpp-python — `python -m llama_cpp.server --model GGUF --n_threads N --n_threads_batch N
                        --interrupt_requests False` (its default, True, ends a running stream as soon as
-                       another request arrives; the server then serves one request at a time);
+                       another request arrives): it serves one request at a time, so it runs only the
+                       single-stream level, as a reference;
   * transformers     — `transformers serve DIR --continuous-batching` from .venv-bench (torch on the CPU;
                        DIR holds the GGUF dequantized to float32 by transformers' loader; OMP_NUM_THREADS=N).
 A peer that is not installed is skipped with the reason printed.
@@ -51,16 +56,17 @@ README_BEGIN, README_END = "<!-- side-by-side:begin -->", "<!-- side-by-side:end
 @dataclass(frozen=True)
 class Peer:
     name: str
-    command: Callable[[int, Path, int], list[str] | None]  # (port, gguf, threads) -> argv, None if not installed
+    command: Callable[[int, Path, int, int], list[str] | None]  # (port, gguf, threads, slots) -> argv, or None
     ready_path: str  # GET this until 200
     why_missing: str
     env: Callable[[int], dict[str, str]] = lambda threads: {}
     # How the peer is told to generate exactly max_tokens: ignore_eos + min_tokens, or its own field.
     ignore_eos: bool = True
     extra_body: Callable[[int], dict[str, Any]] = lambda max_tokens: {}
+    max_concurrency: int | None = None  # a server that serves one request at a time runs only the levels up to it
 
 
-def _treadle(port: int, gguf: Path, threads: int) -> list[str]:
+def _treadle(port: int, gguf: Path, threads: int, slots: int = 1) -> list[str]:
     return [str(REPO / ".venv/bin/treadle"), "serve", "--port", str(port), "--threads", str(threads),
             "--model", MODEL, "--log-level", "warning"]
 
@@ -70,7 +76,7 @@ def _has_module(python: Path, module: str) -> bool:
                                               check=False).returncode == 0
 
 
-def _llama_cpp(port: int, gguf: Path, threads: int) -> list[str] | None:
+def _llama_cpp(port: int, gguf: Path, threads: int, slots: int = 1) -> list[str] | None:
     python = REPO / ".venv/bin/python"
     if not _has_module(python, "llama_cpp.server"):
         return None
@@ -79,7 +85,28 @@ def _llama_cpp(port: int, gguf: Path, threads: int) -> list[str] | None:
             "--interrupt_requests", "False"]
 
 
-def _transformers(port: int, gguf: Path, threads: int) -> list[str] | None:
+LLAMA_SERVER_VERSION = "0.3.36"  # the llama-cpp-python release whose vendored llama.cpp is built (the Makefile pins it)
+
+
+def llama_server_binary() -> Path | None:
+    """$LLAMA_SERVER, or what scripts/build_llama_server.sh built into the cache; None if neither exists."""
+    if os.environ.get("LLAMA_SERVER"):
+        return Path(os.environ["LLAMA_SERVER"])
+    cache = Path(os.environ.get("TREADLE_CACHE", Path.home() / ".cache" / "treadle"))
+    binary = cache / f"llama-server-{LLAMA_SERVER_VERSION}" / "build" / "bin" / "llama-server"
+    return binary if os.access(binary, os.X_OK) else None
+
+
+def _llama_server(port: int, gguf: Path, threads: int, slots: int = 32) -> list[str] | None:
+    binary = llama_server_binary()
+    if binary is None:
+        return None
+    return [str(binary), "--model", str(gguf), "--threads", str(threads), "--threads-batch", str(threads),
+            "--parallel", str(slots), "--ctx-size", str(512 * slots), "--port", str(port), "--host", "127.0.0.1",
+            "--no-webui"]
+
+
+def _transformers(port: int, gguf: Path, threads: int, slots: int = 1) -> list[str] | None:
     python = REPO / ".venv-bench/bin/python"
     if not _has_module(python, "transformers.cli.serve") or not _has_module(python, "fastapi"):
         return None
@@ -106,8 +133,11 @@ def _torch_threads(threads: int) -> dict[str, str]:
 
 PEERS = {
     "treadle": Peer("treadle", _treadle, "/health", "treadle is not installed in .venv (make install)"),
+    "llama-server": Peer("llama-server", _llama_server, "/health",
+                         "llama-server is not built (scripts/build_llama_server.sh; make bench runs it)"),
     "llama-cpp-python": Peer("llama-cpp-python", _llama_cpp, "/v1/models",
-                             "llama-cpp-python is not installed in .venv (make bench installs it)"),
+                             "llama-cpp-python is not installed in .venv (make bench installs it)",
+                             max_concurrency=1),
     "transformers": Peer("transformers", _transformers, "/v1/models",
                          "transformers serve is not installed in .venv-bench (make bench installs it)",
                          _torch_threads, ignore_eos=False, extra_body=_min_new_tokens),
@@ -156,17 +186,23 @@ def metric_rows(concurrency: list[int]) -> list[tuple[str, Callable[[dict[str, A
     def aggregate(c: int) -> Callable[[dict[str, Any]], float | None]:
         return lambda report: (lv := level(report, c)) and lv["output_throughput"]
 
-    def ttft_p99(c: int) -> Callable[[dict[str, Any]], float | None]:
-        return lambda report: (lv := level(report, c)) and lv["ttft_ms"]["p99"]
+    def percentile(c: int, metric: str, p: str) -> Callable[[dict[str, Any]], float | None]:
+        return lambda report: (lv := level(report, c)) and lv[metric][p]
 
-    rows = [("single-stream decode tokens/s (1 / TPOT p50)", decode_tps, True)]
-    rows += [(f"aggregate output tokens/s, {c} streams", aggregate(c), True) for c in concurrency if c >= 16]
-    rows += [(f"TTFT p99 ms, {c} stream{'s' if c > 1 else ''}", ttft_p99(c), False) for c in concurrency
-             if c == 1 or c >= 16]
+    rows = [("1 stream: decode tokens/s (1 / TPOT p50)", decode_tps, True),
+            ("1 stream: TTFT p50 ms", percentile(1, "ttft_ms", "p50"), False)]
+    for c in (c for c in concurrency if c >= 16):
+        rows += [(f"{c} streams: aggregate output tokens/s", aggregate(c), True),
+                 (f"{c} streams: TTFT p50 ms", percentile(c, "ttft_ms", "p50"), False),
+                 (f"{c} streams: TTFT p99 ms", percentile(c, "ttft_ms", "p99"), False),
+                 (f"{c} streams: inter-token p50 ms", percentile(c, "itl_ms", "p50"), False),
+                 (f"{c} streams: inter-token p99 ms", percentile(c, "itl_ms", "p99"), False)]
     return rows
 
 
 def ratio_table(reports: dict[str, dict[str, Any]], concurrency: list[int]) -> str:
+    """Each metric for every server, and treadle / peer: above 1 is better for treadle where higher is
+    better (throughput), below 1 where lower is (latencies)."""
     peers = [name for name in reports if name != "treadle"]
     header = ["metric", "treadle"] + [f"{p} | treadle / {p}" for p in peers]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * (1 + 1 + 2 * len(peers))]
@@ -181,6 +217,20 @@ def ratio_table(reports: dict[str, dict[str, Any]], concurrency: list[int]) -> s
     return "\n".join(lines)
 
 
+def int8_roof(threads: int) -> dict[str, float] | None:
+    """The int8 kernels' multiply-accumulate rate on this machine now (treadle bench engine's probe), as
+    the output tokens/s a batched decode step could at most reach; None where the model has no packable
+    matrix."""
+    from bench.engine_rooflines import flops_per_token, measure_int8_gmacs
+    from decoding.model.registry import load_model
+
+    model = load_model(MODEL)
+    gmacs = measure_int8_gmacs(model, threads)
+    if gmacs is None:
+        return None
+    return {"int8_gmacs": gmacs, "tokens_per_second": gmacs * 2e9 / flops_per_token(model)}
+
+
 def update_readme(path: Path, section: str) -> None:
     text = path.read_text() if path.exists() else f"{README_BEGIN}\n{README_END}\n"
     if README_BEGIN not in text or README_END not in text:
@@ -192,12 +242,12 @@ def update_readme(path: Path, section: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--peers", default="treadle,llama-cpp-python,transformers",
+    parser.add_argument("--peers", default="treadle,llama-server,llama-cpp-python,transformers",
                         help="comma-separated, from: " + ", ".join(PEERS))
     parser.add_argument("--threads", type=int, default=2, help="threads of every server (default %(default)s)")
     parser.add_argument("--concurrency", default="1,4,16,32", help="levels (default %(default)s)")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--prompt-tokens", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--start-timeout", type=float, default=600, help="s for a server to become ready")
     parser.add_argument("--settle-load", type=float, default=1.0,
@@ -225,7 +275,7 @@ def main() -> int:
             reports[peer.name] = json.loads((out / f"{peer.name}.json").read_text())
             commands[peer.name] = reports[peer.name]["command"]
             continue
-        argv = peer.command(free_port(), gguf, args.threads)
+        argv = peer.command(free_port(), gguf, args.threads, max(concurrency))
         if argv is None:
             skipped[peer.name] = peer.why_missing
             print(f"== {peer.name}: skipped ({peer.why_missing})", file=sys.stderr)
@@ -241,7 +291,8 @@ def main() -> int:
             print(f"== {peer.name}: skipped ({exc})", file=sys.stderr)
             continue
         try:
-            config = BenchConfig(base_url=base_url, model=None, chat=False, concurrency=concurrency,
+            levels = [c for c in concurrency if peer.max_concurrency is None or c <= peer.max_concurrency]
+            config = BenchConfig(base_url=base_url, model=None, chat=False, concurrency=levels,
                                  requests=None, max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens,
                                  temperature=0.0, ignore_eos=peer.ignore_eos, warmup=args.warmup, seed=0,
                                  timeout_s=1800, knee_metric="ttft", knee_factor=1.5,
@@ -260,6 +311,16 @@ def main() -> int:
         print("treadle did not run: no ratios", file=sys.stderr)
         return 1
     table = ratio_table(reports, concurrency)
+    roof = int8_roof(args.threads)
+    if roof is not None:
+        top = max(concurrency)
+        reached = (lv := level(reports["treadle"], top)) and lv["output_throughput"]
+        table += (f"\n\nint8 compute roof, measured after the servers in the same run: {roof['int8_gmacs']:.0f} GMAC/s on "
+                  f"{args.threads} threads → {roof['tokens_per_second']:.0f} tokens/s for a batched decode step"
+                  + (f"; treadle's {top} streams reach {100 * reached / roof['tokens_per_second']:.0f}% of it"
+                     if reached else ""))
+        for report in reports.values():
+            report["int8_roof"] = roof
     machine = machine_description()
     load = (f"/v1/completions, stream: true; prompts ~{args.prompt_tokens} tokens of synthetic text, "
             f"{args.max_tokens} output tokens each (ignore_eos / min_tokens; transformers: min_new_tokens); "

@@ -261,6 +261,7 @@ class Engine:
         self.stats.step_seconds += seconds
         self.stats.kernel_seconds += kernel_seconds
         self._notify("on_step", seconds, kernel_seconds, scheduled.num_tokens, len(scheduled.chunks))
+        self._notify("on_step_scheduled", scheduled, seconds, kernel_seconds)
 
     def _run_step(self, scheduled: SchedulerOutput) -> float:
         batch, logit_row_of_chunk = build_step_batch(self.kv, scheduled)
@@ -548,8 +549,11 @@ class Engine:
 
     def _notify(self, method: str, *args: Any) -> None:
         for observer in self.observers:
+            hook = getattr(observer, method, None)  # an observer implements the hooks it wants
+            if hook is None:
+                continue
             try:
-                getattr(observer, method)(*args)
+                hook(*args)
             except Exception:  # an observer must never take the engine down
                 log.exception("engine observer %s.%s failed", type(observer).__name__, method)
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from .scheduler import SchedulerOutput
 from .sequence import Request
 
 
 class EngineObserver(Protocol):
-    """Called on the engine thread; implementations must not block (metrics, logs)."""
+    """Called on the engine thread; implementations must not block (metrics, logs). An observer
+    defines the hooks it wants; the engine skips the others."""
 
     def on_step(self, seconds: float, kernel_seconds: float, num_tokens: int, num_seqs: int) -> None: ...
     def on_first_token(self, seconds: float) -> None: ...
@@ -17,6 +19,7 @@ class EngineObserver(Protocol):
     def on_preemption(self) -> None: ...
     def on_slow_reader_abort(self) -> None: ...
     def on_queue_timeout(self) -> None: ...
+    def on_step_scheduled(self, scheduled: SchedulerOutput, seconds: float, kernel_seconds: float) -> None: ...
 
 
 @dataclass(slots=True)
