@@ -123,13 +123,28 @@ def test_prefill_chunks_while_decoding_are_sized_to_keep_the_step_within_the_str
     from decoding.engine.scheduler import StepCostModel
 
     model = StepCostModel(max_itl_stretch=2.0)
-    assert model.prefill_budget_while_decoding(256) == 64  # not measured yet: a modest chunk
+    assert model.prefill_budget_while_decoding(256, 16) == 64  # not measured yet: a modest chunk
     for _ in range(20):
         model.observe(num_decode_tokens=16, num_prefill_tokens=0, seconds=0.020)
         model.observe(num_decode_tokens=16, num_prefill_tokens=40, seconds=0.060)  # 1 ms per extra token
     # 20 ms more at 1 ms a token would double the step; chunks are planned to 80% of that allowance
-    assert model.prefill_budget_while_decoding(256) == 16
-    assert StepCostModel(max_itl_stretch=3.0).prefill_budget_while_decoding(8) == 8  # never above the budget
+    assert model.prefill_budget_while_decoding(256, 16) == 16
+    # the decode step is the fitted line's at the batch's size now: 4 ms + 8 ms for 8 decodes
+    assert model.prefill_budget_while_decoding(256, 8) == 9
+    assert StepCostModel(max_itl_stretch=3.0).prefill_budget_while_decoding(8, 1) == 8  # never above the budget
+
+
+def test_the_step_cost_fit_keeps_its_slope_while_steps_do_not_vary():
+    from decoding.engine.scheduler import StepCostModel
+
+    model = StepCostModel(max_itl_stretch=2.0)
+    for i in range(40):  # a churning batch: 10-40 rows, 0.5 ms each over 5 ms
+        rows = 10 + (7 * i) % 31
+        model.observe(num_decode_tokens=rows, num_prefill_tokens=0, seconds=0.005 + 0.0005 * rows)
+    assert abs(model.seconds_per_token - 0.0005) < 1e-9 and abs(model.decode_step_seconds(32) - 0.021) < 1e-9
+    for _ in range(200):  # then a steady batch: no spread to refit from, the slope stays
+        model.observe(num_decode_tokens=32, num_prefill_tokens=0, seconds=0.021)
+    assert abs(model.seconds_per_token - 0.0005) < 1e-9
 
 
 def test_a_long_prompt_arriving_during_decodes_gets_the_time_budgeted_chunk():
@@ -157,8 +172,7 @@ def test_a_long_prompt_stays_throttled_to_its_last_chunk():
     stream = make_seq(4, "stream")
     scheduler.add(stream)
     finish_step(scheduler, scheduler.schedule())
-    scheduler.step_costs.decode_step_seconds = 0.010
-    scheduler.step_costs.seconds_per_token = 1e-6  # cheap for now: whole-budget chunks
+    scheduler.step_costs.assume(0.010, 1, 1e-6)  # cheap for now: whole-budget chunks
     long_prompt = make_seq(800, "long")
     scheduler.add(long_prompt)
     for _ in range(3):
@@ -169,18 +183,41 @@ def test_a_long_prompt_stays_throttled_to_its_last_chunk():
     assert [(c.seq, c.num_tokens) for c in out.chunks] == [(stream, 1), (long_prompt, 8)]
 
 
-def test_short_prompts_arriving_during_decodes_are_not_throttled():
-    scheduler = Scheduler(KVCacheManager(256, 4, 2048, enable_prefix_caching=False), max_num_seqs=8,
+def decoding_scheduler(decode_step_seconds: float, seconds_per_token: float) -> tuple[Scheduler, Sequence]:
+    scheduler = Scheduler(KVCacheManager(512, 4, 2048, enable_prefix_caching=False), max_num_seqs=8,
                           max_num_batched_tokens=256)
-    first = make_seq(4, "first")
-    scheduler.add(first)
+    stream = make_seq(4, "stream")
+    scheduler.add(stream)
     finish_step(scheduler, scheduler.schedule())
-    scheduler.step_costs.decode_step_seconds = 0.010
-    scheduler.step_costs.seconds_per_token = 0.001  # a long prompt would get 10 tokens a step
+    scheduler.step_costs.assume(decode_step_seconds, 1, seconds_per_token)
+    return scheduler, stream
+
+
+def test_short_prompts_arriving_during_decodes_are_held_to_the_step_time_bound_too():
+    """A wave of short prompts prefilled beside many decodes is what stretched the inter-token tail
+    (treadle bench churn: steps a prefill shared were 20% of the steps and held the p99)."""
+    scheduler, stream = decoding_scheduler(0.050, 0.001)  # a 2x step allows 50 ms: 40 tokens planned
     short = make_seq(300, "short")
     scheduler.add(short)
     out = scheduler.schedule()
-    assert [(c.seq, c.num_tokens) for c in out.chunks] == [(first, 1), (short, 255)]
+    assert [(c.seq, c.num_tokens) for c in out.chunks] == [(stream, 1), (short, 40)]
+
+
+def test_at_a_few_streams_short_prompts_still_get_the_floor_and_long_ones_the_bound():
+    """A short decode step would allow only a few prompt tokens a step, and a queue would drain slower
+    than requests arrive: short prompts may always take PREFILL_FLOOR_SECONDS of a step."""
+    from decoding.engine.scheduler import PREFILL_FLOOR_SECONDS
+
+    scheduler, stream = decoding_scheduler(0.010, 0.001)  # the bound: 8 tokens
+    floor_tokens = round(PREFILL_FLOOR_SECONDS / 0.001)
+    assert floor_tokens > 8
+    long_prompt = make_seq(800, "long")  # arrives first
+    short = make_seq(300, "short")
+    scheduler.add(long_prompt)
+    scheduler.add(short)
+    out = scheduler.schedule()
+    assert [(c.seq, c.num_tokens) for c in out.chunks] == [(stream, 1), (long_prompt, 8),
+                                                          (short, floor_tokens - 8)]
 
 
 def make_request_seq(prompt_len: int, n: int, name: str) -> Sequence:

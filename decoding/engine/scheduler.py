@@ -15,13 +15,15 @@ is preempted: its blocks are freed and it goes back to the queue, to be recomput
 often finds its blocks still there). A sequence whose client has stopped reading (`Sequence.is_paused`)
 keeps its place and its blocks but is not scheduled.
 
-While streams are decoding, chunks of *long* prompts (more than LONG_PREFILL_TOKENS to compute when
-admitted, prefix-cache hits aside; the whole prompt stays long to its last chunk) are also held to a time budget: a step may take at most `max_itl_stretch` times as long as a
-decode-only step, so a long prompt arriving never stretches the running streams' inter-token gaps past
-that. Short prompts are not throttled: admitting them quickly is what lets the batch grow (throttling
-them too kept a soak at 2–5 running requests while ~60 waited), as vLLM's long-prefill threshold does. The engine reports each step's duration; the scheduler
-keeps moving averages of a decode-only step and of the cost of one more token, and sizes the prefill
-share from them. (CPU steps are compute-bound: time grows linearly with the tokens in the step.)
+While streams are decoding, prefill chunks are also held to a time budget: a step may take at most
+`max_itl_stretch` times as long as a decode-only step, so prompts arriving never stretch the running
+streams' inter-token gaps past that — a wave of new prompts is spread over steps instead of landing in
+one. Short prompts (up to LONG_PREFILL_TOKENS to compute when admitted, prefix-cache hits aside) may
+always take PREFILL_FLOOR_SECONDS of a step, so that at a few streams, whose short steps allow only a
+handful of prompt tokens, the batch still grows as fast as requests come; long prompts (the whole
+prompt stays long to its last chunk) get the bound alone. The engine reports each step's duration; the
+scheduler keeps moving averages of a decode-only step and of the cost of one more token, and sizes
+the prefill share from them. (CPU steps are compute-bound: time grows linearly with the tokens in the step.)
 Chunk sizes never change any sequence's numbers (the kernels are batch-invariant), only its timing.
 """
 
@@ -39,10 +41,13 @@ from .speculative import MAX_NGRAM, DraftCostModel, NgramDrafter
 
 @dataclass(slots=True)
 class _PrefillBudget:
-    """One step's prompt tokens: `tokens` for any prefill, `long_tokens` for chunks of long prompts."""
+    """One step's prompt tokens: `tokens` for any prefill; while streams decode, `timed_tokens` for all
+    prefills together (the step-time bound, or the floor if larger) and `long_tokens` for chunks of
+    long prompts (the bound alone)."""
 
     tokens: int
-    long_tokens: int | None = None  # None: long prompts are not held back this step
+    timed_tokens: int | None = None  # None: no stream decodes, prompts take the whole budget
+    long_tokens: int | None = None
 
     def share(self, num_uncomputed: int, num_prefill_tokens: int) -> int:
         """How many of a prompt's remaining tokens this step can take (without taking them).
@@ -51,6 +56,8 @@ class _PrefillBudget:
         not by what remains: the last chunk of a long prompt attends over all the rest, the dearest of all.
         """
         share = min(num_uncomputed, self.tokens)
+        if self.timed_tokens is not None:
+            share = min(share, self.timed_tokens)
         if num_prefill_tokens > LONG_PREFILL_TOKENS and self.long_tokens is not None:
             share = min(share, self.long_tokens)
         return share
@@ -58,6 +65,8 @@ class _PrefillBudget:
     def take(self, num_uncomputed: int, num_prefill_tokens: int) -> int:
         share = self.share(num_uncomputed, num_prefill_tokens)
         self.tokens -= share
+        if self.timed_tokens is not None:
+            self.timed_tokens -= share
         if num_prefill_tokens > LONG_PREFILL_TOKENS and self.long_tokens is not None:
             self.long_tokens -= share
         return share
@@ -89,10 +98,20 @@ class SchedulerOutput:
 
 
 LONG_PREFILL_TOKENS = 512
+# While streams decode, prompts may always take this much of a step, whatever the stretch bound allows:
+# a few streams make a short decode step, whose bound would admit a handful of prompt tokens a step, and
+# a queue would drain slower than requests arrive (throttled to the bound alone, a soak ran 2-5
+# requests while ~60 waited). It costs those few streams a gap of at most this much more.
+PREFILL_FLOOR_SECONDS = 0.02
 
 
 class StepCostModel:
-    """Moving averages of a decode-only step's time and of one more token's cost in a step."""
+    """What a step costs, as a line fitted to recent steps: seconds ≈ base + per_token × tokens in the
+    step (decodes, drafts and prompt tokens alike: a CPU step is compute-bound, its time grows linearly
+    with its rows), by exponentially weighted least squares. A decode-only step of n sequences then costs
+    base + per_token × n, at whatever n the batch has now — one average over all decode steps mixed
+    batches of 10 and 32, and with time-bounded prefills in most steps of a churning server it went
+    stale and let the batch collapse."""
 
     MIN_PREFILL_CHUNK = 4  # tokens: a long prompt always makes progress
     # Chunks are planned to this share of the allowed extra time: a decode step's own time varies by
@@ -100,36 +119,64 @@ class StepCostModel:
     # put the largest gaps at ~2.7x the median before the prompt arrived (2000 tokens under 16 streams);
     # at 0.8, ~2.3-2.6x (0.7 gained nothing more: the rest is the machine's jitter).
     PLANNING_MARGIN = 0.8
-    _SMOOTHING = 0.2
+    _DECAY = 0.97  # per step: the fit follows the last ~30 steps
+    _MIN_TOKEN_SPREAD = 4.0  # tokens (standard deviation) the recent steps must span to refit the slope
 
     def __init__(self, max_itl_stretch: float) -> None:
         self.max_itl_stretch = max_itl_stretch
-        self.decode_step_seconds: float | None = None
-        self.seconds_per_token: float | None = None
-        self.latest_seconds_per_token: float | None = None  # a growing prompt costs more per token each chunk
+        self.seconds_per_token: float | None = None  # the fitted slope (kept while steps do not vary)
+        self.latest_seconds_per_token: float | None = None  # a growing long prompt costs more per token each chunk
+        self._weight = self._tokens = self._seconds = self._tokens_sq = self._tokens_seconds = 0.0
+
+    def assume(self, decode_step_seconds: float, num_decodes: int, seconds_per_token: float) -> None:
+        """Start from a known cost (tests; a caller that measured it elsewhere)."""
+        self._weight, self._tokens, self._seconds = 1.0, float(num_decodes), decode_step_seconds
+        self._tokens_sq, self._tokens_seconds = float(num_decodes) ** 2, num_decodes * decode_step_seconds
+        self.seconds_per_token = seconds_per_token
 
     def observe(self, num_decode_tokens: int, num_prefill_tokens: int, seconds: float) -> None:
-        if num_prefill_tokens == 0 and num_decode_tokens > 0:
-            self.decode_step_seconds = self._blend(self.decode_step_seconds, seconds)
-        elif num_prefill_tokens >= self.MIN_PREFILL_CHUNK and self.decode_step_seconds is not None and num_decode_tokens > 0:
-            extra = (seconds - self.decode_step_seconds) / num_prefill_tokens
-            if extra > 0:
-                self.seconds_per_token = self._blend(self.seconds_per_token, extra)
+        tokens = num_decode_tokens + num_prefill_tokens
+        if num_decode_tokens and num_prefill_tokens and self.seconds_per_token is not None and self._weight:
+            extra = (seconds - self.decode_step_seconds(num_decode_tokens)) / num_prefill_tokens
+            if num_prefill_tokens >= self.MIN_PREFILL_CHUNK and extra > 0:
                 self.latest_seconds_per_token = extra
-        elif num_prefill_tokens >= 16 and num_decode_tokens == 0:
-            self.seconds_per_token = self._blend(self.seconds_per_token, seconds / num_prefill_tokens)
+        d = self._DECAY
+        self._weight = d * self._weight + 1.0
+        self._tokens = d * self._tokens + tokens
+        self._seconds = d * self._seconds + seconds
+        self._tokens_sq = d * self._tokens_sq + tokens * tokens
+        self._tokens_seconds = d * self._tokens_seconds + tokens * seconds
+        mean_tokens = self._tokens / self._weight
+        variance = self._tokens_sq / self._weight - mean_tokens**2
+        if variance >= self._MIN_TOKEN_SPREAD**2:
+            slope = (self._tokens_seconds / self._weight - mean_tokens * self._seconds / self._weight) / variance
+            if slope > 0:
+                self.seconds_per_token = slope
+        elif self.seconds_per_token is None and num_prefill_tokens >= 16 and not num_decode_tokens:
+            self.seconds_per_token = seconds / num_prefill_tokens  # a first prompt alone: an upper bound
 
-    def prefill_budget_while_decoding(self, budget: int) -> int:
-        if self.decode_step_seconds is None or self.seconds_per_token is None:
+    def decode_step_seconds(self, num_decodes: int) -> float:
+        """A decode-only step of `num_decodes` sequences, by the fitted line."""
+        assert self.seconds_per_token is not None and self._weight
+        base = (self._seconds - self.seconds_per_token * self._tokens) / self._weight
+        return max(base, 0.0) + self.seconds_per_token * num_decodes
+
+    def prefill_budget_while_decoding(self, budget: int, num_decodes: int) -> int:
+        """Prompt tokens that keep a step with `num_decodes` decodes within the stretch bound."""
+        if self.seconds_per_token is None or not self._weight:
             return min(budget, 16 * self.MIN_PREFILL_CHUNK)  # until measured: a modest chunk
         # The cost of a prefill token grows with its position (attention reads its whole context), so
-        # the latest chunk's cost, when higher, wins over the average: chunks shrink as a prompt goes on.
+        # the latest chunk's cost, when higher, wins over the fit: a long prompt's chunks shrink as it goes on.
         per_token = max(self.seconds_per_token, self.latest_seconds_per_token or 0.0)
-        allowed = self.PLANNING_MARGIN * (self.max_itl_stretch - 1.0) * self.decode_step_seconds / per_token
-        return max(self.MIN_PREFILL_CHUNK, min(budget, int(allowed)))
+        allowed = (self.PLANNING_MARGIN * (self.max_itl_stretch - 1.0) * self.decode_step_seconds(num_decodes)
+                   / per_token)
+        return max(self.MIN_PREFILL_CHUNK, min(budget, int(allowed + 1e-6)))  # 15.99999 tokens are 16
 
-    def _blend(self, average: float | None, sample: float) -> float:
-        return sample if average is None else average + self._SMOOTHING * (sample - average)
+    def prefill_floor_tokens(self, budget: int) -> int:
+        """The prompt tokens PREFILL_FLOOR_SECONDS buys (at the fitted cost), within `budget`."""
+        if self.seconds_per_token is None:
+            return min(budget, 16 * self.MIN_PREFILL_CHUNK)
+        return max(self.MIN_PREFILL_CHUNK, min(budget, int(PREFILL_FLOOR_SECONDS / self.seconds_per_token + 1e-6)))
 
 
 class Scheduler:
@@ -184,7 +231,9 @@ class Scheduler:
         out.num_decode_tokens = num_decodes
         budget = _PrefillBudget(self.max_num_batched_tokens - num_decodes)
         if num_decodes and self.step_costs is not None:
-            budget.long_tokens = self.step_costs.prefill_budget_while_decoding(budget.tokens)
+            budget.long_tokens = self.step_costs.prefill_budget_while_decoding(budget.tokens,
+                                                                               num_decodes - out.num_draft_tokens)
+            budget.timed_tokens = max(budget.long_tokens, self.step_costs.prefill_floor_tokens(budget.tokens))
         self._schedule_prefills(out, budget)
         if not out.preempted:  # admitting right after preempting would only trade one for another
             self._admit(out, budget)
