@@ -183,24 +183,28 @@ def test_a_long_prompt_stays_throttled_to_its_last_chunk():
     assert [(c.seq, c.num_tokens) for c in out.chunks] == [(stream, 1), (long_prompt, 8)]
 
 
-def decoding_scheduler(decode_step_seconds: float, seconds_per_token: float) -> tuple[Scheduler, Sequence]:
-    scheduler = Scheduler(KVCacheManager(512, 4, 2048, enable_prefix_caching=False), max_num_seqs=8,
+def decoding_scheduler(decode_step_seconds: float, seconds_per_token: float,
+                       num_streams: int = 1) -> tuple[Scheduler, Sequence]:
+    """A scheduler whose `num_streams` streams decode (the first is returned), at the cost given."""
+    scheduler = Scheduler(KVCacheManager(512, 4, 2048, enable_prefix_caching=False), max_num_seqs=16,
                           max_num_batched_tokens=256)
-    stream = make_seq(4, "stream")
-    scheduler.add(stream)
+    streams = [make_seq(4, f"stream{i}") for i in range(num_streams)]
+    for stream in streams:
+        scheduler.add(stream)
     finish_step(scheduler, scheduler.schedule())
-    scheduler.step_costs.assume(decode_step_seconds, 1, seconds_per_token)
+    stream = streams[0]
+    scheduler.step_costs.assume(decode_step_seconds, num_streams, seconds_per_token)
     return scheduler, stream
 
 
 def test_short_prompts_arriving_during_decodes_are_held_to_the_step_time_bound_too():
     """A wave of short prompts prefilled beside many decodes is what stretched the inter-token tail
     (treadle bench churn: steps a prefill shared were 20% of the steps and held the p99)."""
-    scheduler, stream = decoding_scheduler(0.050, 0.001)  # a 2x step allows 50 ms: 40 tokens planned
+    scheduler, _ = decoding_scheduler(0.050, 0.001, num_streams=10)  # a 2x step allows 50 ms: 40 tokens planned
     short = make_seq(300, "short")
     scheduler.add(short)
     out = scheduler.schedule()
-    assert [(c.seq, c.num_tokens) for c in out.chunks] == [(stream, 1), (short, 40)]
+    assert [c.num_tokens for c in out.chunks] == [1] * 10 + [44]  # one awaiting in ten: 1.1x the extra time
 
 
 def test_at_a_few_streams_short_prompts_still_get_the_floor_and_long_ones_the_bound():
@@ -208,7 +212,7 @@ def test_at_a_few_streams_short_prompts_still_get_the_floor_and_long_ones_the_bo
     than requests arrive: short prompts may always take PREFILL_FLOOR_SECONDS of a step."""
     from decoding.engine.scheduler import PREFILL_FLOOR_SECONDS
 
-    scheduler, stream = decoding_scheduler(0.010, 0.001)  # the bound: 8 tokens
+    scheduler, _ = decoding_scheduler(0.010, 0.001, num_streams=9)  # the bound: 8 tokens
     floor_tokens = round(PREFILL_FLOOR_SECONDS / 0.001)
     assert floor_tokens > 8
     long_prompt = make_seq(800, "long")  # arrives first
@@ -216,8 +220,8 @@ def test_at_a_few_streams_short_prompts_still_get_the_floor_and_long_ones_the_bo
     scheduler.add(long_prompt)
     scheduler.add(short)
     out = scheduler.schedule()
-    assert [(c.seq, c.num_tokens) for c in out.chunks] == [(stream, 1), (long_prompt, 8),
-                                                          (short, floor_tokens - 8)]
+    assert [(c.seq.request.request_id, c.num_tokens) for c in out.chunks][-2:] == [
+        ("long", 8), ("short", floor_tokens - 8)]
 
 
 def make_request_seq(prompt_len: int, n: int, name: str) -> Sequence:
@@ -324,3 +328,17 @@ def test_preemption_takes_the_lowest_priority_first():
             break
     # the newest is not the victim: the lowest priority is, though it arrived first
     assert preempted[0] is low_early
+
+
+def test_a_wave_of_prompts_that_outnumbers_the_streams_fills_the_step():
+    """A burst (as many prompts awaiting their first token as streams decoding) is prefilled at once;
+    fewer awaiting earn the short ones more of a step in proportion."""
+    scheduler, _ = decoding_scheduler(0.040, 0.001, num_streams=4)  # the bound: 32 tokens
+    wave = [make_seq(60, f"w{i}") for i in range(4)]
+    for seq in wave:
+        scheduler.add(seq)
+    out = scheduler.schedule()
+    assert [c.num_tokens for c in out.chunks] == [1] * 4 + [60] * 4
+    scheduler, _ = decoding_scheduler(0.040, 0.001, num_streams=4)
+    scheduler.add(make_seq(300, "one"))  # one of four: 1.25x the bound's extra time, 40 tokens
+    assert [c.num_tokens for c in scheduler.schedule().chunks] == [1] * 4 + [40]

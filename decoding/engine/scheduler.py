@@ -20,8 +20,12 @@ While streams are decoding, prefill chunks are also held to a time budget: a ste
 streams' inter-token gaps past that — a wave of new prompts is spread over steps instead of landing in
 one. Short prompts (up to LONG_PREFILL_TOKENS to compute when admitted, prefix-cache hits aside) may
 always take PREFILL_FLOOR_SECONDS of a step, so that at a few streams, whose short steps allow only a
-handful of prompt tokens, the batch still grows as fast as requests come; long prompts (the whole
-prompt stays long to its last chunk) get the bound alone. The engine reports each step's duration; the
+handful of prompt tokens, the batch still grows as fast as requests come. Prompts waiting also earn
+short ones more of a step: the extra time allowed grows with the ratio of sequences awaiting their
+first token to decoding ones (up to twice the bound's), and once they are as many, short prompts are
+not held at all (a burst: its last first token is bounded by the whole burst's prefill, and holding it
+to the bound added a second to it at 32 streams).
+Long prompts (the whole prompt stays long to its last chunk) always get the bound alone. The engine reports each step's duration; the
 scheduler keeps moving averages of a decode-only step and of the cost of one more token, and sizes
 the prefill share from them. (CPU steps are compute-bound: time grows linearly with the tokens in the step.)
 Chunk sizes never change any sequence's numbers (the kernels are batch-invariant), only its timing.
@@ -161,15 +165,16 @@ class StepCostModel:
         base = (self._seconds - self.seconds_per_token * self._tokens) / self._weight
         return max(base, 0.0) + self.seconds_per_token * num_decodes
 
-    def prefill_budget_while_decoding(self, budget: int, num_decodes: int) -> int:
-        """Prompt tokens that keep a step with `num_decodes` decodes within the stretch bound."""
+    def prefill_budget_while_decoding(self, budget: int, num_decodes: int, stretch: float | None = None) -> int:
+        """Prompt tokens that keep a step with `num_decodes` decodes within `stretch` (default: the bound)
+        times a decode-only step."""
         if self.seconds_per_token is None or not self._weight:
             return min(budget, 16 * self.MIN_PREFILL_CHUNK)  # until measured: a modest chunk
         # The cost of a prefill token grows with its position (attention reads its whole context), so
         # the latest chunk's cost, when higher, wins over the fit: a long prompt's chunks shrink as it goes on.
         per_token = max(self.seconds_per_token, self.latest_seconds_per_token or 0.0)
-        allowed = (self.PLANNING_MARGIN * (self.max_itl_stretch - 1.0) * self.decode_step_seconds(num_decodes)
-                   / per_token)
+        stretch = self.max_itl_stretch if stretch is None else stretch
+        allowed = self.PLANNING_MARGIN * (stretch - 1.0) * self.decode_step_seconds(num_decodes) / per_token
         return max(self.MIN_PREFILL_CHUNK, min(budget, int(allowed + 1e-6)))  # 15.99999 tokens are 16
 
     def prefill_floor_tokens(self, budget: int) -> int:
@@ -230,14 +235,25 @@ class Scheduler:
         num_decodes = self._schedule_decodes(out)
         out.num_decode_tokens = num_decodes
         budget = _PrefillBudget(self.max_num_batched_tokens - num_decodes)
-        if num_decodes and self.step_costs is not None:
-            budget.long_tokens = self.step_costs.prefill_budget_while_decoding(budget.tokens,
-                                                                               num_decodes - out.num_draft_tokens)
-            budget.timed_tokens = max(budget.long_tokens, self.step_costs.prefill_floor_tokens(budget.tokens))
+        num_decoding = num_decodes - out.num_draft_tokens
+        if num_decoding and self.step_costs is not None:
+            costs = self.step_costs
+            budget.long_tokens = costs.prefill_budget_while_decoding(budget.tokens, num_decoding)
+            awaiting = self._num_awaiting_first_token()
+            if awaiting < num_decoding:  # else a burst: short prompts fill the step (first tokens first)
+                # the queue earns the streams a little more stretch: up to twice the bound's extra time
+                # as the prompts awaiting their first token approach the decoding streams in number
+                stretch = costs.max_itl_stretch + (costs.max_itl_stretch - 1.0) * awaiting / num_decoding
+                budget.timed_tokens = max(costs.prefill_budget_while_decoding(budget.tokens, num_decoding, stretch),
+                                          costs.prefill_floor_tokens(budget.tokens))
         self._schedule_prefills(out, budget)
         if not out.preempted:  # admitting right after preempting would only trade one for another
             self._admit(out, budget)
         return out
+
+    def _num_awaiting_first_token(self) -> int:
+        """Sequences waiting for admission or in the middle of their prefill."""
+        return len(self.waiting) + sum(1 for seq in self.running if not seq.is_prefill_done)
 
     def observe_step(self, scheduled: SchedulerOutput, seconds: float) -> None:
         """The engine reports how long a scheduled step took (it sizes later prefill chunks, and
