@@ -129,22 +129,21 @@ def test_prefill_chunks_while_decoding_are_sized_to_keep_the_step_within_the_str
         model.observe(num_decode_tokens=16, num_prefill_tokens=40, seconds=0.060)  # 1 ms per extra token
     # 20 ms more at 1 ms a token would double the step; chunks are planned to 80% of that allowance
     assert model.prefill_budget_while_decoding(256, 16) == 16
-    # the decode step is the fitted line's at the batch's size now: 4 ms + 8 ms for 8 decodes
-    assert model.prefill_budget_while_decoding(256, 8) == 9
     assert StepCostModel(max_itl_stretch=3.0).prefill_budget_while_decoding(8, 1) == 8  # never above the budget
 
 
-def test_the_step_cost_fit_keeps_its_slope_while_steps_do_not_vary():
+def test_the_decode_step_is_priced_at_the_batch_size_and_keeps_its_slope_while_the_batch_is_steady():
     from decoding.engine.scheduler import StepCostModel
 
     model = StepCostModel(max_itl_stretch=2.0)
     for i in range(40):  # a churning batch: 10-40 rows, 0.5 ms each over 5 ms
         rows = 10 + (7 * i) % 31
         model.observe(num_decode_tokens=rows, num_prefill_tokens=0, seconds=0.005 + 0.0005 * rows)
-    assert abs(model.seconds_per_token - 0.0005) < 1e-9 and abs(model.decode_step_seconds(32) - 0.021) < 1e-9
+    assert abs(model.seconds_per_row - 0.0005) < 1e-9 and abs(model.decode_step_seconds(32) - 0.021) < 1e-9
+    assert abs(model.decode_step_seconds(10) - 0.010) < 1e-9
     for _ in range(200):  # then a steady batch: no spread to refit from, the slope stays
         model.observe(num_decode_tokens=32, num_prefill_tokens=0, seconds=0.021)
-    assert abs(model.seconds_per_token - 0.0005) < 1e-9
+    assert abs(model.seconds_per_row - 0.0005) < 1e-9
 
 
 def test_a_long_prompt_arriving_during_decodes_gets_the_time_budgeted_chunk():

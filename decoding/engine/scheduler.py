@@ -110,78 +110,98 @@ PREFILL_FLOOR_SECONDS = 0.02
 
 
 class StepCostModel:
-    """What a step costs, as a line fitted to recent steps: seconds ≈ base + per_token × tokens in the
-    step (decodes, drafts and prompt tokens alike: a CPU step is compute-bound, its time grows linearly
-    with its rows), by exponentially weighted least squares. A decode-only step of n sequences then costs
-    base + per_token × n, at whatever n the batch has now — one average over all decode steps mixed
-    batches of 10 and 32, and with time-bounded prefills in most steps of a churning server it went
-    stale and let the batch collapse."""
+    """What a decode-only step costs at the batch's size now, and what one more prompt token adds.
+
+    Decode-only steps are fitted with a line, seconds ≈ base + per_row × rows (exponentially weighted
+    least squares; a CPU step is compute-bound, its time grows with its rows), so that a churning batch
+    of 10 to 32 sequences is priced at its size: one average over every decode step went stale once most
+    steps of a churning server carried a bounded prefill, and let the batch collapse. A prompt token's
+    cost is a moving average of what prefill chunks added to the decode step of their size (attention
+    over a long prompt makes them dearer than a decode row), and the latest chunk's, for a prompt whose
+    tokens grow dearer as it goes on.
+    """
 
     MIN_PREFILL_CHUNK = 4  # tokens: a long prompt always makes progress
+    # A prompt token's cost is learned from chunks of at least this many: a step's jitter divided by 4
+    # tokens made them look several times dearer, the next chunks smaller, every step then carried a
+    # sliver of prompt (no decode-only step left to price the batch by) and the batch collapsed.
+    MIN_LEARNING_CHUNK = 16
     # Chunks are planned to this share of the allowed extra time: a decode step's own time varies by
     # ±20% on a busy machine and grows as the streams' contexts do, so planning to the full allowance
     # put the largest gaps at ~2.7x the median before the prompt arrived (2000 tokens under 16 streams);
     # at 0.8, ~2.3-2.6x (0.7 gained nothing more: the rest is the machine's jitter).
     PLANNING_MARGIN = 0.8
-    _DECAY = 0.97  # per step: the fit follows the last ~30 steps
-    _MIN_TOKEN_SPREAD = 4.0  # tokens (standard deviation) the recent steps must span to refit the slope
+    _SMOOTHING = 0.2
+    _DECAY = 0.97  # per decode-only step: the fit follows the last ~30 of them
+    _MIN_ROW_SPREAD = 2.0  # rows (standard deviation) the recent decode steps must span to refit the slope
 
     def __init__(self, max_itl_stretch: float) -> None:
         self.max_itl_stretch = max_itl_stretch
-        self.seconds_per_token: float | None = None  # the fitted slope (kept while steps do not vary)
-        self.latest_seconds_per_token: float | None = None  # a growing long prompt costs more per token each chunk
-        self._weight = self._tokens = self._seconds = self._tokens_sq = self._tokens_seconds = 0.0
+        self.seconds_per_token: float | None = None  # a prompt token's cost in a step
+        self.latest_seconds_per_token: float | None = None  # a growing prompt costs more per token each chunk
+        self.seconds_per_row: float | None = None  # the decode line's slope (kept while the batch does not vary)
+        self._weight = self._rows = self._seconds = self._rows_sq = self._rows_seconds = 0.0
 
     def assume(self, decode_step_seconds: float, num_decodes: int, seconds_per_token: float) -> None:
-        """Start from a known cost (tests; a caller that measured it elsewhere)."""
-        self._weight, self._tokens, self._seconds = 1.0, float(num_decodes), decode_step_seconds
-        self._tokens_sq, self._tokens_seconds = float(num_decodes) ** 2, num_decodes * decode_step_seconds
+        """Start from known costs (tests; a caller that measured them elsewhere)."""
+        self._weight, self._rows, self._seconds = 1.0, float(num_decodes), decode_step_seconds
+        self._rows_sq, self._rows_seconds = float(num_decodes) ** 2, num_decodes * decode_step_seconds
         self.seconds_per_token = seconds_per_token
 
     def observe(self, num_decode_tokens: int, num_prefill_tokens: int, seconds: float) -> None:
-        tokens = num_decode_tokens + num_prefill_tokens
-        if num_decode_tokens and num_prefill_tokens and self.seconds_per_token is not None and self._weight:
+        if num_prefill_tokens == 0 and num_decode_tokens > 0:
+            self._fit_decode_step(num_decode_tokens, seconds)
+        elif num_prefill_tokens >= self.MIN_LEARNING_CHUNK and self._weight and num_decode_tokens > 0:
             extra = (seconds - self.decode_step_seconds(num_decode_tokens)) / num_prefill_tokens
-            if num_prefill_tokens >= self.MIN_PREFILL_CHUNK and extra > 0:
+            if extra > 0:
+                self.seconds_per_token = self._blend(self.seconds_per_token, extra)
                 self.latest_seconds_per_token = extra
+        elif num_prefill_tokens >= self.MIN_LEARNING_CHUNK and num_decode_tokens == 0:
+            self.seconds_per_token = self._blend(self.seconds_per_token, seconds / num_prefill_tokens)
+
+    def _fit_decode_step(self, rows: int, seconds: float) -> None:
         d = self._DECAY
         self._weight = d * self._weight + 1.0
-        self._tokens = d * self._tokens + tokens
+        self._rows = d * self._rows + rows
         self._seconds = d * self._seconds + seconds
-        self._tokens_sq = d * self._tokens_sq + tokens * tokens
-        self._tokens_seconds = d * self._tokens_seconds + tokens * seconds
-        mean_tokens = self._tokens / self._weight
-        variance = self._tokens_sq / self._weight - mean_tokens**2
-        if variance >= self._MIN_TOKEN_SPREAD**2:
-            slope = (self._tokens_seconds / self._weight - mean_tokens * self._seconds / self._weight) / variance
+        self._rows_sq = d * self._rows_sq + rows * rows
+        self._rows_seconds = d * self._rows_seconds + rows * seconds
+        mean_rows = self._rows / self._weight
+        variance = self._rows_sq / self._weight - mean_rows**2
+        if variance >= self._MIN_ROW_SPREAD**2:
+            slope = (self._rows_seconds / self._weight - mean_rows * self._seconds / self._weight) / variance
             if slope > 0:
-                self.seconds_per_token = slope
-        elif self.seconds_per_token is None and num_prefill_tokens >= 16 and not num_decode_tokens:
-            self.seconds_per_token = seconds / num_prefill_tokens  # a first prompt alone: an upper bound
+                self.seconds_per_row = slope
 
     def decode_step_seconds(self, num_decodes: int) -> float:
-        """A decode-only step of `num_decodes` sequences, by the fitted line."""
-        assert self.seconds_per_token is not None and self._weight
-        base = (self._seconds - self.seconds_per_token * self._tokens) / self._weight
-        return max(base, 0.0) + self.seconds_per_token * num_decodes
+        """A decode-only step of `num_decodes` sequences: the fitted line (the recent average while the
+        batch has not varied enough to fit a slope)."""
+        mean_seconds = self._seconds / self._weight
+        if self.seconds_per_row is None:
+            return mean_seconds
+        return max(mean_seconds + self.seconds_per_row * (num_decodes - self._rows / self._weight), 1e-4)
 
     def prefill_budget_while_decoding(self, budget: int, num_decodes: int, stretch: float | None = None) -> int:
         """Prompt tokens that keep a step with `num_decodes` decodes within `stretch` (default: the bound)
         times a decode-only step."""
-        if self.seconds_per_token is None or not self._weight:
+        if not self._weight or self.seconds_per_token is None:
             return min(budget, 16 * self.MIN_PREFILL_CHUNK)  # until measured: a modest chunk
         # The cost of a prefill token grows with its position (attention reads its whole context), so
-        # the latest chunk's cost, when higher, wins over the fit: a long prompt's chunks shrink as it goes on.
+        # the latest chunk's cost, when higher, wins over the average: a long prompt's chunks shrink as it goes on.
         per_token = max(self.seconds_per_token, self.latest_seconds_per_token or 0.0)
         stretch = self.max_itl_stretch if stretch is None else stretch
         allowed = self.PLANNING_MARGIN * (stretch - 1.0) * self.decode_step_seconds(num_decodes) / per_token
         return max(self.MIN_PREFILL_CHUNK, min(budget, int(allowed + 1e-6)))  # 15.99999 tokens are 16
 
     def prefill_floor_tokens(self, budget: int) -> int:
-        """The prompt tokens PREFILL_FLOOR_SECONDS buys (at the fitted cost), within `budget`."""
+        """The prompt tokens PREFILL_FLOOR_SECONDS buys (at the average cost), within `budget`."""
         if self.seconds_per_token is None:
             return min(budget, 16 * self.MIN_PREFILL_CHUNK)
-        return max(self.MIN_PREFILL_CHUNK, min(budget, int(PREFILL_FLOOR_SECONDS / self.seconds_per_token + 1e-6)))
+        # never below a learning chunk: chunks too small to price would keep the estimate where it is
+        return min(budget, max(self.MIN_LEARNING_CHUNK, int(PREFILL_FLOOR_SECONDS / self.seconds_per_token + 1e-6)))
+
+    def _blend(self, average: float | None, sample: float) -> float:
+        return sample if average is None else average + self._SMOOTHING * (sample - average)
 
 
 class Scheduler:
