@@ -15,7 +15,6 @@ from .runs import Run
 class StoredResponse:
     state: ResponseState
     run: Run | None  # its events, while kept
-    finished_at: float | None = None
 
 
 class ResponseStore:
@@ -34,34 +33,22 @@ class ResponseStore:
 
     def get(self, response_id: str) -> StoredResponse | None:
         self._evict()
-        stored = self._responses.get(response_id)
-        if stored is not None:
-            self._on_progress(stored)
-        return stored
+        return self._responses.get(response_id)
 
     def delete(self, response_id: str) -> StoredResponse | None:
         return self._responses.pop(response_id, None)
 
-    def _on_progress(self, stored: StoredResponse) -> None:
-        if stored.finished_at is None and stored.state.is_finished:
-            stored.finished_at = time.monotonic()
-            if not stored.state.body.store:
-                self.delete(stored.state.id)
-        if (stored.run is not None and stored.finished_at is not None and stored.run.num_readers == 0
-                and time.monotonic() - stored.finished_at > self.events_seconds):
-            stored.run = None  # its events go; the response stays retrievable
-
     def _evict(self) -> None:
+        """Forget unstored responses once finished and stored ones past their time or count (the oldest
+        finished first); drop finished responses' events past `events_seconds`."""
         now = time.monotonic()
-        for stored in list(self._responses.values()):
-            self._on_progress(stored)
-        finished = [s for s in self._responses.values() if s.finished_at is not None]
+        finished = [s for s in self._responses.values() if s.state.finished_at is not None]
         for stored in finished:
-            if now - stored.finished_at > self.keep_seconds:  # type: ignore[operator]
+            age = now - stored.state.finished_at  # type: ignore[operator]
+            if not stored.state.body.store or age > self.keep_seconds:
                 self.delete(stored.state.id)
-        finished = [s for s in self._responses.values() if s.finished_at is not None]
+            elif stored.run is not None and stored.run.num_readers == 0 and age > self.events_seconds:
+                stored.run = None  # its events go; the response stays retrievable
+        finished = [s for s in self._responses.values() if s.state.finished_at is not None]
         for stored in finished[: max(0, len(self._responses) - self.max_count)]:
             self.delete(stored.state.id)
-
-    def __len__(self) -> int:
-        return len(self._responses)

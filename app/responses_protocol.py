@@ -237,12 +237,13 @@ class ResponseState:
         self.usage: dict[str, Any] | None = None
         self.error: dict[str, Any] | None = None
         self.incomplete_details: dict[str, Any] | None = None
+        self.finished_at: float | None = None  # time.monotonic() when its last event was made
         self.history: list[dict[str, Any]] = []  # the previous response's conversation, if it continues one
         self.conversation: list[dict[str, Any]] = []  # history, input and answer, for a later previous_response_id
 
     @property
     def is_finished(self) -> bool:
-        return self.status in ("completed", "incomplete", "failed", "cancelled")
+        return self.finished_at is not None
 
     def as_dict(self) -> dict[str, Any]:
         body = self.body
@@ -263,8 +264,6 @@ class ResponseState:
             "usage": self.usage, "metadata": body.metadata or {}, "user": body.user,
         }
 
-    def output_text(self) -> str:
-        return "".join(part["text"] for item in self.output if item["type"] == "message" for part in item["content"])
 
 
 class ResponsesFormatter:
@@ -363,6 +362,7 @@ class ResponsesFormatter:
 
     def _finish(self, output: RequestOutput) -> list[Chunk]:
         state = self.state
+        state.finished_at = time.monotonic()
         state.usage = usage_of(output.usage)
         reason = output.finish_reason
         if reason in ("stop", "length"):

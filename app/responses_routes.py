@@ -25,7 +25,7 @@ from .routes import (
     last_event_id,
     resume_from,
     sampling_params,
-    scheduling,
+    scheduling_of,
     submit,
     tool_syntax,
     with_tools,
@@ -60,7 +60,7 @@ async def create_response(request: Request) -> Response:
         response_state.history = history
         formatter = ResponsesFormatter(response_state, syntax)
         generation = submit(state, engine, prompt_ids, params, response_state.id, formatter,
-                             scheduling(state, request, body))
+                             scheduling_of(state, request, body))
     run = new_run(generation, state.stream_settings, is_background=body.background)
     stored = StoredResponse(response_state, run)
     store.add(stored)

@@ -58,7 +58,7 @@ async def chat_completions(request: Request) -> Response:
         params = with_tools(state, body, params, syntax)
         header = ResponseHeader.new("chatcmpl", state.model_name, state.system_fingerprint)
         formatter = ChatFormatter(header, state.tokens, params.n, body.include_usage, syntax)
-        generation = submit(state, engine, prompt_ids, params, header.id, formatter, scheduling(state, request, body))
+        generation = submit(state, engine, prompt_ids, params, header.id, formatter, scheduling_of(state, request, body))
     return await respond(request, generation, body.stream, state.stream_settings, state.runs)
 
 
@@ -77,7 +77,7 @@ async def completions(request: Request) -> Response:
             echo_text = body.prompt if isinstance(body.prompt, str) else state.model.tokenizer.decode(prompt_ids)
         header = ResponseHeader.new("cmpl", state.model_name, state.system_fingerprint)
         formatter = CompletionFormatter(header, state.tokens, params.n, body.include_usage, prompt_ids, echo_text)
-        generation = submit(state, engine, prompt_ids, params, header.id, formatter, scheduling(state, request, body))
+        generation = submit(state, engine, prompt_ids, params, header.id, formatter, scheduling_of(state, request, body))
     return await respond(request, generation, body.stream, state.stream_settings, state.runs)
 
 
@@ -179,7 +179,7 @@ class Scheduling:
     queue_timeout: float | None = None
 
 
-def scheduling(state: ServingState, request: Request, body: SchedulingFields) -> Scheduling:
+def scheduling_of(state: ServingState, request: Request, body: SchedulingFields) -> Scheduling:
     """The body's `priority` (else --priority-header's value) and `timeout` (else --queue-timeout-seconds)."""
     priority = body.priority
     header = state.settings.priority_header

@@ -25,20 +25,19 @@ import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from decoding.engine.engine import Engine
-from decoding.engine.outputs import RequestStream
-
-from .metrics import TokenGapTimer
 from .protocol import Chunk
+
+if TYPE_CHECKING:
+    from .streaming import Generation
 
 log = logging.getLogger("treadle")
 
 
 @dataclass(slots=True)
 class Event:
-    number: int  # 0, 1, ... within the run: the SSE `id`, the Responses API's `sequence_number`
+    number: int  # 0, 1, ... within the run: the SSE `id`, the Responses API's `sequence_number`; -1: none
     chunk: Chunk
     size: int  # about its bytes on the wire
 
@@ -77,19 +76,16 @@ def chunk_size(chunk: Chunk) -> int:
 class Run:
     RECHECK_SECONDS = 0.25  # how often a held pump looks whether the engine ended the request
 
-    def __init__(self, run_id: str, engine: Engine, stream: RequestStream, formatter: RunFormatter,
-                 token_gaps: TokenGapTimer, *, max_unread_bytes: int, keep_bytes: int, grace_seconds: float,
-                 is_background: bool = False, on_forget: Callable[[Run], None] | None = None) -> None:
-        self.id = run_id
-        self.engine = engine
-        self.stream = stream
-        self.formatter = formatter
-        self.token_gaps = token_gaps
+    def __init__(self, generation: Generation, *, max_unread_bytes: int, keep_bytes: int, grace_seconds: float,
+                 is_background: bool = False) -> None:
+        self.generation = generation
+        self.stream = generation.stream
+        self.id = self.stream.request_id
         self.max_unread_bytes = max_unread_bytes
         self.keep_bytes = keep_bytes
         self.grace_seconds = grace_seconds
         self.is_background = is_background
-        self._on_forget = on_forget
+        self._on_forget: Callable[[Run], None] | None = None  # set by the registry that holds it
         self.events: deque[Event] = deque()
         self.num_events = 0  # numbered so far (kept or dropped)
         self.num_kept_bytes = 0
@@ -110,12 +106,13 @@ class Run:
 
     async def _pump(self) -> None:
         try:
-            self._append_all(self.formatter.first_chunks())
+            formatter = self.generation.formatter
+            self._append_all(formatter.first_chunks())
             async for output in self.stream:
-                self.token_gaps.observe(output)
-                self._append_all(self.formatter.chunks(output))
+                self.generation.token_gaps.observe(output)
+                self._append_all(formatter.chunks(output))
                 await self._wait_for_room()
-            self._append_all(self.formatter.last_chunks())
+            self._append_all(formatter.last_chunks())
         except Exception:  # a formatting fault ends this run, never the server
             log.exception("run %s failed", self.id)
             self.abort_generation()
@@ -210,8 +207,7 @@ class Run:
             self._on_forget(self)
 
     def abort_generation(self) -> None:
-        if not self.stream.is_finished:
-            self.engine.abort(self.stream.request_id)
+        self.generation.abort_unless_finished()
 
     def reader_writes(self, is_writing: bool) -> None:
         self.stream.reader_writes(is_writing)
@@ -272,6 +268,3 @@ class RunRegistry:
 
     def get(self, run_id: str) -> Run | None:
         return self._runs.get(run_id)
-
-    def __len__(self) -> int:
-        return len(self._runs)

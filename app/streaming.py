@@ -52,14 +52,19 @@ def sse_data(chunk: Chunk) -> bytes:
     return b"data: " + text.encode() + b"\n\n"
 
 
+def _event_id(event: Event) -> bytes:
+    """`id:` is the event's number: a client that reconnects sends the last it saw as Last-Event-ID. An
+    event outside the numbering (an error about the stream itself) has none, so it moves no client's id."""
+    return b"id: %d\n" % event.number if event.number >= 0 else b""
+
+
 def _sse_event(event: Event) -> bytes:
-    """`id:` is the event's number: a client that reconnects sends the last it saw as Last-Event-ID."""
-    return b"id: %d\n" % event.number + sse_data(event.chunk)
+    return _event_id(event) + sse_data(event.chunk)
 
 
 def _typed_sse_event(event: Event) -> bytes:
     """The Responses API's events: the type in the `event:` line too, as OpenAI sends them."""
-    return b"id: %d\nevent: %s\n" % (event.number, event.chunk["type"].encode()) + sse_data(event.chunk)
+    return _event_id(event) + b"event: %s\n" % event.chunk["type"].encode() + sse_data(event.chunk)
 
 
 SSE_FRAMING = Framing(_sse_event, b"data: [DONE]\n\n")
@@ -101,8 +106,7 @@ async def respond(request: Request, generation: Generation, is_streamed: bool, s
 
 
 def new_run(generation: Generation, settings: StreamSettings, is_background: bool = False) -> Run:
-    return Run(generation.stream.request_id, generation.engine, generation.stream, generation.formatter,
-               generation.token_gaps, max_unread_bytes=settings.max_unread_bytes, keep_bytes=settings.keep_bytes,
+    return Run(generation, max_unread_bytes=settings.max_unread_bytes, keep_bytes=settings.keep_bytes,
                grace_seconds=settings.grace_seconds, is_background=is_background).start()
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from app.metrics import ServerMetrics, TokenGapTimer
 from app.runs import EventsGone, Run, RunRegistry
+from app.streaming import Generation
 from decoding.engine.outputs import RequestOutput, RequestStream
 
 
@@ -36,8 +37,8 @@ class TextFormatter:
 def new_run(engine: AbortRecorder, **options) -> tuple[Run, RequestStream]:
     stream = RequestStream("r1", asyncio.get_running_loop())
     settings = {"max_unread_bytes": 1 << 20, "keep_bytes": 1 << 20, "grace_seconds": 0.05, **options}
-    run = Run("r1", engine, stream, TextFormatter(), TokenGapTimer(ServerMetrics().inter_token_latency),  # type: ignore[arg-type]
-              **settings)
+    generation = Generation(engine, stream, TextFormatter(), TokenGapTimer(ServerMetrics().inter_token_latency))  # type: ignore[arg-type]
+    run = Run(generation, **settings)
     return run.start(), stream
 
 

@@ -162,6 +162,8 @@ def test_sse_events_never_carry_a_raw_unicode_line_separator():
     line = data.decode().removesuffix("\n\n")
     assert line.splitlines() == [line]
     assert json.loads(data[6:])["text"] == text
+    # an event outside the stream's numbering (an error about the stream itself) moves no client's id
+    assert SSE_FRAMING.encode(Event(-1, {"error": {}}, 0)).startswith(b"data: ")
 
 
 def test_completion_echo_prefixes_the_prompt_once_per_choice_with_its_logprobs():
