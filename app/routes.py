@@ -26,7 +26,7 @@ from .errors import APIError, encoded_response
 from .metrics import TokenGapTimer
 from .openapi import openapi_schema
 from .protocol import ChatFormatter, CompletionFormatter, ResponseHeader
-from .runs import EventsGone, Run
+from .runs import EventsGone, Formatter, Generation, Run
 from .schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -35,7 +35,7 @@ from .schemas import (
     TokenizeRequest,
 )
 from .server import ServingState, serving
-from .streaming import SSE_FRAMING, Formatter, Framing, Generation, respond, stream_run
+from .streaming import SSE_FRAMING, Framing, respond, stream_run
 from .tools import HermesToolCalls, syntax_for
 
 # Without max_tokens, chat may use the rest of the context (as vLLM), capped so that a forgotten

@@ -25,12 +25,13 @@ import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
+from decoding.engine.engine import Engine
+from decoding.engine.outputs import RequestOutput, RequestStream
+
+from .metrics import TokenGapTimer
 from .protocol import Chunk
-
-if TYPE_CHECKING:
-    from .streaming import Generation
 
 log = logging.getLogger("treadle")
 
@@ -46,12 +47,28 @@ class EventsGone(Exception):
     """A reader asked for events the run no longer keeps."""
 
 
-class RunFormatter(Protocol):
-    """What a run needs from a formatter: the chunks of a stream's start, of each output, of its end."""
+class Formatter(Protocol):
+    """Engine outputs → API objects: the chunks of a stream's start, of each output and of its end (what
+    a run needs), or one whole response."""
 
     def first_chunks(self) -> list[Chunk]: ...
-    def chunks(self, output: Any) -> list[Chunk]: ...
+    def chunks(self, output: RequestOutput) -> list[Chunk]: ...
     def last_chunks(self) -> list[Chunk]: ...
+    def response(self, outputs: list[RequestOutput]) -> dict[str, Any]: ...
+
+
+@dataclass(slots=True)
+class Generation:
+    """A submitted request and what its delivery needs."""
+
+    engine: Engine
+    stream: RequestStream
+    formatter: Formatter
+    token_gaps: TokenGapTimer
+
+    def abort_unless_finished(self) -> None:
+        if not self.stream.is_finished:
+            self.engine.abort(self.stream.request_id)
 
 
 def chunk_size(chunk: Chunk) -> int:

@@ -18,19 +18,13 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from decoding.engine.engine import Engine
-from decoding.engine.outputs import RequestOutput, RequestStream
+from decoding.engine.outputs import RequestOutput
 
 from .errors import MSGPACK, RETRY_AFTER_SECONDS, APIError, encoded_response, error_body, wants_msgpack
-from .metrics import TokenGapTimer
 from .protocol import Chunk, merge_outputs
-from .runs import Event, EventsGone, Run, RunFormatter, RunRegistry
+from .runs import Event, EventsGone, Generation, Run, RunRegistry
 
 log = logging.getLogger("treadle")
-
-
-class Formatter(RunFormatter, Protocol):
-    def response(self, outputs: list[RequestOutput]) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,20 +64,6 @@ def _typed_sse_event(event: Event) -> bytes:
 SSE_FRAMING = Framing(_sse_event, b"data: [DONE]\n\n")
 TYPED_SSE_FRAMING = Framing(_typed_sse_event, b"")  # a Responses stream ends after response.completed
 MSGPACK_FRAMING = Framing(lambda event: msgpack.packb(event.chunk), msgpack.packb({"done": True}))
-
-
-@dataclass(slots=True)
-class Generation:
-    """A submitted request and what its delivery needs."""
-
-    engine: Engine
-    stream: RequestStream
-    formatter: Formatter
-    token_gaps: TokenGapTimer
-
-    def abort_unless_finished(self) -> None:
-        if not self.stream.is_finished:
-            self.engine.abort(self.stream.request_id)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,8 +10,7 @@ import asyncio
 import pytest
 
 from app.metrics import ServerMetrics, TokenGapTimer
-from app.runs import EventsGone, Run, RunRegistry
-from app.streaming import Generation
+from app.runs import EventsGone, Generation, Run, RunRegistry
 from decoding.engine.outputs import RequestOutput, RequestStream
 
 
