@@ -26,7 +26,9 @@ import numpy as np
 from bench.serve import machine_description, synthetic_prompt
 from decoding.engine.engine import Engine, EngineConfig
 from decoding.engine.params import SamplingParams
+from decoding.engine.runner import ModelRunner
 from decoding.engine.scheduler import SchedulerOutput
+from decoding.kernels.phases import PHASES
 from decoding.model.registry import DEFAULT_MODEL, load_model
 
 
@@ -41,14 +43,20 @@ class StepRecord:
     prefill_tokens: int
     prefill_chunks: int
     largest_chunk: int
+    phase_cycles: list[int] | None = None  # cycles of each of PHASES in this step, where profiled
 
 
 class StepRecorder:
-    """An engine observer keeping a record of every step (engine thread; appends only)."""
+    """An engine observer keeping a record of every step (engine thread; appends only).
 
-    def __init__(self) -> None:
+    Given a runner that profiles its phases, each record also holds the step's cycles per phase.
+    """
+
+    def __init__(self, runner: ModelRunner | None = None) -> None:
         self.records: list[StepRecord] = []
         self._last_end: float | None = None
+        self._runner = runner
+        self._phases_before: np.ndarray | None = None
 
     def on_step_scheduled(self, scheduled: SchedulerOutput, seconds: float, kernel_seconds: float) -> None:
         now = time.perf_counter()
@@ -59,7 +67,37 @@ class StepRecorder:
         cycle = (now - self._last_end) if self._last_end is not None else seconds
         self._last_end = now
         self.records.append(StepRecord(now, 1e3 * cycle, 1e3 * seconds, 1e3 * kernel_seconds, decodes,
-                                       scheduled.num_draft_tokens, sum(prefill), len(prefill), max(prefill, default=0)))
+                                       scheduled.num_draft_tokens, sum(prefill), len(prefill), max(prefill, default=0),
+                                       self._step_phases()))
+
+    def _step_phases(self) -> list[int] | None:
+        total = self._runner.phase_cycles if self._runner is not None else None
+        if total is None:
+            return None
+        before = self._phases_before if self._phases_before is not None else np.zeros_like(total)
+        self._phases_before = total.copy()
+        return (total - before).tolist()
+
+
+def phase_summary(records: list[StepRecord]) -> dict[str, Any] | None:
+    """Each phase's share of the kernels' time and its milliseconds in a mean step, for decode-only
+    steps and for those a prefill shared (None where the steps were not profiled)."""
+    profiled = [r for r in records if r.phase_cycles is not None]
+    if not profiled:
+        return None
+
+    def split(rows: list[StepRecord]) -> dict[str, Any]:
+        if not rows:
+            return {"steps": 0, "kernel_ms": float("nan"), "phases": {}}
+        cycles = np.sum([r.phase_cycles for r in rows], axis=0, dtype=np.float64)
+        shares = cycles / max(1.0, cycles.sum())
+        kernel_ms = float(np.mean([r.kernel_ms for r in rows]))
+        return {"steps": len(rows), "kernel_ms": kernel_ms,
+                "phases": {name: {"share": float(share), "ms": float(share * kernel_ms)}
+                           for name, share in zip(PHASES, shares)}}
+
+    return {"decode_only": split([r for r in profiled if r.decodes and not r.prefill_tokens]),
+            "with_prefill": split([r for r in profiled if r.prefill_tokens])}
 
 
 def weighted_percentiles(values: list[float], weights: list[int], percentiles: tuple[float, ...]) -> list[float]:
@@ -93,9 +131,12 @@ def gap_summary(records: list[StepRecord]) -> dict[str, Any]:
 
 
 def run_churn(engine: Engine, prompts: list[list[int]], streams: int, seconds: float, max_tokens: int,
-              ramp_seconds: float = 3.0) -> tuple[list[StepRecord], int]:
-    """The closed loop; the records of the steps after the ramp, and the requests completed in them."""
-    recorder = StepRecorder()
+              ramp_seconds: float = 3.0, phases: bool = False) -> tuple[list[StepRecord], int]:
+    """The closed loop; the records of the steps after the ramp, and the requests completed in them.
+
+    `phases`: time every phase of each step (decoding.kernels.phases) while recording.
+    """
+    recorder = StepRecorder(engine.runner if phases else None)
     stop_at = time.perf_counter() + ramp_seconds + seconds
     next_prompt = iter(range(len(prompts)))
     lock = threading.Lock()
@@ -117,10 +158,13 @@ def run_churn(engine: Engine, prompts: list[list[int]], streams: int, seconds: f
     for thread in threads:
         thread.start()
     time.sleep(ramp_seconds)
+    if phases:
+        engine.runner.profile_phases(True)
     engine.observers.append(recorder)
     completed[0] = 0
     time.sleep(max(0.0, stop_at - time.perf_counter()))
     engine.observers.remove(recorder)
+    engine.runner.profile_phases(False)
     for thread in threads:
         thread.join()
     return recorder.records, completed[0]
@@ -140,6 +184,15 @@ def print_report(report: dict[str, Any]) -> None:
     print(f"{100 * share:.0f}% of the tokens came from steps a prefill shared; prefill tokens in such a step: "
           f"median {gaps['prefill_tokens_per_prefill_step']['p50']}, max {gaps['prefill_tokens_per_prefill_step']['max']}")
     print(f"Python (everything but the kernels) {100 * gaps['python_share']:.0f}% of the engine thread's time")
+    phases = report.get("phases")
+    if phases:
+        plain, shared = phases["decode_only"], phases["with_prefill"]
+        print(f"{'kernel time by phase':<34}{'decode-only steps':>24}{'steps with a prefill':>24}")
+        print(f"{'mean kernel ms a step':<34}{plain['kernel_ms']:>24.2f}{shared['kernel_ms']:>24.2f}")
+        for name in PHASES:
+            cells = [f"{d['phases'][name]['ms']:.2f} ms {100 * d['phases'][name]['share']:4.1f}%"
+                     if name in d["phases"] else "—" for d in (plain, shared)]
+            print(f"{name:<34}{cells[0]:>24}{cells[1]:>24}")
 
 
 def main(argv: list[str]) -> int:
@@ -153,6 +206,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--max-itl-stretch", type=float, default=EngineConfig().max_itl_stretch,
                         help="the scheduler's step-time bound while streams decode (default %(default)s)")
+    parser.add_argument("--phases", action="store_true",
+                        help="time each phase of every step (the kernels' barriers) and print where the time goes")
     parser.add_argument("--json", dest="json_path", help="write the report and every step record here")
     args = parser.parse_args(argv)
 
@@ -164,7 +219,8 @@ def main(argv: list[str]) -> int:
     engine = Engine(model, config).start()
     try:
         engine.generate(prompts[-1], SamplingParams(max_tokens=4, temperature=0))  # compile, warm
-        records, completed = run_churn(engine, prompts[:-1], args.streams, args.seconds, args.max_tokens)
+        records, completed = run_churn(engine, prompts[:-1], args.streams, args.seconds, args.max_tokens,
+                                       phases=args.phases)
     finally:
         engine.shutdown()
     span = records[-1].ended - records[0].ended + records[0].cycle_ms / 1e3 if records else float("nan")
@@ -172,7 +228,7 @@ def main(argv: list[str]) -> int:
               "max_tokens": args.max_tokens, "seconds": span, "steps": len(records),
               "requests_completed": completed, "max_itl_stretch": args.max_itl_stretch,
               "output_tokens_per_second": sum(r.decodes + r.draft_tokens for r in records) / span,
-              "gaps": gap_summary(records), "machine": machine_description(),
+              "gaps": gap_summary(records), "phases": phase_summary(records), "machine": machine_description(),
               "date": time.strftime("%Y-%m-%d %H:%M")}
     print_report(report)
     if args.json_path:

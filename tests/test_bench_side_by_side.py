@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.churn import StepRecord, gap_summary, weighted_percentiles
+from bench.churn import StepRecord, gap_summary, phase_summary, weighted_percentiles
 from bench.side_by_side import PEERS, _llama_server, ratio_table
+from decoding.kernels.phases import PHASES
 
 
 def report(tokens_per_s: float, ttft: float, itl_p99: float) -> dict:
@@ -51,3 +52,22 @@ def test_gaps_count_each_step_once_per_decode_and_split_by_prefill():
     assert gaps["decode_only"]["p99_ms"] == 50 and gaps["with_prefill"]["p50_ms"] == 200
     assert gaps["all"]["p99_ms"] == 200 and gaps["all"]["tokens"] == 3200
     assert gaps["prefill_tokens_per_prefill_step"] == {"p50": 400.0, "max": 400}
+
+
+def test_phase_summary_splits_each_kind_of_step_by_its_cycles():
+    def step(kernel_ms: float, decodes: int, prefill: int, cycles: list[int] | None) -> StepRecord:
+        return StepRecord(0.0, kernel_ms, kernel_ms, kernel_ms, decodes, 0, prefill, int(prefill > 0), prefill, cycles)
+
+    attention, lm_head = PHASES.index("paged attention"), PHASES.index("lm head")
+    decode_cycles = [0] * len(PHASES)
+    decode_cycles[attention], decode_cycles[lm_head] = 300, 100
+    prefill_cycles = [0] * len(PHASES)
+    prefill_cycles[attention] = 1000
+    assert phase_summary([step(40.0, 32, 0, None)]) is None
+    summary = phase_summary([step(40.0, 32, 0, decode_cycles), step(60.0, 32, 0, decode_cycles),
+                             step(80.0, 30, 50, prefill_cycles)])
+    plain, shared = summary["decode_only"], summary["with_prefill"]
+    assert plain["steps"] == 2 and plain["kernel_ms"] == 50.0
+    assert plain["phases"]["paged attention"] == {"share": 0.75, "ms": 37.5}
+    assert plain["phases"]["lm head"]["ms"] == 12.5 and plain["phases"]["embed"]["share"] == 0.0
+    assert shared["steps"] == 1 and shared["phases"]["paged attention"]["ms"] == 80.0

@@ -5,6 +5,7 @@ import pytest
 
 from decoding import load_model
 from decoding.engine.runner import ModelRunner, StepBatch
+from decoding.kernels.phases import PHASES
 from decoding.kernels.reference import forward_logits
 from decoding.model.quant import QType
 from kvcache.batch import build_batch_arrays
@@ -156,3 +157,30 @@ def test_logits_are_identical_whatever_the_thread_count_and_batch(default_model,
             driver.close()
     for rows in results[1:]:
         np.testing.assert_array_equal(rows, results[0])
+
+
+@pytest.mark.parametrize("kernels", ["exact", "fast"])
+def test_profiled_steps_time_every_phase_and_compute_the_same_logits(tmp_path_factory, kernels):
+    shape = TinyShape(n_layers=2, dim=64, hidden_dim=96, n_heads=4, n_kv_heads=2)
+    path = write_gguf(tmp_path_factory.mktemp("m") / "post.gguf", shape, qtype=QType.Q8_0, seed=3)
+    model = load_model(path)
+    rng = np.random.default_rng(2)
+    ids = rng.integers(3, model.config.vocab_size, 12).tolist()
+    rows = []
+    for profiled in (False, True):
+        driver = StepDriver(model, 2, kernels=kernels)
+        try:
+            assert driver.runner.phase_cycles is None
+            driver.runner.profile_phases(profiled)
+            driver.add(1, ids)
+            rows.append(driver.step({1: 12})[1])
+            cycles = driver.runner.phase_cycles
+        finally:
+            driver.close()
+    np.testing.assert_array_equal(rows[0], rows[1])
+    assert cycles.shape == (len(PHASES),)
+    ran = set(PHASES) - {"post-norms"}  # this architecture has none
+    if kernels == "exact":
+        ran -= {"quantize attention", "quantize hidden"}
+    for name, count in zip(PHASES, cycles):
+        assert (count > 0) == (name in ran), name

@@ -11,6 +11,7 @@ from kvcache.storage import KVCacheStorage
 from threadpool import SpinPool
 
 from ..kernels.forward import KERNEL_MODES, KernelWeights, RunState, architecture_switches, model_step
+from ..kernels.phases import no_profile, phase_counters
 from ..model.model import Model
 
 
@@ -44,6 +45,15 @@ class ModelRunner:
         self.weights = weights or KernelWeights.build(cfg, model.weights, fast=kernels == "fast")
         self.state = RunState.allocate(cfg, max_num_tokens, max_logit_rows, pool.n_threads, storage.spec.block_size)
 
+    @property
+    def phase_cycles(self) -> np.ndarray | None:
+        """Cycles each phase of `PHASES` took over the steps since profiling began; None when off."""
+        return self.state.phase_cycles if self.state.phase_cycles.shape[0] else None
+
+    def profile_phases(self, on: bool) -> None:
+        """Start timing each phase of every step from zero (`phase_cycles`), or stop."""
+        self.state.phase_cycles = phase_counters() if on else no_profile()
+
     def forward(self, batch: StepBatch) -> np.ndarray:
         """Run one step; returns logits (num_logit_rows, vocab), a view valid until the next step."""
         if not 0 < batch.num_tokens <= self.max_num_tokens:
@@ -63,6 +73,6 @@ class ModelRunner:
             cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, np.float32(cfg.rms_eps), *architecture_switches(cfg),
             self.storage.key_cache, self.storage.value_cache,
             s.x, s.xb, s.q, s.k, s.v, s.attn, s.hb, s.up, s.final, s.logits, s.row_buffers, s.attn_scratch,
-            s.xq, s.xd, s.xsum, s.group_out,
+            s.xq, s.xd, s.xsum, s.group_out, s.phase_cycles,
         )  # fmt: skip
         return s.logits[: batch.logit_rows.shape[0]]

@@ -43,6 +43,26 @@ from .kernels import (
     split_range,
     swiglu_rows,
 )
+from .phases import (
+    ATTENTION,
+    ATTENTION_NORM,
+    DOWN_PROJECTION,
+    EMBED,
+    FFN_NORM,
+    FINAL_NORM,
+    GATE_UP,
+    KV_WRITE,
+    LM_HEAD,
+    OUTPUT_PROJECTION,
+    POST_NORMS,
+    QKV,
+    QUANTIZE_ATTENTION,
+    QUANTIZE_HIDDEN,
+    ROPE,
+    cycle_counter,
+    lap,
+    no_profile,
+)
 from .reference import rope_tables
 from .repack import is_packable, packed_type, repack
 
@@ -159,6 +179,7 @@ class RunState:
     xd: np.ndarray  # (same rows, widest / 32) float32 their block scales
     xsum: np.ndarray  # (same rows, widest / 32) int32 their block sums
     group_out: np.ndarray  # (n_threads, 2, 4, 8) float32 results of one 8-row group for up to 4 tokens
+    phase_cycles: np.ndarray  # (len(PHASES),) int64 cycles per phase while profiling, else empty
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, max_tokens: int, max_logit_rows: int, n_threads: int,
@@ -175,7 +196,7 @@ class RunState:
             zeros(max_logit_rows, cfg.vocab_size), zeros(n_threads, 2, widest),
             attention_scratch(n_threads, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, block_size),
             np.zeros((rows, widest), dtype=np.int8), zeros(rows, widest // 32),
-            np.zeros((rows, widest // 32), dtype=np.int32), zeros(n_threads, 2, 4, 8),
+            np.zeros((rows, widest // 32), dtype=np.int32), zeros(n_threads, 2, 4, 8), no_profile(),
         )  # fmt: skip
 
 
@@ -216,7 +237,7 @@ def model_step(
     lm_head_packed, lm_head_packed_qtype, output_norm, rope_cos, rope_sin, n_heads, n_kv_heads, head_dim, rms_eps,
     qkv_bias, qk_norm, post_norms, activation, embedding_scale, query_scale, rope_neox,
     key_cache, value_cache,
-    x, xb, q, k, v, attn, hb, up, final, logits, row_buffers, attn_scratch, xq, xd, xsum, group_out,
+    x, xb, q, k, v, attn, hb, up, final, logits, row_buffers, attn_scratch, xq, xd, xsum, group_out, phase_cycles,
 ):
     n_tokens = token_ids.shape[0]
     n_layers = qtypes.shape[0]
@@ -227,6 +248,8 @@ def model_step(
     buf = row_buffers[tid]
     tmp = group_out[tid]
     t_begin, t_end = split_range(n_tokens, tid, nthreads)
+    profile = phase_cycles if tid == 0 else phase_cycles[:0]  # thread 0 times the phases
+    clock = cycle_counter() if profile.shape[0] > 0 else 0
 
     for t in range(t_begin, t_end):  # token embeddings
         dequantize_row(embedding[token_ids[t]], embedding_qtype, dim, x[t])
@@ -234,6 +257,7 @@ def model_step(
             for j in range(dim):
                 x[t, j] *= embedding_scale
     barrier_wait(barrier, tid)
+    clock = lap(profile, EMBED, clock)
 
     for layer in range(n_layers):
         w = layer * 7
@@ -241,6 +265,7 @@ def model_step(
             rmsnorm_row(x[t], norms[layer, 0], rms_eps, xb[t])
         quantize_rows(fast, xb, dim, t_begin, t_end, xq, xd, xsum)
         barrier_wait(barrier, tid)
+        clock = lap(profile, ATTENTION_NORM, clock)
 
         # Q, K, V projections
         project(fast, matrices[w], packed[w], qtypes[layer, 0], packed_qtypes[layer, 0],
@@ -250,6 +275,7 @@ def model_step(
         project(fast, matrices[w + 2], packed[w + 2], qtypes[layer, 2], packed_qtypes[layer, 2],
                 kv_dim, dim, xb, xq, xd, xsum, n_tokens, v, False, tid, nthreads, buf[0], tmp[0])
         barrier_wait(barrier, tid)
+        clock = lap(profile, QKV, clock)
 
         rope = layer_ropes[layer]
         for t in range(t_begin, t_end):  # biases, head norms and RoPE on queries and keys
@@ -267,25 +293,30 @@ def model_step(
             rope_row(q[t], n_heads, head_dim, rope_cos[rope, position], rope_sin[rope, position], rope_neox)
             rope_row(k[t], n_kv_heads, head_dim, rope_cos[rope, position], rope_sin[rope, position], rope_neox)
         barrier_wait(barrier, tid)
+        clock = lap(profile, ROPE, clock)
         keys = k[:n_tokens].reshape((n_tokens, n_kv_heads, head_dim))
         values = v[:n_tokens].reshape((n_tokens, n_kv_heads, head_dim))
         write_kv_rows(keys, values, key_cache[layer], value_cache[layer], slot_mapping, tid, nthreads)
         barrier_wait(barrier, tid)
+        clock = lap(profile, KV_WRITE, clock)
 
         queries = q.reshape((q.shape[0], n_heads, head_dim))  # paged attention
         attn_out = attn.reshape((attn.shape[0], n_heads, head_dim))
         paged_attention_rows(attn_out, queries, key_cache[layer], value_cache[layer], block_tables, context_lens,
                              query_start_loc, attn_scratch, tid, nthreads, query_scale, layer_windows[layer])
         barrier_wait(barrier, tid)
+        clock = lap(profile, ATTENTION, clock)
         if fast:
             quantize_rows(fast, attn, q_dim, t_begin, t_end, xq, xd, xsum)
             barrier_wait(barrier, tid)
+            clock = lap(profile, QUANTIZE_ATTENTION, clock)
 
         # output projection, added to the residual (through its own RMSNorm where there are post-norms)
         project(fast, matrices[w + 3], packed[w + 3], qtypes[layer, 3], packed_qtypes[layer, 3],
                 dim, q_dim, attn, xq, xd, xsum, n_tokens, xb if post_norms else x,
                 not post_norms, tid, nthreads, buf[0], tmp[0])
         barrier_wait(barrier, tid)
+        clock = lap(profile, OUTPUT_PROJECTION, clock)
         if post_norms:  # the same rows as this thread's feed-forward norm below: no barrier between
             add_normed(x, xb, norms[layer, 2], rms_eps, t_begin, t_end)
 
@@ -293,6 +324,7 @@ def model_step(
             rmsnorm_row(x[t], norms[layer, 1], rms_eps, xb[t])
         quantize_rows(fast, xb, dim, t_begin, t_end, xq, xd, xsum)
         barrier_wait(barrier, tid)
+        clock = lap(profile, FFN_NORM, clock)
 
         if fast and packed[w + 4].shape[0] > 0 and packed[w + 5].shape[0] > 0:  # gated feed-forward
             g0, g1 = split_range(hidden_dim // 8, tid, nthreads)
@@ -303,18 +335,22 @@ def model_step(
             swiglu_rows(matrices[w + 4], qtypes[layer, 4], matrices[w + 5], qtypes[layer, 5], dim, xb, n_tokens, hb,
                         r0, r1, buf[0], buf[1], activation)
         barrier_wait(barrier, tid)
+        clock = lap(profile, GATE_UP, clock)
         if fast:
             quantize_rows(fast, hb, hidden_dim, t_begin, t_end, xq, xd, xsum)
             barrier_wait(barrier, tid)
+            clock = lap(profile, QUANTIZE_HIDDEN, clock)
 
         # down projection, added to the residual (through its own RMSNorm where there are post-norms)
         project(fast, matrices[w + 6], packed[w + 6], qtypes[layer, 6], packed_qtypes[layer, 6],
                 dim, hidden_dim, hb, xq, xd, xsum, n_tokens,
                 xb if post_norms else x, not post_norms, tid, nthreads, buf[0], tmp[0])
         barrier_wait(barrier, tid)
+        clock = lap(profile, DOWN_PROJECTION, clock)
         if post_norms:  # the final norm below reads rows of other threads: a barrier after
             add_normed(x, xb, norms[layer, 3], rms_eps, t_begin, t_end)
             barrier_wait(barrier, tid)
+            clock = lap(profile, POST_NORMS, clock)
 
     n_rows = logit_rows.shape[0]
     i0, i1 = split_range(n_rows, tid, nthreads)
@@ -322,7 +358,9 @@ def model_step(
         rmsnorm_row(x[logit_rows[i]], output_norm, rms_eps, final[i])
     quantize_rows(fast, final, dim, i0, i1, xq, xd, xsum)
     barrier_wait(barrier, tid)
+    clock = lap(profile, FINAL_NORM, clock)
     vocab = logits.shape[1]  # LM head
     project(fast, lm_head, lm_head_packed, lm_head_qtype, lm_head_packed_qtype, vocab, dim, final, xq, xd, xsum,
             n_rows, logits, False, tid, nthreads, buf[0], tmp[0])
+    lap(profile, LM_HEAD, clock)  # thread 0's share: the pool's end is the step's last barrier
 # fmt: on
