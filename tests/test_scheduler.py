@@ -146,6 +146,43 @@ def test_the_decode_step_is_priced_at_the_batch_size_and_keeps_its_slope_while_t
     assert abs(model.seconds_per_row - 0.0005) < 1e-9
 
 
+def test_a_wave_of_prompts_teaches_the_price_of_its_decode_rows_from_the_steps_it_shares():
+    """A wave's steps all carry a prefill: the decode rows must be priced from them, not from the last
+    decode-only steps (a one-row warm-up), or the wave's chunks shrink to a fifth of what the bound allows
+    (its last prompts then waited 2.5 s for a first token instead of ~1.4)."""
+    from decoding.engine.scheduler import StepCostModel
+
+    def truth(rows: int, tokens: int) -> float:
+        return 0.005 + 0.0012 * rows + 0.0006 * tokens
+
+    model = StepCostModel(max_itl_stretch=2.0)
+    for _ in range(2):  # warm-up requests: a prompt alone, then one-row decodes
+        model.observe(0, 51, truth(0, 51))
+        for _ in range(3):
+            model.observe(1, 0, truth(1, 0))
+    # the wave: full-budget steps (rows + prompt tokens = 256), then prompts beside the decodes
+    for rows, tokens in [(0, 51), (1, 255), (8, 248), (11, 245), (16, 240), (22, 40), (23, 44), (24, 38), (25, 47),
+                         (26, 41), (27, 39), (28, 45)]:
+        model.observe(rows, tokens, truth(rows, tokens))
+    assert abs(model.decode_step_seconds(28) - truth(28, 0)) < 0.1 * truth(28, 0)
+    allowed = 0.8 * truth(28, 0) / 0.0006  # 80% of one more decode step's time, in prompt tokens
+    assert abs(model.prefill_budget_while_decoding(256, 28) - allowed) <= 0.1 * allowed
+
+
+def test_costs_fitted_from_collinear_steps_stay_positive_and_whole():
+    """Full-budget steps have rows + prompt tokens = the budget: a fit of them alone can give a slope
+    below zero, and a base taken from that fit beside an older slope priced a step at seconds."""
+    from decoding.engine.scheduler import StepCostModel
+
+    model = StepCostModel(max_itl_stretch=2.0)
+    rng = np.random.default_rng(3)
+    for _ in range(60):
+        rows = int(rng.integers(0, 40))
+        model.observe(rows, 256 - rows, 0.15 * (1 + 0.2 * rng.standard_normal()))  # noise, no trend
+        assert model.seconds_per_token > 0 and (model.seconds_per_row or 1.0) > 0
+        assert 0 < model.decode_step_seconds(32) < 1.0
+
+
 def test_a_long_prompt_arriving_during_decodes_gets_the_time_budgeted_chunk():
     scheduler = Scheduler(KVCacheManager(256, 4, 2048, enable_prefix_caching=False), max_num_seqs=8,
                           max_num_batched_tokens=256)

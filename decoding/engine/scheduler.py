@@ -26,8 +26,8 @@ first token to decoding ones (up to twice the bound's), and once they are as man
 not held at all (a burst: its last first token is bounded by the whole burst's prefill, and holding it
 to the bound added a second to it at 32 streams).
 Long prompts (the whole prompt stays long to its last chunk) always get the bound alone. The engine reports each step's duration; the
-scheduler keeps moving averages of a decode-only step and of the cost of one more token, and sizes
-the prefill share from them. (CPU steps are compute-bound: time grows linearly with the tokens in the step.)
+scheduler fits what a decode row and a prompt token cost (StepCostModel) and sizes the prefill share
+from that. (CPU steps are compute-bound: time grows linearly with the tokens in the step.)
 Chunk sizes never change any sequence's numbers (the kernels are batch-invariant), only its timing.
 """
 
@@ -36,6 +36,8 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from kvcache.manager import BlockCopy, KVCacheManager
 
@@ -110,76 +112,92 @@ PREFILL_FLOOR_SECONDS = 0.02
 
 
 class StepCostModel:
-    """What a decode-only step costs at the batch's size now, and what one more prompt token adds.
+    """What a step costs: seconds ≈ base + per_row × decode rows + per_token × prompt tokens.
 
-    Decode-only steps are fitted with a line, seconds ≈ base + per_row × rows (exponentially weighted
-    least squares; a CPU step is compute-bound, its time grows with its rows), so that a churning batch
-    of 10 to 32 sequences is priced at its size: one average over every decode step went stale once most
-    steps of a churning server carried a bounded prefill, and let the batch collapse. A prompt token's
-    cost is a moving average of what prefill chunks added to the decode step of their size (attention
-    over a long prompt makes them dearer than a decode row), and the latest chunk's, for a prompt whose
-    tokens grow dearer as it goes on.
+    One linear model over every step, fitted by exponentially weighted least squares (a CPU step is
+    compute-bound: its time grows with the rows it computes), so that a churning batch of 10 to 32
+    sequences is priced at its size and a step's prompt tokens are told apart from its decodes. Steps
+    that mix both teach the decode rows' price too: when a wave of prompts arrives, every step for a
+    while carries a prefill, and a decode line learned only from decode-only steps was priced at the
+    batch of the last ones (one row, a warm-up), which sized the wave's chunks at a fifth of what the
+    bound allows and left its last prompts seconds without a first token. Where the recent steps do
+    not tell two coefficients apart (a steady batch, no prompts), a light ridge keeps them where they
+    were. The latest chunk's cost per token is kept as well: a long prompt's tokens grow dearer as it
+    goes on (attention reads its whole context).
     """
 
     MIN_PREFILL_CHUNK = 4  # tokens: a long prompt always makes progress
-    # A prompt token's cost is learned from chunks of at least this many: a step's jitter divided by 4
-    # tokens made them look several times dearer, the next chunks smaller, every step then carried a
-    # sliver of prompt (no decode-only step left to price the batch by) and the batch collapsed.
+    # Steps whose prompt tokens are fewer than this teach nothing: a step's jitter divided by 4 tokens
+    # made them look several times dearer, the next chunks smaller, every step then carried a sliver of
+    # prompt and the batch collapsed.
     MIN_LEARNING_CHUNK = 16
     # Chunks are planned to this share of the allowed extra time: a decode step's own time varies by
     # ±20% on a busy machine and grows as the streams' contexts do, so planning to the full allowance
     # put the largest gaps at ~2.7x the median before the prompt arrived (2000 tokens under 16 streams);
     # at 0.8, ~2.3-2.6x (0.7 gained nothing more: the rest is the machine's jitter).
     PLANNING_MARGIN = 0.8
-    _SMOOTHING = 0.2
-    _DECAY = 0.97  # per decode-only step: the fit follows the last ~30 of them
-    _MIN_ROW_SPREAD = 2.0  # rows (standard deviation) the recent decode steps must span to refit the slope
+    _DECAY = 0.97  # per step: the fit follows the last ~30 steps
+    _RIDGE = 1e-3  # pull of the previous slopes, relative to what the recent steps say about each
 
     def __init__(self, max_itl_stretch: float) -> None:
         self.max_itl_stretch = max_itl_stretch
+        self.base_seconds = 0.0
+        self.seconds_per_row: float | None = None  # a decode row's cost (drafts included)
         self.seconds_per_token: float | None = None  # a prompt token's cost in a step
         self.latest_seconds_per_token: float | None = None  # a growing prompt costs more per token each chunk
-        self.seconds_per_row: float | None = None  # the decode line's slope (kept while the batch does not vary)
-        self._weight = self._rows = self._seconds = self._rows_sq = self._rows_seconds = 0.0
+        self._weight = 0.0
+        self._moments = np.zeros((3, 3))  # decayed Σ x xᵀ over x = (1, rows, prompt tokens)
+        self._targets = np.zeros(3)  # decayed Σ x · seconds
 
     def assume(self, decode_step_seconds: float, num_decodes: int, seconds_per_token: float) -> None:
-        """Start from known costs (tests; a caller that measured them elsewhere)."""
-        self._weight, self._rows, self._seconds = 1.0, float(num_decodes), decode_step_seconds
-        self._rows_sq, self._rows_seconds = float(num_decodes) ** 2, num_decodes * decode_step_seconds
+        """Start from known costs (tests; a caller that measured them elsewhere): a decode-only step of
+        `num_decodes` rows takes `decode_step_seconds`, all of it per row."""
+        self._weight = 1.0
+        self.base_seconds, self.seconds_per_row = 0.0, decode_step_seconds / max(1, num_decodes)
         self.seconds_per_token = seconds_per_token
 
     def observe(self, num_decode_tokens: int, num_prefill_tokens: int, seconds: float) -> None:
-        if num_prefill_tokens == 0 and num_decode_tokens > 0:
-            self._fit_decode_step(num_decode_tokens, seconds)
-        elif num_prefill_tokens >= self.MIN_LEARNING_CHUNK and self._weight and num_decode_tokens > 0:
+        if 0 < num_prefill_tokens < self.MIN_LEARNING_CHUNK or num_decode_tokens + num_prefill_tokens == 0:
+            return
+        if num_prefill_tokens and num_decode_tokens and self.seconds_per_row is not None:
             extra = (seconds - self.decode_step_seconds(num_decode_tokens)) / num_prefill_tokens
             if extra > 0:
-                self.seconds_per_token = self._blend(self.seconds_per_token, extra)
                 self.latest_seconds_per_token = extra
-        elif num_prefill_tokens >= self.MIN_LEARNING_CHUNK and num_decode_tokens == 0:
-            self.seconds_per_token = self._blend(self.seconds_per_token, seconds / num_prefill_tokens)
+        x = np.array([1.0, num_decode_tokens, num_prefill_tokens])
+        self._weight = self._DECAY * self._weight + 1.0
+        self._moments = self._DECAY * self._moments + np.outer(x, x)
+        self._targets = self._DECAY * self._targets + x * seconds
+        self._refit(num_decode_tokens, num_prefill_tokens, seconds)
 
-    def _fit_decode_step(self, rows: int, seconds: float) -> None:
-        d = self._DECAY
-        self._weight = d * self._weight + 1.0
-        self._rows = d * self._rows + rows
-        self._seconds = d * self._seconds + seconds
-        self._rows_sq = d * self._rows_sq + rows * rows
-        self._rows_seconds = d * self._rows_seconds + rows * seconds
-        mean_rows = self._rows / self._weight
-        variance = self._rows_sq / self._weight - mean_rows**2
-        if variance >= self._MIN_ROW_SPREAD**2:
-            slope = (self._rows_seconds / self._weight - mean_rows * self._seconds / self._weight) / variance
-            if slope > 0:
-                self.seconds_per_row = slope
+    def _refit(self, rows: int, tokens: int, seconds: float) -> None:
+        # slopes never seen (no decode row, or no prompt token, yet) start at this step's cost per row
+        first_guess = seconds / (rows + tokens)
+        previous = np.array([self.base_seconds, self.seconds_per_row or first_guess,
+                             self.seconds_per_token or first_guess])
+        seen = np.diag(self._moments) > 0
+        ridge = self._RIDGE * (np.diag(self._moments) + 1.0) * np.array([0.0, 1.0, 1.0])
+        ridge[0] = 1e-12  # the base: kept solvable when every step so far had the same rows
+        active = np.flatnonzero(seen)
+        system = self._moments[np.ix_(active, active)] + np.diag(ridge[active])
+        rhs = self._targets[active] + ridge[active] * previous[active]
+        try:
+            solution = np.linalg.solve(system, rhs)
+        except np.linalg.LinAlgError:
+            return
+        fitted = previous.copy()
+        fitted[active] = solution
+        if fitted[1] <= 0 or fitted[2] <= 0:  # a fit of collinear steps gone astray: keep the last whole one
+            return  # (full-budget steps all have rows + prompt tokens = the budget)
+        self.base_seconds = float(fitted[0])
+        if seen[1]:
+            self.seconds_per_row = float(fitted[1])
+        if seen[2]:
+            self.seconds_per_token = float(fitted[2])
 
     def decode_step_seconds(self, num_decodes: int) -> float:
-        """A decode-only step of `num_decodes` sequences: the fitted line (the recent average while the
-        batch has not varied enough to fit a slope)."""
-        mean_seconds = self._seconds / self._weight
-        if self.seconds_per_row is None:
-            return mean_seconds
-        return max(mean_seconds + self.seconds_per_row * (num_decodes - self._rows / self._weight), 1e-4)
+        """A decode-only step of `num_decodes` sequences, as the fit prices it."""
+        per_row = self.seconds_per_row if self.seconds_per_row is not None else self.seconds_per_token or 0.0
+        return max(self.base_seconds + per_row * num_decodes, 1e-4)
 
     def prefill_budget_while_decoding(self, budget: int, num_decodes: int, stretch: float | None = None) -> int:
         """Prompt tokens that keep a step with `num_decodes` decodes within `stretch` (default: the bound)
@@ -199,9 +217,6 @@ class StepCostModel:
             return min(budget, 16 * self.MIN_PREFILL_CHUNK)
         # never below a learning chunk: chunks too small to price would keep the estimate where it is
         return min(budget, max(self.MIN_LEARNING_CHUNK, int(PREFILL_FLOOR_SECONDS / self.seconds_per_token + 1e-6)))
-
-    def _blend(self, average: float | None, sample: float) -> float:
-        return sample if average is None else average + self._SMOOTHING * (sample - average)
 
 
 class Scheduler:
