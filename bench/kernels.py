@@ -122,7 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     threads = args.threads or len(usable_cores())
     results = []
-    for qtype in TYPES:
+    # a type stores whole blocks (32 weights; 256 for the K types; float types any width): a width a
+    # type's block does not divide is skipped
+    types = [qtype for qtype in TYPES if args.cols % BLOCK_SHAPES.get(qtype, (1,))[0] == 0]
+    skipped = [qtype.name for qtype in TYPES if qtype not in types]
+    for qtype in types:
         in_cache = [time_matmul(qtype, args.rows, args.cols, tokens, threads, 50) for tokens in (1, 32)]
         from_dram = time_matmul(qtype, 128 * args.rows, args.cols, 1, threads, 5)
         results.append({"in_cache": in_cache, "from_dram": from_dram})
@@ -134,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         one, many = r["in_cache"]
         print(f"{one['type']:<6} {one['path']:<8} {one['bits_per_weight']:>13.2f} {one['resident_bits_per_weight']:>9.2f} "
               f"{one['gmacs']:>10.1f} {many['gmacs']:>11.1f} {r['from_dram']['weight_gbs']:>13.1f}")
+    if skipped:
+        print(f"skipped (rows of {args.cols} weights are not whole blocks of theirs): {', '.join(skipped)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": machine_description(), "threads": threads, "results": results}, f, indent=2)
