@@ -378,3 +378,24 @@ def test_a_wave_of_prompts_that_outnumbers_the_streams_fills_the_step():
     scheduler, _ = decoding_scheduler(0.040, 0.001, num_streams=4)
     scheduler.add(make_seq(300, "one"))  # one of four: 1.25x the bound's extra time, 40 tokens
     assert [c.num_tokens for c in scheduler.schedule().chunks] == [1] * 4 + [40]
+
+
+def test_a_burst_split_by_the_token_budget_is_prefilled_whole_and_later_arrivals_wait_their_turn():
+    """A wave larger than one step's budget: its first prompts start decoding and outnumber the rest,
+    which stay a burst (held to the bound, they came a chunk a step and waited seconds more); a prompt
+    arriving after the burst began is held to the bound as usual."""
+    scheduler, _ = decoding_scheduler(0.040, 0.002, num_streams=4)  # the bound at 8 decodes: 40 tokens
+    wave = [make_seq(60, f"w{i}") for i in range(6)]  # 6 awaiting >= 4 decoding: a burst
+    for seq in wave:
+        scheduler.add(seq)
+    out = scheduler.schedule()
+    assert [c.num_tokens for c in out.chunks] == [1] * 4 + [60] * 4 + [12]  # 252 tokens: the budget
+    finish_step(scheduler, out)
+    late = make_seq(60, "late")
+    scheduler.add(late)
+    out = scheduler.schedule()  # 8 decoding, 3 awaiting: the burst's two go on whole, the late one waits
+    assert [(c.seq.request.request_id, c.num_tokens) for c in out.chunks] == [
+        *[(s.request.request_id, 1) for s in scheduler.running[:8]], ("w4", 48), ("w5", 60)]
+    finish_step(scheduler, out)
+    out = scheduler.schedule()  # the burst is done: the late prompt gets the bound (with its queue's share)
+    assert [c.num_tokens for c in out.chunks][-1] < 60

@@ -24,7 +24,10 @@ handful of prompt tokens, the batch still grows as fast as requests come. Prompt
 short ones more of a step: the extra time allowed grows with the ratio of sequences awaiting their
 first token to decoding ones (up to twice the bound's), and once they are as many, short prompts are
 not held at all (a burst: its last first token is bounded by the whole burst's prefill, and holding it
-to the bound added a second to it at 32 streams).
+to the bound added a second to it at 32 streams). A burst stays one until each of its prompts has its
+first token, even after the first of them decode and outnumber the rest; prompts arriving meanwhile
+are held to the bound. Each stream then sees a burst as one long gap rather than many stretched ones,
+which keeps its 99th-percentile gap within the bound — hence steps of up to 1024 tokens by default.
 Long prompts (the whole prompt stays long to its last chunk) always get the bound alone. The engine reports each step's duration; the
 scheduler fits what a decode row and a prompt token cost (StepCostModel) and sizes the prefill share
 from that. (CPU steps are compute-bound: time grows linearly with the tokens in the step.)
@@ -237,6 +240,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order: among equal priorities the newest is preempted first
         self.num_preemptions = 0
         self.priority_starvation_seconds = priority_starvation_seconds
+        self._burst: set[int] = set()  # the sequences of the burst being prefilled (_burst_tokens_left)
 
     @property
     def has_work(self) -> bool:
@@ -274,11 +278,14 @@ class Scheduler:
         if num_decoding and self.step_costs is not None:
             costs = self.step_costs
             budget.long_tokens = costs.prefill_budget_while_decoding(budget.tokens, num_decoding)
-            awaiting = self._num_awaiting_first_token()
-            if awaiting < num_decoding:  # else a burst: short prompts fill the step (first tokens first)
+            awaiting = self._awaiting_first_token()
+            burst_left = self._burst_tokens_left(awaiting, num_decoding)
+            if burst_left is not None:  # short prompts of the burst fill the step (first tokens first)
+                budget.timed_tokens = burst_left
+            else:
                 # the queue earns the streams a little more stretch: up to twice the bound's extra time
                 # as the prompts awaiting their first token approach the decoding streams in number
-                stretch = costs.max_itl_stretch + (costs.max_itl_stretch - 1.0) * awaiting / num_decoding
+                stretch = costs.max_itl_stretch + (costs.max_itl_stretch - 1.0) * len(awaiting) / num_decoding
                 budget.timed_tokens = max(costs.prefill_budget_while_decoding(budget.tokens, num_decoding, stretch),
                                           costs.prefill_floor_tokens(budget.tokens))
         self._schedule_prefills(out, budget)
@@ -286,9 +293,27 @@ class Scheduler:
             self._admit(out, budget)
         return out
 
-    def _num_awaiting_first_token(self) -> int:
+    def _awaiting_first_token(self) -> list[Sequence]:
         """Sequences waiting for admission or in the middle of their prefill."""
-        return len(self.waiting) + sum(1 for seq in self.running if not seq.is_prefill_done)
+        return [*self.waiting, *(seq for seq in self.running if not seq.is_prefill_done)]
+
+    def _burst_tokens_left(self, awaiting: list[Sequence], num_decoding: int) -> int | None:
+        """Prompt tokens this step may take beyond the step-time bound for a burst; None: no burst.
+
+        A burst is as many prompts awaiting their first token as streams decoding (a wave arriving
+        together). Its prompts are prefilled at once, and they stay a burst after those of them already
+        done start decoding and outnumber the rest: split in two — the first served at once, the rest a
+        chunk a step beside them — a wave's last prompts waited seconds more for a first token. Prompts
+        arriving after it began are held to the bound as usual.
+        """
+        if len(awaiting) >= num_decoding:
+            self._burst = {seq.seq_id for seq in awaiting}
+            return sum(seq.num_uncomputed_tokens for seq in awaiting)
+        members = [seq for seq in awaiting if seq.seq_id in self._burst]
+        if not members:
+            self._burst = set()
+            return None
+        return sum(seq.num_uncomputed_tokens for seq in members)
 
     def observe_step(self, scheduled: SchedulerOutput, seconds: float) -> None:
         """The engine reports how long a scheduled step took (it sizes later prefill chunks, and
