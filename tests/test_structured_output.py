@@ -250,14 +250,17 @@ def test_what_cannot_be_compiled_or_combined_is_a_400_naming_the_field(server, f
 
 def test_logprobs_of_a_constrained_answer_are_finite_json(server):
     """Tokens the grammar forbids have logprob -inf: reported as -9999.0 (as vLLM does), never as a
-    non-JSON -Infinity or a 500 — with one token allowed, top_logprobs 5 holds four forbidden ones."""
+    non-JSON -Infinity or a 500 — with one token allowed, top_logprobs 5 holds four forbidden ones.
+    Greedy: the likeliest start is a part of the word ("n"), whose rest is then the only token allowed;
+    sampled, a whole-word first token (a few percent) ended the answer with no forced position."""
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "logprobs": True, "top_logprobs": 5,
-            "structured_outputs": {"choice": ["yes", "no"]}}  # fmt: skip
+            "temperature": 0, "structured_outputs": {"choice": ["yes", "no"]}}  # fmt: skip
     response = httpx.post(server.base_url + "/v1/chat/completions", json=chat, timeout=60)
     assert response.status_code == 200, response.text
     values = [e["logprob"] for t in response.json()["choices"][0]["logprobs"]["content"] for e in t["top_logprobs"]]
     assert min(values) == -9999.0 and all(v <= 0 for v in values)
-    body = {"prompt": "x", "max_tokens": 3, "logprobs": 5, "stream": True, "structured_outputs": {"choice": ["yes", "no"]}}
+    body = {"prompt": "x", "max_tokens": 3, "logprobs": 5, "stream": True, "temperature": 0,
+            "structured_outputs": {"choice": ["yes", "no"]}}
     with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60) as stream:
         events = [line[6:] for line in stream.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
     for event in events:
