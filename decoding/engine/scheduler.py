@@ -301,10 +301,9 @@ class Scheduler:
         """Prompt tokens this step may take beyond the step-time bound for a burst; None: no burst.
 
         A burst is as many prompts awaiting their first token as streams decoding (a wave arriving
-        together). Its prompts are prefilled at once, and they stay a burst after those of them already
-        done start decoding and outnumber the rest: split in two — the first served at once, the rest a
-        chunk a step beside them — a wave's last prompts waited seconds more for a first token. Prompts
-        arriving after it began are held to the bound as usual.
+        together). Its prompts are prefilled at once and stay a burst after the first of them start
+        decoding and outnumber the rest (split so, the rest came a chunk a step and waited seconds more
+        for a first token). Prompts arriving after it began are held to the bound as usual.
         """
         if len(awaiting) >= num_decoding:
             self._burst = {seq.seq_id for seq in awaiting}
