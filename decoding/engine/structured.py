@@ -138,6 +138,16 @@ class Guide:
         """A fresh matcher for one sequence (a copy of the compiled one: cheap)."""
         return self.compile(constraint).deep_copy()
 
+    def text_state(self, constraint: Constraint, text: str) -> str:
+        """Where `text` stands under the constraint: "complete" (an answer the grammar accepts whole),
+        "prefix" (a start it can still continue) or "invalid". Grammars are over bytes, so any
+        tokenization of the text reads the same."""
+        matcher = self.matcher(constraint)
+        tokens = self._ll_tokenizer().tokenize_str(text)
+        if matcher.validate_tokens(tokens) < len(tokens) or not matcher.consume_tokens(tokens):
+            return "invalid"
+        return "complete" if matcher.is_accepting() else "prefix"
+
 
 class JsonRunGuard:
     """Where a JSON answer stands outside its strings: how many digits end it (a number being written)."""
