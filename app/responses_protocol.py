@@ -144,7 +144,8 @@ class ResponsesRequest(SchedulingFields):
     def _refuse_what_is_not_implemented(cls, data: Any) -> Any:
         if isinstance(data, dict):
             _refuse_not_implemented(data, RESPONSES_NOT_IMPLEMENTED)
-            for i, tool in enumerate(data.get("tools") or []):
+            tools = data.get("tools")
+            for i, tool in enumerate(tools if isinstance(tools, list) else []):  # else the type check's 400
                 if isinstance(tool, dict) and tool.get("type") != "function":
                     raise APIError(400, f"tools of type {tool.get('type')!r} are not supported: only function tools "
                                         "(treadle runs no built-in tools)", f"tools.{i}.type",

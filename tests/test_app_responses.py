@@ -130,6 +130,14 @@ def test_what_cannot_be_honoured_is_refused_by_name(server, fields, param):
     assert answer.json()["error"]["param"].startswith(param)
 
 
+@pytest.mark.parametrize("tools", [5026, True, 1.5, "web_search", {"type": "web_search"}])
+def test_tools_that_are_not_a_list_are_a_400_naming_them(server, tools):
+    """Found by the schemathesis fuzz: a number in `tools` was iterated and answered 500."""
+    answer = httpx.post(f"{server.base_url}/v1/responses", json={"model": MODEL, "input": "Hi", "tools": tools})
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"].startswith("tools")
+
+
 def test_unknown_ids_are_404_and_bad_queries_400(server):
     base = f"{server.base_url}/v1/responses"
     assert httpx.get(f"{base}/resp_missing").status_code == 404
