@@ -82,12 +82,10 @@ golden-llamacpp-tokenizers: install
 BENCH_VENV := .venv-bench
 BENCH_STAMP := $(BENCH_VENV)/.installed
 LLAMA_CPP_PYTHON := llama-cpp-python[server]==0.3.36
-# Built for the instruction sets named here, not for whatever the build machine reports: on Intel
-# guests that list AMX without granting its state, a native build (llama-cpp-python's default)
-# segfaults on its first multi-token batch. Every AVX/AVX2/AVX-512/VNNI/BF16 option on, AMX off.
-LLAMA_CPP_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
-	-DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
-	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+# Built for the instruction sets this CPU lists, named one by one (scripts/llama_cpp_cmake_args.sh):
+# a native build segfaults on Intel guests that list AMX without granting it, and a fixed AVX-512 list
+# dies of an illegal instruction on AMD guests that have only AVX2. AMX off.
+LLAMA_CPP_CMAKE_ARGS = $(shell scripts/llama_cpp_cmake_args.sh)
 
 $(BENCH_STAMP): bench/requirements-transformers.txt
 	$(PYTHON) -m venv $(BENCH_VENV)

@@ -94,8 +94,10 @@ def llama_server_binary() -> Path | None:
     """$LLAMA_SERVER, or what scripts/build_llama_server.sh built into the cache; None if neither exists."""
     if os.environ.get("LLAMA_SERVER"):
         return Path(os.environ["LLAMA_SERVER"])
-    cache = Path(os.environ.get("TREADLE_CACHE", Path.home() / ".cache" / "treadle"))
-    binary = cache / f"llama-server-{LLAMA_SERVER_VERSION}" / "build" / "bin" / "llama-server"
+    script = Path(__file__).resolve().parent.parent / "scripts" / "build_llama_server.sh"
+    where = subprocess.run([str(script), "--where"], capture_output=True, text=True, check=True,
+                           env={**os.environ, "LLAMA_CPP_PYTHON_VERSION": LLAMA_SERVER_VERSION})  # fmt: skip
+    binary = Path(where.stdout.strip())
     return binary if os.access(binary, os.X_OK) else None
 
 
