@@ -19,6 +19,7 @@ BENCHMARKS = {
     "kernels": "bench.kernels",
     "engine": "bench.engine",
     "churn": "bench.churn",
+    "synth": "bench.synth",
     "serve": "bench.serve",
     "soak": "bench.soak",
 }
