@@ -152,3 +152,44 @@ def test_q6_k_runs_in_7_bits_with_a_scale_per_16_weights_rounded_to_fp16(tokens)
                   rows // 8, False, np.zeros((4, 8), np.float32))
     expected = activations @ form.T.astype(np.float64)
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
+_EXTREMES_SCRIPT = """
+import sys, numpy as np
+from tests.test_fast_kernels import extreme_products
+np.save(sys.argv[1], extreme_products())
+"""
+
+
+def extreme_products() -> np.ndarray:
+    """Every int8 kernel on the operands nearest saturation: each type's largest stored byte against
+    activations of ±127 (and random ones), as float32 results stacked."""
+    rng = np.random.default_rng(11)
+    rows, cols, results = 16, 256, []
+    for qtype in (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0, QType.Q6_K):
+        for weights in (np.full((rows, cols), 3.0, np.float32), rng.standard_normal((rows, cols)).astype(np.float32)):
+            stored = store_as(weights, qtype, rng)
+            for x in (np.full((4, cols), 127.0, np.float32), -np.full((4, cols), 127.0, np.float32),
+                      rng.standard_normal((4, cols)).astype(np.float32) * 50):  # fmt: skip
+                xq, xd, xsum = quantized_activations(x)
+                out = np.zeros((4, rows), np.float32)
+                matmul_groups(repack(stored, qtype, rows, cols), int(qtype), cols, xq, xd, xsum, 4, out, 0, rows // 8,
+                              False, np.zeros((4, 8), np.float32))  # fmt: skip
+                results.append(out)
+    return np.stack(results)
+
+
+def test_the_vnni_avx2_and_plain_ir_dot_products_give_the_same_bits(tmp_path):
+    """vpdpbusd, AVX2's vpmaddubsw/vpmaddwd and plain vector IR compute the same integers, so a model's
+    output does not depend on which of them the CPU runs. This process runs the best its CPU has; a
+    second one, with a fresh kernel cache, the plain IR."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "plain.npy"
+    env = {**os.environ, "TREADLE_NO_VNNI": "1", "TREADLE_NO_AVX2": "1", "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    subprocess.run([sys.executable, "-c", _EXTREMES_SCRIPT, str(out)], check=True, env=env, timeout=600,
+                   cwd=Path(__file__).resolve().parent.parent)  # fmt: skip
+    np.testing.assert_array_equal(extreme_products(), np.load(out))
