@@ -25,10 +25,11 @@ class ServerSettings:
     threads: int | None = None  # None: every usable core
     max_num_seqs: int = _ENGINE_DEFAULTS.max_num_seqs
     max_num_batched_tokens: int = _ENGINE_DEFAULTS.max_num_batched_tokens
-    kv_cache_mb: float = _ENGINE_DEFAULTS.kv_cache_mb
+    kv_cache_mb: float | str = _ENGINE_DEFAULTS.kv_cache_mb  # or "auto"
     block_size: int = _ENGINE_DEFAULTS.block_size
     kernels: str = _ENGINE_DEFAULTS.kernels
     kv_cache_dtype: str = _ENGINE_DEFAULTS.kv_cache_dtype
+    weight_cache: bool = _ENGINE_DEFAULTS.weight_cache
     max_queue: int = _ENGINE_DEFAULTS.max_queue  # running + waiting + being tokenized; more get 429
     api_key: str | None = None
     cors_origins: tuple[str, ...] = field(default_factory=tuple)
@@ -53,6 +54,7 @@ class ServerSettings:
         return EngineConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                             kv_cache_mb=self.kv_cache_mb, block_size=self.block_size, max_queue=self.max_queue,
                             n_threads=self.threads, kernels=self.kernels, kv_cache_dtype=self.kv_cache_dtype,
+                            weight_cache=self.weight_cache,
                             max_unread_bytes=self.max_unread_bytes,
                             slow_reader_timeout_seconds=self.slow_reader_timeout_seconds,
                             speculative=self.speculative, speculative_max_tokens=self.speculative_max_tokens,
@@ -88,6 +90,10 @@ def _positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {text}")
     return value
+
+
+def _kv_cache_mb(text: str) -> float | str:
+    return "auto" if text == "auto" else _positive_float(text)
 
 
 def _non_negative_float(text: str) -> float:
@@ -168,7 +174,10 @@ def build_parser(prog: str = "treadle serve") -> argparse.ArgumentParser:
     option("--max-num-seqs", _positive_int, defaults.max_num_seqs, "sequences decoded together (default %(default)s)")
     option("--max-num-batched-tokens", _positive_int, defaults.max_num_batched_tokens,
            "tokens per engine step (default %(default)s)")
-    option("--kv-cache-mb", _positive_float, defaults.kv_cache_mb, "KV cache size in MiB (default %(default)s)")
+    option("--kv-cache-mb", _kv_cache_mb, defaults.kv_cache_mb,
+           "KV cache size in MiB, or auto: half of the memory available beyond the weights and a margin (the log "
+           "says what it chose); a size that does not fit beside the weights is refused at start "
+           "(default %(default)s)")
     option("--block-size", _positive_int, defaults.block_size, "tokens per KV block (default %(default)s)")
     option("--kernels", _kernels, defaults.kernels,
            "fast: int8 activations, VNNI dot products (llama.cpp-like numerics); exact: float32 activations, "
@@ -177,6 +186,11 @@ def build_parser(prog: str = "treadle serve") -> argparse.ArgumentParser:
            "stored type of the KV cache: float16 halves its bytes per token (twice the tokens per MiB, half "
            "the reads per decode), float32 keeps exact attention inputs; auto: float16 with the fast kernels, "
            "float32 with the exact ones (default %(default)s)")
+    name = env_var("--no-weight-cache")
+    parser.add_argument("--no-weight-cache", dest="weight_cache", action="store_false",
+                        default=os.environ.get(name, "").lower() not in ("1", "true", "yes"),
+                        help="repack the fast kernels' weights at every start instead of mapping them from the "
+                             f"weight cache, a file per model written at its first start [{name}=1]")
     option("--speculative", _speculative, defaults.speculative,
            "speculative decoding with drafts from the context (n-grams of the prompt and the answer so far; the "
            "output stays what plain decoding gives): auto drafts while the measured step costs say it pays, "

@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -8,6 +12,11 @@ from bench.numba_cache import use_numba_cache
 
 # numba compiles kernels once and keeps them there, so a second run of the suite skips compilation.
 use_numba_cache()
+# Repacked weights (decoding/kernels/weight_cache.py) go to a directory of this run, servers started by
+# the tests included, never into the user's cache.
+if "TREADLE_WEIGHT_CACHE_DIR" not in os.environ:
+    os.environ["TREADLE_WEIGHT_CACHE_DIR"] = tempfile.mkdtemp(prefix="treadle-weights-")
+    atexit.register(shutil.rmtree, os.environ["TREADLE_WEIGHT_CACHE_DIR"], True)
 
 GOLDEN = Path(__file__).parent / "golden"
 

@@ -12,7 +12,7 @@ class EngineConfig:
     # (decoding/engine/scheduler.py): at 256, the steps of a 32-prompt wave were enough long gaps to
     # reach the streams' 99th-percentile gap. Logit rows are sized alike, allocated untouched.
     max_num_batched_tokens: int = 1024
-    kv_cache_mb: float = 512.0
+    kv_cache_mb: float | str = 512.0  # MiB, or "auto": from the memory available (decoding.engine.memory)
     num_kv_blocks: int | None = None  # overrides kv_cache_mb
     block_size: int = 16
     enable_prefix_caching: bool = True
@@ -21,6 +21,9 @@ class EngineConfig:
     pin_threads: bool = True
     max_model_len: int | None = None  # None: the model's context
     kernels: str = "fast"  # "fast": int8 activations, VNNI dot products; "exact": float32 activations
+    # the fast kernels' repacked matrices mapped from a file of decoding.kernels.weight_cache (written by
+    # the first start of a GGUF model) instead of repacked at every start
+    weight_cache: bool = True
     # "auto": float16 with the fast kernels (llama.cpp's default KV type), float32 with the exact ones
     # (their logits stay within 1e-3 of the reference); or "float16" / "float32" explicitly
     kv_cache_dtype: str = "auto"

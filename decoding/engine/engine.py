@@ -22,8 +22,10 @@ from kvcache.manager import KVCacheManager
 from kvcache.storage import KVCacheSpec, KVCacheStorage
 from threadpool import BrokenPool, SpinPool
 
-from ..kernels.forward import KernelWeights
+from ..kernels import weight_cache
+from ..kernels.forward import KernelWeights, resident_weight_bytes
 from ..model.model import Model
+from . import memory
 from .config import KV_CACHE_DTYPES, SPECULATIVE_MODES, EngineConfig, resolve_kv_cache_dtype
 from .detokenizer import IncrementalDetokenizer
 from .errors import EngineFailed, EngineShuttingDown, QueueFull, RequestTooLarge
@@ -57,10 +59,11 @@ class Engine:
         mc = model.config
         spec = KVCacheSpec(n_layers=mc.n_layers, n_kv_heads=mc.n_kv_heads, head_dim=mc.head_dim,
                            block_size=cfg.block_size, dtype=resolve_kv_cache_dtype(cfg))
-        num_blocks = cfg.num_kv_blocks or spec.num_blocks_for_mib(cfg.kv_cache_mb)
+        num_blocks = self._num_kv_blocks(spec)
         # Repacking holds one matrix's file pages beside its copy until the pages are released: done
         # before the KV cache is touched, that passing peak does not stack on the cache's.
-        weights = KernelWeights.build(mc, model.weights, fast=cfg.kernels == "fast")
+        cache = weight_cache.cache_file(model.path) if cfg.weight_cache and model.path.is_file() else None
+        weights = KernelWeights.build(mc, model.weights, fast=cfg.kernels == "fast", cache=cache)
         self.storage = KVCacheStorage.allocate(spec, num_blocks)
         self.kv = KVCacheManager(num_blocks, cfg.block_size, self.max_model_len, cfg.enable_prefix_caching)
         if cfg.speculative not in SPECULATIVE_MODES:
@@ -89,6 +92,29 @@ class Engine:
         self._is_idle = False  # the last step scheduled nothing (every running request's reader lags)
         self.failure: str | None = None  # why the engine thread ended, if it did on an error
         self._thread: threading.Thread | None = None
+
+    def _num_kv_blocks(self, spec: KVCacheSpec) -> int:
+        """The KV cache's size in blocks, from the configuration: refused where the weights and the
+        cache do not fit in the memory available (decoding.engine.memory)."""
+        cfg, budget = self.config, memory.available_memory()
+        weights_bytes = resident_weight_bytes(self.model.weights, fast=cfg.kernels == "fast")
+        if cfg.num_kv_blocks:
+            num_blocks = cfg.num_kv_blocks
+        elif cfg.kv_cache_mb == "auto":
+            most_useful = cfg.max_num_seqs * self.max_model_len * spec.bytes_per_token
+            num_blocks = memory.auto_kv_bytes(weights_bytes, most_useful, budget) // spec.bytes_per_block
+            log.info("KV cache (auto): %d blocks, %.0f MiB, %d tokens — half of the %.0f MiB available (%s) "
+                     "beyond %.0f MiB of weights and a %.0f MiB margin, at most what %d sequences of %d tokens fill",
+                     num_blocks, num_blocks * spec.bytes_per_block / memory.MIB, num_blocks * spec.block_size,
+                     budget.available / memory.MIB, budget.source, weights_bytes / memory.MIB,
+                     memory.RUNTIME_MARGIN_BYTES / memory.MIB, cfg.max_num_seqs, self.max_model_len)  # fmt: skip
+            if num_blocks < 1:
+                memory.check_fits(weights_bytes, spec.bytes_per_block, budget)
+                raise memory.NotEnoughMemory("no KV block fits beside the weights in the memory available")
+        else:
+            num_blocks = spec.num_blocks_for_mib(float(cfg.kv_cache_mb))
+        memory.check_fits(weights_bytes, num_blocks * spec.bytes_per_block, budget)
+        return num_blocks
 
     # ---- any thread -------------------------------------------------------------------------------
 

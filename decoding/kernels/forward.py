@@ -20,7 +20,10 @@ numerics). Both are batch-invariant: a token's numbers never depend on which row
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from numba import njit
@@ -30,7 +33,8 @@ from kvcache.attention import attention_scratch, paged_attention_rows, write_kv_
 from threadpool import barrier_wait
 
 from ..model.config import ModelConfig
-from ..model.weights import ModelWeights, WeightMatrix, release_mapped_pages
+from ..model.weights import LayerWeights, ModelWeights, WeightMatrix, release_mapped_pages
+from . import weight_cache
 from .fast_kernels import matmul_groups, quantize_activation_row, swiglu_groups
 from .kernels import (
     GATE_GELU_TANH,
@@ -64,7 +68,9 @@ from .phases import (
     no_profile,
 )
 from .reference import rope_tables
-from .repack import is_packable, packed_type, repack
+from .repack import is_packable, packed_nbytes, packed_type, repack
+
+log = logging.getLogger(__name__)
 
 # order of a layer's matrices in KernelWeights.matrices
 WQ, WK, WV, WO, W_GATE, W_UP, W_DOWN = range(7)
@@ -87,6 +93,34 @@ def _packed(matrix: WeightMatrix, fast: bool) -> np.ndarray:
         release_mapped_pages(matrix.data)
         return packed
     return _NOT_PACKED
+
+
+def _layer_matrices(layer: LayerWeights) -> tuple[WeightMatrix, ...]:
+    return (layer.wq, layer.wk, layer.wv, layer.wo, layer.w_gate, layer.w_up, layer.w_down)
+
+
+def _all_packed(weights: ModelWeights, fast: bool, cache: Path | None) -> list[np.ndarray]:
+    """Every layer's matrices (WQ..W_DOWN order) then the LM head, repacked (or empty where not)."""
+    all_matrices = [m for layer in weights.layers for m in _layer_matrices(layer)] + [weights.lm_head]
+    if not fast or cache is None:
+        return [_packed(m, fast) for m in all_matrices]
+    sizes = [packed_nbytes(m.qtype, m.n_rows, m.n_cols) for m in all_matrices]
+    mapped = weight_cache.load(cache, sizes)
+    if mapped is not None:
+        log.info("repacked weights mapped from %s", cache)
+        return mapped
+    started = time.perf_counter()
+    made = weight_cache.build(cache, sizes, lambda i: _packed(all_matrices[i], fast))
+    log.info("weights repacked in %.1f s and kept in %s", time.perf_counter() - started, cache)
+    return made
+
+
+def resident_weight_bytes(weights: ModelWeights, fast: bool) -> int:
+    """Bytes of weights a step reads, all resident while serving: each matrix in the form the kernels
+    run (repacked, or as stored where the float path serves it). Embedding rows are read a few at a
+    time and not counted."""
+    all_matrices = [m for layer in weights.layers for m in _layer_matrices(layer)] + [weights.lm_head]
+    return sum((fast and packed_nbytes(m.qtype, m.n_rows, m.n_cols)) or m.nbytes for m in all_matrices)
 
 
 def _as_bytes(matrix: WeightMatrix) -> np.ndarray:
@@ -117,17 +151,20 @@ class KernelWeights:
     rope_sin: np.ndarray  # (n_tables, max_context, head_dim / 2) float32
 
     @classmethod
-    def build(cls, cfg: ModelConfig, weights: ModelWeights, fast: bool) -> KernelWeights:
+    def build(cls, cfg: ModelConfig, weights: ModelWeights, fast: bool, cache: Path | None = None) -> KernelWeights:
+        """`cache`: a weight-cache file (decoding.kernels.weight_cache) to map the repacked matrices
+        from, or to write them into as they are made where it is missing; None repacks in memory."""
         matrices, packed = List(), List()
         qtypes = np.zeros((cfg.n_layers, MATRICES_PER_LAYER), dtype=np.int64)
         packed_qtypes = np.zeros_like(qtypes)
         norms = np.zeros((cfg.n_layers, 4, cfg.dim), dtype=np.float32)
         biases = np.zeros((cfg.n_layers, cfg.q_dim + 2 * cfg.kv_dim), dtype=np.float32)
         head_norms = np.ones((cfg.n_layers, 2, cfg.head_dim), dtype=np.float32)
+        all_packed = _all_packed(weights, fast, cache)
         for i, layer in enumerate(weights.layers):
-            for j, m in enumerate((layer.wq, layer.wk, layer.wv, layer.wo, layer.w_gate, layer.w_up, layer.w_down)):
+            for j, m in enumerate(_layer_matrices(layer)):
                 matrices.append(_as_bytes(m))
-                packed.append(_packed(m, fast))
+                packed.append(all_packed[i * MATRICES_PER_LAYER + j])
                 qtypes[i, j] = int(m.qtype)
                 packed_qtypes[i, j] = int(packed_type(m.qtype))
             norms[i, 0], norms[i, 1] = layer.attn_norm, layer.ffn_norm
@@ -145,7 +182,7 @@ class KernelWeights:
             np.array([cfg.layer_window(i) for i in range(cfg.n_layers)], dtype=np.int64),
             np.array([ropes.index(cfg.layer_rope(i)) for i in range(cfg.n_layers)], dtype=np.int64),
             _as_bytes(weights.token_embedding), int(weights.token_embedding.qtype),
-            _as_bytes(weights.lm_head), int(weights.lm_head.qtype), _packed(weights.lm_head, fast),
+            _as_bytes(weights.lm_head), int(weights.lm_head.qtype), all_packed[-1],
             int(packed_type(weights.lm_head.qtype)),
             np.ascontiguousarray(weights.output_norm, dtype=np.float32),
             np.stack([cos for cos, _ in tables]), np.stack([sin for _, sin in tables]),

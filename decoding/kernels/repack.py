@@ -43,6 +43,13 @@ def is_packable(qtype: QType, n_rows: int) -> bool:
     return packed_type(qtype) in PACKABLE and n_rows % GROUP_ROWS == 0
 
 
+def packed_nbytes(qtype: QType, n_rows: int, n_cols: int) -> int:
+    """Bytes of the repacked form of an (n_rows, n_cols) matrix stored as `qtype`; 0 if not packable."""
+    if not is_packable(qtype, n_rows):
+        return 0
+    return n_rows // GROUP_ROWS * (n_cols // QK) * BLOCK_STRIDE[packed_type(qtype)]
+
+
 def repack(data: np.ndarray, qtype: QType, n_rows: int, n_cols: int) -> np.ndarray:
     """(n_rows, row_bytes) ggml blocks → flat uint8 stream of n_rows / 8 groups, same size.
 
