@@ -51,3 +51,20 @@ def measure_quality(model: Model, num_tokens: int) -> dict:
             "fast_top1_agreement": agreement(predictions["fast"], predictions["exact"]),
             "greedy_prompts": len(prompts), "greedy_identical_32_tokens": identical,
             "greedy_token_agreement": agreement(greedy["fast"], greedy["exact"])}
+
+
+def kv_cache_agreement(model: Model, num_tokens: int, dtypes: tuple[str, str] = ("float16", "int8"),
+                       chunk: int = 1024) -> dict:  # fmt: skip
+    """Top-1 agreement of the fast kernels over real text with the KV cache in `dtypes[1]` against
+    `dtypes[0]`: how much a cheaper cache changes what the model predicts, position by position."""
+    chunks = quality_corpus(model, num_tokens, chunk)
+    predictions = {}
+    for dtype in dtypes:
+        engine = Engine(model, EngineConfig(kv_cache_mb=256, kv_cache_dtype=dtype, enable_prefix_caching=False,
+                                            max_num_batched_tokens=chunk)).start()  # fmt: skip
+        try:
+            predictions[dtype] = top1_predictions(engine, chunks)
+        finally:
+            engine.shutdown()
+    return {"positions": sum(len(c) for c in chunks), "reference": dtypes[0], "compared": dtypes[1],
+            "top1_agreement": agreement(predictions[dtypes[1]], predictions[dtypes[0]])}

@@ -7,7 +7,7 @@
 2. Prefix cache: hit rate (prompt tokens found computed / prompt tokens) when multi-turn chats
    are replayed the way clients send them: the whole conversation again, one turn longer each time.
 3. Attention: time of one layer's `paged_attention_rows` for decode batches and prefill chunks, over
-   a float32 and a float16 cache (`--kv-cache-dtype`).
+   a float32, a float16 and an int8 cache (`--kv-cache-dtype`).
 
 Lengths are drawn from seeded log-normal distributions, so every run prints the same figures
 for 1 and 2; only the timings of 3 vary with the machine.
@@ -161,12 +161,8 @@ def _time_attention(
     head_dim, block_size, n_kv_heads = spec.head_dim, spec.block_size, spec.n_kv_heads
     blocks_per_seq = -(-context_len // block_size)
     num_blocks = batch_size * blocks_per_seq
-    key_cache = _stored(
-        rng.standard_normal((num_blocks, n_kv_heads, head_dim, block_size), dtype=np.float32), spec
-    )
-    value_cache = _stored(
-        rng.standard_normal((num_blocks, n_kv_heads, block_size, head_dim), dtype=np.float32), spec
-    )
+    key_cache = _stored(rng, (num_blocks, n_kv_heads, spec.row_width, block_size), spec, scale_axis=2)
+    value_cache = _stored(rng, (num_blocks, n_kv_heads, block_size, spec.row_width), spec, scale_axis=3)
     block_tables = rng.permutation(num_blocks).astype(np.int32).reshape(batch_size, blocks_per_seq)
     context_lens = np.full(batch_size, context_len, dtype=np.int32)
     query_start_loc = np.arange(0, batch_size * query_len + 1, query_len, dtype=np.int32)
@@ -196,8 +192,16 @@ def _time_attention(
     return min(times)
 
 
-def _stored(x: np.ndarray, spec: KVCacheSpec) -> np.ndarray:
-    """float32 values as the cache holds them (half floats as their bits)."""
+def _stored(rng: np.random.Generator, shape: tuple[int, ...], spec: KVCacheSpec, scale_axis: int) -> np.ndarray:
+    """Random normal values as the cache holds them: half floats as their bits; int8 as random values
+    with every scale (past head_dim along `scale_axis`) the fp16 0.0034 (bytes 0x22 0x22)."""
+    if spec.dtype == "int8":
+        x = rng.integers(-127, 128, shape).astype(np.int8)
+        index = [slice(None)] * len(shape)
+        index[scale_axis] = slice(spec.head_dim, None)
+        x[tuple(index)] = 34
+        return x
+    x = rng.standard_normal(shape, dtype=np.float32)
     return x.astype(np.float16).view(np.uint16) if spec.dtype == "float16" else x
 
 
@@ -215,7 +219,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--threads", type=int, default=1, help="threads for the attention timings")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quality", nargs="+", metavar="MODEL",
+                        help="instead: top-1 agreement of an int8 KV cache with a float16 one over real text, "
+                             "for each model (a name or a file)")  # fmt: skip
+    parser.add_argument("--positions", type=int, default=4096, help="positions of text for --quality")
     args = parser.parse_args(argv)
+    if args.quality:
+        return _kv_quality(args.quality, args.positions, args.json)
     rng = np.random.default_rng(args.seed)
     results: dict[str, Any] = {
         "model": {
@@ -244,6 +254,25 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as file:
             json.dump(results, file, indent=2)
         print(f"\nwrote {args.json}")
+    return 0
+
+
+def _kv_quality(models: list[str], positions: int, json_path: str | None) -> int:
+    from bench.engine_quality import kv_cache_agreement
+    from decoding import load_model
+
+    rows = []
+    for name in models:
+        model = load_model(name)
+        started = time.perf_counter()
+        row = {"model": model.config.name, **kv_cache_agreement(model, positions)}
+        row["seconds"] = round(time.perf_counter() - started, 1)
+        rows.append(row)
+        print(f"{row['model']}: int8 KV cache agrees with float16 on the top-1 token at "
+              f"{100 * row['top1_agreement']:.2f}% of {row['positions']} positions of real text", flush=True)
+    if json_path:
+        with open(json_path, "w") as file:
+            json.dump(rows, file, indent=2)
     return 0
 
 

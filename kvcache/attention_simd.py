@@ -33,7 +33,8 @@ from kvcache.fastmath import EXP_MAX, EXP_MIN, EXP_POLYNOMIAL, LN2_HI, LN2_LO, L
 
 SIMD_BLOCK_SIZE = 16
 _LANES = SIMD_BLOCK_SIZE
-_f32, _i32, _i64, _half = ir.FloatType(), ir.IntType(32), ir.IntType(64), ir.HalfType()
+_f32, _i8, _i32, _i64, _half = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.HalfType()
+Q8_GROUP = 32  # kvcache.storage.Q8_GROUP: int8 values per fp16 scale
 _V = ir.VectorType(_f32, _LANES)
 
 
@@ -82,12 +83,26 @@ def _reduce(builder: ir.IRBuilder, vector: ir.Value, combine) -> ir.Value:  # ty
 
 
 def _load_row(builder: ir.IRBuilder, base: ir.Value, element: ir.Type, index: ir.Value) -> ir.Value:
-    """16 consecutive elements from `base` + index elements, as float32 (half floats widened)."""
+    """16 consecutive elements from `base` + index elements, as float32 (half floats widened, int8
+    converted)."""
     pointer = builder.gep(base, [index])
     if element == _half:
         raw = builder.load(builder.bitcast(pointer, ir.VectorType(ir.IntType(16), _LANES).as_pointer()), align=2)
         return builder.fpext(builder.bitcast(raw, ir.VectorType(_half, _LANES)), _V)
+    if element == _i8:
+        raw = builder.load(builder.bitcast(pointer, ir.VectorType(_i8, _LANES).as_pointer()), align=1)
+        return builder.sitofp(raw, _V)
     return builder.load(builder.bitcast(pointer, _V.as_pointer()), align=4)
+
+
+def _half_at(builder: ir.IRBuilder, byte_base: ir.Value, byte_offset: ir.Value, lanes: int) -> ir.Value:
+    """`lanes` fp16 values at a byte offset (int8 caches' scales), as float32 (a scalar for 1 lane)."""
+    pointer = builder.gep(byte_base, [byte_offset])
+    if lanes == 1:
+        raw = builder.load(builder.bitcast(pointer, ir.IntType(16).as_pointer()), align=2)
+        return builder.fpext(builder.bitcast(raw, _half), _f32)
+    raw = builder.load(builder.bitcast(pointer, ir.VectorType(ir.IntType(16), lanes).as_pointer()), align=2)
+    return builder.fpext(builder.bitcast(raw, ir.VectorType(_half, lanes)), ir.VectorType(_f32, lanes))
 
 
 def _check_c_contiguous(name: str, array: types.Type) -> None:
@@ -127,13 +142,16 @@ def _make_attend_group(head_dim: int, group_size: int):  # type: ignore[no-untyp
         """
         for name, array in (("work", work), ("keys", keys), ("values", values)):
             _check_c_contiguous(name, array)
-        if keys.dtype not in (types.float32, types.uint16) or values.dtype != keys.dtype:
+        if keys.dtype not in (types.float32, types.uint16, types.int8) or values.dtype != keys.dtype:
             return None
         sig = types.void(work, keys, values, num_keys)
 
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
             work_value, keys_value, values_value, count = args
-            element = _half if signature.args[1].dtype == types.uint16 else _f32
+            element = {types.uint16: _half, types.int8: _i8}.get(signature.args[1].dtype, _f32)
+            quantized = element == _i8
+            groups = head_dim // Q8_GROUP
+            row_width = head_dim + 2 * groups if quantized else head_dim  # a V row, its scales included
             work_array = context.make_array(signature.args[0])(context, builder, work_value)
             row_floats = builder.udiv(cgutils.unpack_tuple(builder, work_array.strides)[0], ir.Constant(_i64, 4))
             rows = [builder.gep(work_array.data, [builder.mul(row_floats, ir.Constant(_i64, g))])
@@ -144,13 +162,25 @@ def _make_attend_group(head_dim: int, group_size: int):  # type: ignore[no-untyp
                                          element.as_pointer())
             count = context.cast(builder, count, signature.args[3], types.int64)
 
-            # scores[t] = Σ_d q[d]·K[d, t]: four partial sums over d (d mod 4), then (s0 + s1) + (s2 + s3)
-            partial = [[_const(0.0)] * 4 for _ in range(group_size)]
-            for d in range(head_dim):
-                k_d = _load_row(builder, key_base, element, ir.Constant(_i64, d * _LANES))
-                for g, row in enumerate(rows):
-                    q_d = builder.load(builder.gep(row, [ir.Constant(_i64, d)]))
-                    partial[g][d % 4] = builder.fadd(partial[g][d % 4], builder.fmul(_splat(builder, q_d), k_d))
+            # scores[t] = Σ_d q[d]·K[d, t]: four partial sums over d (d mod 4), then (s0 + s1) + (s2 + s3);
+            # int8: so per group of Q8_GROUP rows, times the group's scales, the groups added in order
+            totals: list[ir.Value | None] = [None] * group_size
+            spans = [(g * Q8_GROUP, (g + 1) * Q8_GROUP) for g in range(groups)] if quantized else [(0, head_dim)]
+            for span, (first_d, last_d) in enumerate(spans):
+                partial = [[_const(0.0)] * 4 for _ in range(group_size)]
+                for d in range(first_d, last_d):
+                    k_d = _load_row(builder, key_base, element, ir.Constant(_i64, d * _LANES))
+                    for g, row in enumerate(rows):
+                        q_d = builder.load(builder.gep(row, [ir.Constant(_i64, d)]))
+                        partial[g][d % 4] = builder.fadd(partial[g][d % 4], builder.fmul(_splat(builder, q_d), k_d))
+                scale = (_half_at(builder, key_base, ir.Constant(_i64, head_dim * _LANES + 2 * _LANES * span), _LANES)
+                         if quantized else None)  # fmt: skip
+                for g in range(group_size):
+                    p = partial[g]
+                    sums = builder.fadd(builder.fadd(p[0], p[1]), builder.fadd(p[2], p[3]))
+                    if scale is not None:
+                        sums = builder.fmul(sums, scale)
+                    totals[g] = sums if totals[g] is None else builder.fadd(totals[g], sums)
             lane = ir.Constant(ir.VectorType(_i64, _LANES), list(range(_LANES)))
             count_splat = builder.shuffle_vector(
                 builder.insert_element(ir.Constant(ir.VectorType(_i64, _LANES), ir.Undefined), count,
@@ -162,9 +192,7 @@ def _make_attend_group(head_dim: int, group_size: int):  # type: ignore[no-untyp
 
             weights, accs = [], []
             for g, row in enumerate(rows):
-                p = partial[g]
-                scores = builder.fadd(builder.fadd(p[0], p[1]), builder.fadd(p[2], p[3]))
-                scores = builder.select(valid, scores, _const(float("-inf")))
+                scores = builder.select(valid, totals[g], _const(float("-inf")))
                 block_max = _reduce(builder, scores, lambda a, b: builder.call(maxnum, [a, b]))
                 stats = builder.gep(row, [ir.Constant(_i64, 2 * head_dim + _LANES)])
                 old_max = builder.load(stats)
@@ -200,13 +228,21 @@ def _make_attend_group(head_dim: int, group_size: int):  # type: ignore[no-untyp
                     phi.add_incoming(acc, entry)
                     head_phis.append(phi)
                 phis.append(head_phis)
-            row_start = builder.mul(t, ir.Constant(_i64, head_dim))
+            row_start = builder.mul(t, ir.Constant(_i64, row_width))
             value_rows = [_load_row(builder, value_base, element, builder.add(row_start, ir.Constant(_i64, i * _LANES)))
                           for i in range(chunks)]
+            # int8: the row's group scales, one per Q8_GROUP values, fold into the weight of their chunks
+            row_scales = [_half_at(builder, value_base, builder.add(row_start, ir.Constant(_i64, head_dim + 2 * j)), 1)
+                          for j in range(groups)] if quantized else []  # fmt: skip
             updated = []
             for g in range(group_size):
-                weight = _splat(builder, builder.extract_element(weights[g], t))
-                updated.append([builder.fadd(phi, builder.fmul(weight, value_rows[i]))
+                weight = builder.extract_element(weights[g], t)
+                if quantized:
+                    group_weights = [_splat(builder, builder.fmul(weight, scale)) for scale in row_scales]
+                    chunk_weights = [group_weights[i * _LANES // Q8_GROUP] for i in range(chunks)]
+                else:
+                    chunk_weights = [_splat(builder, weight)] * chunks
+                updated.append([builder.fadd(phi, builder.fmul(chunk_weights[i], value_rows[i]))
                                 for i, phi in enumerate(phis[g])])
             next_t = builder.add(t, ir.Constant(_i64, 1))
             t.add_incoming(next_t, loop)

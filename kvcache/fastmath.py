@@ -86,6 +86,9 @@ def as_f32(typingctx, value):  # type: ignore[no-untyped-def]
     if value == types.uint16:
         return types.float32(value), lambda context, builder, signature, args: _half_bits_to_float(
             builder, args[0], 16)
+    if value == types.int8:  # an int8 cache's value, before its group's scale
+        return types.float32(value), lambda context, builder, signature, args: builder.sitofp(
+            args[0], ir.FloatType())
     return None
 
 
@@ -101,4 +104,31 @@ def like(typingctx, value, sample):  # type: ignore[no-untyped-def]
             return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
 
         return types.uint16(value, sample), codegen
+    if sample == types.int8:  # typed for one kernel body, never run: int8 caches are written by group
+        return types.int8(value, sample), lambda context, builder, signature, args: builder.fptosi(
+            args[0], ir.IntType(8))
     return None
+
+
+@intrinsic
+def is_int8(typingctx, sample):  # type: ignore[no-untyped-def]
+    """True for an int8 cache element, as a constant the compiler folds: one kernel body serves every
+    cache type, and the branches of the others vanish from each compiled copy."""
+    answer = sample == types.int8
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return context.get_constant(types.boolean, answer)
+
+    return types.boolean(sample), codegen
+
+
+@njit(nogil=True, cache=True, fastmath=False, inline="always")
+def round_half_away(x):  # type: ignore[no-untyped-def]
+    """round(x) with halves away from zero (C's roundf), as an int32."""
+    return np.int32(np.floor(x + np.float32(0.5))) if x >= 0 else -np.int32(np.floor(-x + np.float32(0.5)))
+
+
+@njit(nogil=True, cache=True, fastmath=False, inline="always")
+def f32_to_f16_bits(x):  # type: ignore[no-untyped-def]
+    """float32 → the bits of the nearest fp16 (round to nearest even), as a uint16."""
+    return like(np.float32(x), np.uint16(0))

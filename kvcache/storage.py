@@ -7,7 +7,7 @@ sequence's blocks and, per block, computes `block_size` scores and then a weight
     key_cache:   (n_layers, num_blocks, n_kv_heads, head_dim, block_size)   K transposed per block
     value_cache: (n_layers, num_blocks, n_kv_heads, block_size, head_dim)
 
-- Both are C-contiguous, float32 or half floats (`KVCacheSpec.dtype`; numba has no float16 arrays on
+- Both are C-contiguous, float32, half floats or int8 (`KVCacheSpec.dtype`; numba has no float16 arrays on
   the CPU, so half floats are stored as their uint16 bits and converted in the kernels, see
   `kvcache.fastmath`); one layer's slice `key_cache[layer]` is what a kernel gets. Half floats halve
   the bytes a decode reads per token of context and double the tokens a budget holds, as fp16 KV does
@@ -20,6 +20,12 @@ sequence's blocks and, per block, computes `block_size` scores and then a weight
   vectorises without reassociating any sum (fastmath stays off: results are bit-reproducible), the
   same reason vLLM gives its key cache a different layout from its value cache.
 - Values keep head_dim innermost: the weighted sum adds `p * v` rows, contiguous over head_dim.
+- int8 (llama.cpp's q8_0 cache): each token's K and V of a head are quantized when written, in groups of
+  Q8_GROUP values with a fp16 scale each (`scale = max|x| / 127`, `q = round(x / scale)`), 136 bytes
+  for head_dim 128 where float16 takes 256. The scales travel inside the tile, so the arrays keep one
+  element type and a tile stays one contiguous read: a K tile is (head_dim + 2·groups, block_size)
+  int8, the values then the bytes of a (groups, block_size) fp16 array; a V tile's row is head_dim
+  values then the row's groups fp16 scales (`row_width`).
 The KV write for a new token is one strided store per key element: a few per token, against a
 whole context read per query.
 """
@@ -35,7 +41,8 @@ from kvcache.errors import KVCacheError
 
 MIB = 1 << 20
 # stored type of each KV cache dtype: half floats travel as their IEEE bit patterns
-KV_STORAGE_TYPES = {"float32": np.float32, "float16": np.uint16}
+KV_STORAGE_TYPES = {"float32": np.float32, "float16": np.uint16, "int8": np.int8}
+Q8_GROUP = 32  # int8 KV: values sharing one scale, as in llama.cpp's q8_0 cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,16 +58,25 @@ class KVCacheSpec:
     def __post_init__(self) -> None:
         if self.dtype not in KV_STORAGE_TYPES:
             raise KVCacheError(f"KV cache dtype must be one of {', '.join(KV_STORAGE_TYPES)}, got {self.dtype!r}")
+        if self.dtype == "int8" and self.head_dim % Q8_GROUP:
+            raise KVCacheError(f"an int8 KV cache needs head_dim a multiple of {Q8_GROUP}, got {self.head_dim}")
 
     @property
     def storage_type(self) -> type:
         return KV_STORAGE_TYPES[self.dtype]
 
     @property
+    def row_width(self) -> int:
+        """Elements of one token's K (or V) for one head: head_dim, and for int8 the fp16 scale of each
+        group of Q8_GROUP values after them (two bytes each)."""
+        return self.head_dim + (2 * self.head_dim // Q8_GROUP if self.dtype == "int8" else 0)
+
+    @property
     def bytes_per_token(self) -> int:
-        """K and V of one token on every layer (46,080 B for the default model in float32, half in float16)."""
+        """K and V of one token on every layer (46,080 B for the default model in float32, half in float16,
+        53% of float16 in int8)."""
         element_bytes = np.dtype(self.storage_type).itemsize
-        return self.n_layers * 2 * self.n_kv_heads * self.head_dim * element_bytes
+        return self.n_layers * 2 * self.n_kv_heads * self.row_width * element_bytes
 
     @property
     def bytes_per_block(self) -> int:
@@ -89,10 +105,10 @@ class KVCacheStorage:
         """Allocate and touch every page now, so that no step pays page faults and an over-large
         budget fails at start rather than when the cache fills up under load."""
         key_cache = np.empty(
-            (spec.n_layers, num_blocks, spec.n_kv_heads, spec.head_dim, spec.block_size), dtype=spec.storage_type
+            (spec.n_layers, num_blocks, spec.n_kv_heads, spec.row_width, spec.block_size), dtype=spec.storage_type
         )
         value_cache = np.empty(
-            (spec.n_layers, num_blocks, spec.n_kv_heads, spec.block_size, spec.head_dim), dtype=spec.storage_type
+            (spec.n_layers, num_blocks, spec.n_kv_heads, spec.block_size, spec.row_width), dtype=spec.storage_type
         )
         key_cache.fill(0)  # +0.0 in either type
         value_cache.fill(0)

@@ -70,32 +70,42 @@ def setup(request, default_model):
     return model, tok.encode(TARGET_TEXT), neighbours(tok, 31)
 
 
-@pytest.mark.parametrize("kernels", ["fast", "exact"])
-def test_seeded_sampling_is_identical_alone_crowded_chunked_and_single_threaded(setup, kernels):
+def skip_int8_where_heads_are_narrow(model, kv: str) -> None:
+    if kv == "int8" and model.config.head_dim % 32:
+        pytest.skip(f"an int8 KV cache needs heads of a multiple of 32 values; this model's have {model.config.head_dim}")
+
+
+@pytest.mark.parametrize(("kernels", "kv"), [("fast", "auto"), ("exact", "auto"), ("fast", "int8"), ("exact", "int8")])
+def test_seeded_sampling_is_identical_alone_crowded_chunked_and_single_threaded(setup, kernels, kv):
     model, target_ids, others = setup
+    skip_int8_where_heads_are_narrow(model, kv)
     params = target_params(seed=7)
-    base = EngineConfig(max_num_seqs=32, max_num_batched_tokens=256, kv_cache_mb=128, kernels=kernels)
+    base = EngineConfig(max_num_seqs=32, max_num_batched_tokens=256, kv_cache_mb=128, kernels=kernels,
+                        kv_cache_dtype=kv)  # fmt: skip
     alone = run(model, base, target_ids, params)
     assert len(alone) == 12
 
     assert run(model, base, target_ids, params, others) == alone  # among 31 others
 
-    chunked = EngineConfig(max_num_seqs=8, max_num_batched_tokens=16, kv_cache_mb=128, kernels=kernels)
+    chunked = EngineConfig(max_num_seqs=8, max_num_batched_tokens=16, kv_cache_mb=128, kernels=kernels,
+                           kv_cache_dtype=kv)  # fmt: skip
     assert len(target_ids) > 16
     assert run(model, chunked, target_ids, params, others[:6]) == alone  # its prompt spans several steps
 
     one_thread = EngineConfig(max_num_seqs=32, max_num_batched_tokens=256, kv_cache_mb=128, n_threads=1,
-                              kernels=kernels)
+                              kernels=kernels, kv_cache_dtype=kv)  # fmt: skip
     assert run(model, one_thread, target_ids, params, others[:6]) == alone
 
 
-def test_seeded_sampling_is_identical_when_preempted_and_recomputed(setup):
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_seeded_sampling_is_identical_when_preempted_and_recomputed(setup, kv):
     model, target_ids, _ = setup
+    skip_int8_where_heads_are_narrow(model, kv)
     target_ids = target_ids[:25]  # 4 blocks of 8, whatever the tokenizer (the cache below is sized for it)
     params = target_params(seed=2024)
     # Same block size as below: attention's online softmax works block by block, so the block size is
     # part of the engine's configuration, like the kernel mode; batch, preemption and threads are not.
-    alone = run(model, EngineConfig(kv_cache_mb=64, block_size=8), target_ids, params)
+    alone = run(model, EngineConfig(kv_cache_mb=64, block_size=8, kv_cache_dtype=kv), target_ids, params)
     # Two greedy neighbours with 64-token prompts (8 full blocks each) are admitted before the target
     # (4 blocks); their first decode tokens need two more blocks than the 21 there are, so the
     # target, the newest, is preempted, recomputed when room returns, and must continue identically.
@@ -104,7 +114,8 @@ def test_seeded_sampling_is_identical_when_preempted_and_recomputed(setup):
             (long_prompt[::-1], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))]
     preempted: set[str] = set()
     tight = EngineConfig(max_num_seqs=8, max_num_batched_tokens=160, num_kv_blocks=21, block_size=8,
-                         enable_prefix_caching=False, speculative="off")  # drafts would change who is preempted
+                         enable_prefix_caching=False, speculative="off",  # drafts would change who is preempted
+                         kv_cache_dtype=kv)  # fmt: skip
     assert run(model, tight, target_ids, params, hogs, record_preempted=preempted) == alone
     assert "target" in preempted, "the cache was meant to be too small to keep the target running"
 

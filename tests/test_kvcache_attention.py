@@ -9,6 +9,7 @@ import pytest
 from numba.core.errors import TypingError
 
 from kvcache.attention import attention_scratch, paged_attention_rows, write_kv_rows
+from kvcache.storage import Q8_GROUP, KVCacheSpec
 
 
 @dataclass(slots=True)
@@ -26,6 +27,7 @@ class PagedCase:
 STORAGE = {
     "float32": (np.float32, np.float32(np.nan)),
     "float16": (np.uint16, np.float16(np.nan).view(np.uint16)),
+    "int8": (np.int8, np.int8(-1)),  # every byte 0xFF: the fp16 scales of unused slots are NaN
 }
 
 
@@ -50,8 +52,11 @@ def make_case(
         block_tables[seq, :n] = shuffled_ids[taken : taken + n]
         taken += n
     # NaN everywhere the kernel must not read: unused slots, unused blocks.
-    key_cache = np.full((num_blocks, n_kv_heads, head_dim, block_size), nan, dtype=stored_type)
-    value_cache = np.full((num_blocks, n_kv_heads, block_size, head_dim), nan, dtype=stored_type)
+    if storage == "int8" and head_dim % Q8_GROUP:
+        pytest.skip(f"an int8 cache needs head_dim a multiple of {Q8_GROUP}")
+    width = KVCacheSpec(head_dim=head_dim, dtype=storage).row_width
+    key_cache = np.full((num_blocks, n_kv_heads, width, block_size), nan, dtype=stored_type)
+    value_cache = np.full((num_blocks, n_kv_heads, block_size, width), nan, dtype=stored_type)
     keys, values, queries = [], [], []
     for seq, context_len in enumerate(context_lens):
         keys.append(
@@ -70,7 +75,26 @@ def make_case(
 
 
 def _as_stored(x: np.ndarray, storage: str) -> np.ndarray:
+    if storage == "int8":
+        return dequantized_q8(*quantized_q8(x))
     return x.astype(np.float16).astype(np.float32) if storage == "float16" else x
+
+
+def quantized_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(..., head_dim) float32 → int8 values and fp16 scales per group of Q8_GROUP, in the kernel's float32
+    steps: scale = max|x| / 127, q = x · (127 / max|x|) rounded half away from zero."""
+    groups = x.reshape(*x.shape[:-1], -1, Q8_GROUP)
+    amax = np.abs(groups).max(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inverse = np.where(amax > 0, np.float32(127.0) / amax, np.float32(0.0)).astype(np.float32)
+    scaled = (groups * inverse).astype(np.float32)
+    q = np.where(scaled >= 0, np.floor(scaled + np.float32(0.5)), -np.floor(-scaled + np.float32(0.5)))
+    return np.clip(q, -127, 127).astype(np.int8), (amax / np.float32(127.0)).astype(np.float16)
+
+
+def dequantized_q8(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    values = q.astype(np.float32) * scales.astype(np.float32)
+    return values.reshape(*values.shape[:-2], -1)
 
 
 def run_paged(
@@ -333,6 +357,36 @@ def test_write_kv_rows_stores_each_row_at_its_slot_for_any_thread_count() -> Non
         assert np.count_nonzero(value_cache) == value.size  # nothing written outside the slots
 
 
+def test_int8_cache_stores_each_group_of_32_with_its_fp16_scale() -> None:
+    """What llama.cpp's q8_0 cache holds: per token, head and 32 values, round(x / scale) and the scale."""
+    rng = np.random.default_rng(10)
+    key = rng.standard_normal((6, 2, 64), dtype=np.float32) * np.float32(3.0)
+    key[0, 0, :32] = 0.0  # a group of zeros: scale 0, values 0
+    key[1, 1, 5] = 1000.0  # an outlier spends only its own group's precision
+    value = -key
+    slot_mapping = np.array([5, 0, 11, 2, 7, 3], dtype=np.int32)
+    spec = KVCacheSpec(head_dim=64, block_size=4, dtype="int8")
+    key_cache = np.zeros((3, 2, spec.row_width, 4), dtype=np.int8)
+    value_cache = np.zeros((3, 2, 4, spec.row_width), dtype=np.int8)
+    write_kv_rows(key, value, key_cache, value_cache, slot_mapping, 0, 1)
+    for token, slot in enumerate(slot_mapping):
+        block_id, offset = divmod(int(slot), 4)
+        for head in range(2):
+            q, scales = quantized_q8(key[token, head])
+            np.testing.assert_array_equal(key_cache[block_id, head, :64, offset], q.reshape(-1))
+            key_scales = key_cache[block_id, head, 64:].reshape(-1).view(np.uint16).reshape(2, 4)[:, offset]
+            np.testing.assert_array_equal(key_scales, scales.reshape(-1).view(np.uint16))
+            q, scales = quantized_q8(value[token, head])
+            row = value_cache[block_id, head, offset]
+            np.testing.assert_array_equal(row[:64], q.reshape(-1))
+            np.testing.assert_array_equal(row[64:].view(np.uint16), scales.reshape(-1).view(np.uint16))
+    assert np.all(key_cache[5 // 4, 0, :32, 5 % 4] == 0)
+    restored = dequantized_q8(*quantized_q8(key))
+    group_max = np.abs(key.reshape(6, 2, 2, 32)).max(axis=-1, keepdims=True)
+    # half a step of the group's scale, plus the scale's own fp16 rounding (2^-11 relative) on every value
+    assert np.all(np.abs(restored - key).reshape(6, 2, 2, 32) <= group_max * (1 / 254 + 2**-11) + 1e-7)
+
+
 def test_half_float_cache_stores_each_value_rounded_to_nearest_half() -> None:
     rng = np.random.default_rng(9)
     key = rng.standard_normal((6, 2, 16), dtype=np.float32) * np.float32(300.0)
@@ -350,3 +404,20 @@ def test_half_float_cache_stores_each_value_rounded_to_nearest_half() -> None:
         np.testing.assert_array_equal(
             value_cache[block_id, :, offset, :], expected_values[token].view(np.uint16)
         )
+
+
+def test_the_int8_rotation_is_orthonormal_per_group_of_32() -> None:
+    """Queries and keys rotated alike keep every q·k; rotating twice gives the row back."""
+    from kvcache.attention import rotate_q8_groups
+
+    rng = np.random.default_rng(13)
+    q, k = rng.standard_normal(128).astype(np.float32), rng.standard_normal(128).astype(np.float32)
+    k[7] = 40.0  # an outlier channel: after the rotation its group's values are all about 40 / sqrt(32)
+    rq, rk = q.copy(), k.copy()
+    rotate_q8_groups(rq, 128)
+    rotate_q8_groups(rk, 128)
+    assert abs(float(rq @ rk) - float(q @ k)) < 1e-4 * abs(float(q @ k)) + 1e-4
+    assert np.abs(rk[:32]).max() < 10.0 and np.allclose(rk[32:64], rk[32:64])
+    twice = rk.copy()
+    rotate_q8_groups(twice, 128)
+    np.testing.assert_allclose(twice, k, rtol=1e-5, atol=1e-5)

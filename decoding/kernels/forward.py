@@ -29,7 +29,8 @@ import numpy as np
 from numba import njit
 from numba.typed import List
 
-from kvcache.attention import attention_scratch, paged_attention_rows, write_kv_rows
+from kvcache.attention import attention_scratch, paged_attention_rows, rotate_q8_groups, write_kv_rows
+from kvcache.fastmath import is_int8
 from threadpool import barrier_wait
 
 from ..model.config import ModelConfig
@@ -329,6 +330,9 @@ def model_step(
             position = positions[t]
             rope_row(q[t], n_heads, head_dim, rope_cos[rope, position], rope_sin[rope, position], rope_neox)
             rope_row(k[t], n_kv_heads, head_dim, rope_cos[rope, position], rope_sin[rope, position], rope_neox)
+            if is_int8(key_cache[0, 0, 0, 0, 0]):  # int8 KV: outlier channels spread before keys are stored
+                rotate_q8_groups(q[t], q_dim)
+                rotate_q8_groups(k[t], kv_dim)
         barrier_wait(barrier, tid)
         clock = lap(profile, ROPE, clock)
         keys = k[:n_tokens].reshape((n_tokens, n_kv_heads, head_dim))
