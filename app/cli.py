@@ -20,6 +20,7 @@ BENCHMARKS = {
     "engine": "bench.engine",
     "churn": "bench.churn",
     "synth": "bench.synth",
+    "sizes": "bench.sizes",
     "serve": "bench.serve",
     "soak": "bench.soak",
 }

@@ -70,7 +70,7 @@ def _treadle(port: int, gguf: Path, threads: int, slots: int = 1) -> list[str]:
     # Speculation off: greedy continuations of synthetic prompts loop, and n-gram drafts of a loop are
     # nearly all accepted -- a gain real chat does not see, and none of the peers speculate.
     return [str(REPO / ".venv/bin/treadle"), "serve", "--port", str(port), "--threads", str(threads),
-            "--model", MODEL, "--log-level", "warning", "--speculative", "off"]
+            "--model", str(gguf), "--log-level", "warning", "--speculative", "off"]
 
 
 def _has_module(python: Path, module: str) -> bool:

@@ -51,8 +51,8 @@ from kvcache.attention_simd import (
     require_c_contiguous,
 )
 from kvcache.fastmath import as_f32, exp_f32, f16_bits_to_f32, f32_to_f16_bits, is_int8, like, round_half_away
-from kvcache.storage import Q8_GROUP
 from kvcache.prefetch import prefetch_tile
+from kvcache.storage import Q8_GROUP
 
 # One query head's row of scratch: its scaled query, its output accumulator, one block's scores
 # (then softmax weights), and the running max and running sum of the online softmax.

@@ -1,0 +1,203 @@
+"""`treadle bench sizes FILE.gguf ...`: treadle beside llama-server on a model file, and both beside the roofs.
+
+    .venv/bin/treadle bench sizes /tmp/qwen2.5-1.5b.gguf /tmp/qwen2.5-7b.gguf [--threads 2]
+        [--streams 1,8,32] [--prompt-tokens 512] [--json PATH]
+
+Made for the sizes people serve (files from `treadle bench synth`, or real ones). For each file, one
+server at a time on loopback, the file's pages warm in the page cache:
+
+- treadle's first start (an empty weight cache: the repacking is paid and the cache written), its
+  second start (the cache mapped), and llama-server's start: seconds from the process's start to
+  /health answering 200, and the process's peak resident memory (VmHWM) by then and at the end;
+- one stream decoding 128 tokens (time per output token), then `--streams` levels of streams decoding
+  together (aggregate tokens/s), then one prompt of --prompt-tokens tokens (its time to first token:
+  prompt tokens/s);
+- after the servers, the roofs on the same threads: the read bandwidth of the pool's threads and the
+  int8 rate of the fast kernels (bench/engine_rooflines.py). A single stream's share of the memory roof
+  is the bytes of weights treadle reads per token (its repacked form) over time per token against the
+  bandwidth; a prompt's share of the int8 roof is multiply-accumulates per prompt token (every matrix
+  but the LM head, run once per prompt) against the int8 rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.serve import BenchConfig, machine_description, run_bench
+from bench.servers import free_port, stop, wait_until_ready
+from bench.side_by_side import PEERS
+
+
+def _vm_kib(pid: int, field: str) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _warm_page_cache(path: Path) -> None:
+    with path.open("rb") as f:
+        while f.read(64 << 20):
+            pass
+
+
+def _run_levels(base_url: str, levels: list[int], max_tokens: int, prompt_tokens: int, ignore_eos: bool,
+                extra_body: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    config = BenchConfig(base_url=base_url, model=None, chat=False, concurrency=levels, requests=None,
+                         max_tokens=max_tokens, prompt_tokens=prompt_tokens, temperature=0.0, ignore_eos=ignore_eos,
+                         warmup=1, seed=0, timeout_s=3600, knee_metric="ttft", knee_factor=1.5, progress=False,
+                         extra_body=extra_body)  # fmt: skip
+    return asyncio.run(run_bench(config))
+
+
+def measure_server(name: str, gguf: Path, threads: int, streams: list[int], prompt_tokens: int,
+                   env: dict[str, str] | None = None, serve: bool = True) -> dict[str, Any]:  # fmt: skip
+    """Start one peer on `gguf`; its start time and peak memory, then (with `serve`) its speeds."""
+    peer = PEERS[name]
+    port = free_port()
+    argv = peer.command(port, gguf, threads, max(streams))
+    if argv is None:
+        return {"skipped": peer.why_missing}
+    log = tempfile.NamedTemporaryFile(prefix=f"sizes-{name}-", suffix=".log", delete=False)
+    started = time.perf_counter()
+    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                               env={**os.environ, **peer.env(threads), **(env or {})})  # fmt: skip
+    try:
+        why_not = wait_until_ready(process, f"http://127.0.0.1:{port}{peer.ready_path}", 1800, poll_s=0.1)
+        if why_not is not None:
+            return {"skipped": f"{why_not} (log: {log.name})"}
+        result: dict[str, Any] = {"command": " ".join(argv), "start_s": time.perf_counter() - started,
+                                  "peak_rss_mb_at_ready": (_vm_kib(process.pid, "VmHWM") or 0) / 1024}  # fmt: skip
+        if not serve:
+            return result
+        base_url = f"http://127.0.0.1:{port}"
+        extra = peer.extra_body(128)
+        single = _run_levels(base_url, [1], 128, 32, peer.ignore_eos, extra)["levels"][0]
+        result["decode_ms_per_token"] = single["tpot_ms"]["p50"]
+        together = _run_levels(base_url, [s for s in streams if s > 1], 64, 32, peer.ignore_eos, extra)["levels"]
+        result["aggregate_tokens_per_s"] = {lv["concurrency"]: lv["output_throughput"] for lv in together}
+        prompt = _run_levels(base_url, [1], 1, prompt_tokens, peer.ignore_eos, peer.extra_body(1))["levels"][0]
+        result["prompt_ttft_ms"] = prompt["ttft_ms"]["p50"]
+        result["prompt_tokens"] = prompt["mean_prompt_tokens"] or prompt_tokens
+        result["peak_rss_mb"] = (_vm_kib(process.pid, "VmHWM") or 0) / 1024
+        return result
+    finally:
+        stop(process, timeout_s=30)
+
+
+def model_costs(gguf: Path, threads: int) -> dict[str, Any]:
+    """Bytes of weights treadle reads per decode token, multiply-accumulates per prompt token, and the roofs."""
+    from bench.engine_rooflines import measure_int8_gmacs, measure_read_bandwidth
+    from decoding import load_model
+    from decoding.kernels.forward import resident_weight_bytes
+
+    model = load_model(gguf)
+    cfg = model.config
+    per_layer = (cfg.q_dim + 2 * cfg.kv_dim) * cfg.dim + cfg.dim * cfg.q_dim + 3 * cfg.dim * cfg.hidden_dim
+    return {
+        "parameters_b": (cfg.n_layers * per_layer + 2 * cfg.vocab_size * cfg.dim) / 1e9,
+        "file_gb": gguf.stat().st_size / 1e9,
+        "decode_bytes_per_token": resident_weight_bytes(model.weights, fast=True),
+        "prompt_macs_per_token": cfg.n_layers * per_layer,
+        "read_gb_per_s": measure_read_bandwidth(threads),
+        "int8_gmacs": measure_int8_gmacs(model, threads),
+    }
+
+
+def _row(label: str, values: list[str]) -> str:
+    return "| " + " | ".join([label, *values]) + " |"
+
+
+def report_table(path: Path, costs: dict[str, Any], runs: dict[str, dict[str, Any]], streams: list[int]) -> str:
+    names = [n for n in runs if "skipped" not in runs[n]]
+    header = _row("", names + (["treadle / llama-server"] if {"treadle", "llama-server"} <= set(names) else []))
+    lines = [f"**{path.name}** — {costs['parameters_b']:.2f}B parameters, {costs['file_gb']:.2f} GB; roofs: read "
+             f"{costs['read_gb_per_s']:.1f} GB/s, int8 {costs['int8_gmacs'] or 0:.0f} GMAC/s", "",
+             header, "|" + " --- |" * (header.count("|") - 1)]  # fmt: skip
+
+    def add(label: str, value_of, fmt: str, higher_is_better: bool = True) -> None:  # type: ignore[no-untyped-def]
+        values = [value_of(runs[n]) for n in names]
+        cells = [fmt.format(v) if v is not None else "—" for v in values]
+        if {"treadle", "llama-server"} <= set(names):
+            t, p = value_of(runs["treadle"]), value_of(runs["llama-server"])
+            cells.append(f"{t / p:.2f}x" if t and p else "—")
+        lines.append(_row(label, cells))
+
+    decode = costs["decode_bytes_per_token"]
+    add("start to healthy, s", lambda r: r.get("start_s"), "{:.1f}")
+    add("peak RSS, MB", lambda r: r.get("peak_rss_mb") or r.get("peak_rss_mb_at_ready"), "{:.0f}")
+    add("1 stream, tokens/s", lambda r: 1000 / r["decode_ms_per_token"] if r.get("decode_ms_per_token") else None,
+        "{:.2f}")
+    add("1 stream, share of read roof", lambda r: decode * 1000 / r["decode_ms_per_token"] / 1e9
+        / costs["read_gb_per_s"] if r.get("decode_ms_per_token") else None, "{:.0%}")
+    for s in streams:
+        if s > 1:
+            add(f"{s} streams, tokens/s", lambda r, s=s: (r.get("aggregate_tokens_per_s") or {}).get(s), "{:.1f}")
+    add("prompt, tokens/s", lambda r: r["prompt_tokens"] * 1000 / r["prompt_ttft_ms"] if r.get("prompt_ttft_ms")
+        else None, "{:.1f}")
+    if costs["int8_gmacs"]:
+        add("prompt, share of int8 roof", lambda r: r["prompt_tokens"] * 1000 / r["prompt_ttft_ms"]
+            * costs["prompt_macs_per_token"] / 1e9 / costs["int8_gmacs"] if r.get("prompt_ttft_ms") else None,
+            "{:.0%}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="treadle bench sizes", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("files", nargs="+", type=Path)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--streams", default="1,8,32", help="levels of concurrent streams (default %(default)s)")
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--peers", default="treadle,llama-server")
+    parser.add_argument("--json", type=Path, help="also write every figure here")
+    args = parser.parse_args(argv)
+    streams = sorted({int(s) for s in args.streams.split(",")})
+    peers = [p.strip() for p in args.peers.split(",")]
+    results: dict[str, Any] = {"machine": machine_description(), "date": time.strftime("%Y-%m-%d %H:%M"),
+                               "command": " ".join(["treadle bench sizes", *(argv or sys.argv[1:])]), "files": {}}
+    tables = []
+    for path in args.files:
+        _warm_page_cache(path)
+        runs: dict[str, dict[str, Any]] = {}
+        for peer in peers:
+            if peer == "treadle":  # the first start repacks into an empty weight cache, the second maps it
+                cache = Path(tempfile.mkdtemp(prefix="sizes-weights-"))
+                env = {"TREADLE_WEIGHT_CACHE_DIR": str(cache)}
+                runs["treadle (first start)"] = measure_server("treadle", path, args.threads, streams,
+                                                               args.prompt_tokens, env, serve=False)  # fmt: skip
+                runs["treadle"] = measure_server("treadle", path, args.threads, streams, args.prompt_tokens, env)
+                shutil.rmtree(cache, ignore_errors=True)
+            else:
+                runs[peer] = measure_server(peer, path, args.threads, streams, args.prompt_tokens)
+            for name, run in runs.items():
+                if "skipped" in run:
+                    print(f"{path.name}: {name} skipped ({run['skipped']})", file=sys.stderr)
+        costs = model_costs(path, args.threads)
+        results["files"][str(path)] = {"costs": costs, "runs": runs}
+        tables.append(report_table(path, costs, runs, streams))
+        print(tables[-1] + "\n", flush=True)
+    machine = results["machine"]
+    print(f"{results['date']}, {machine['cpu']} ({platform.machine()}), {args.threads} threads; `{results['command']}`")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
