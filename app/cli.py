@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from bench.numba_cache import use_numba_cache
+from threadpool.numba_cache import use_numba_cache
 
 # `treadle bench NAME ...` runs `main(argv)` of the module named here.
 BENCHMARKS = {

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from bench.numba_cache import use_numba_cache
+from threadpool.numba_cache import use_numba_cache
 from bench.prometheus import parse_metrics
 from bench.sse import iter_sse_data
 

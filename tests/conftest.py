@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.numba_cache import use_numba_cache
+from threadpool.numba_cache import use_numba_cache
 
 # numba compiles kernels once and keeps them there, so a second run of the suite skips compilation.
 use_numba_cache()

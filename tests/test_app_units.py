@@ -283,7 +283,7 @@ def test_the_treadle_command_points_numba_at_the_cache_named_after_every_kernel_
     import subprocess
     import sys
 
-    from bench.numba_cache import REPO, kernel_sources_hash
+    from threadpool.numba_cache import REPO, kernel_sources_hash
 
     code = "import os, app.cli; app.cli.main(['--help']); print(os.environ['NUMBA_CACHE_DIR'])"
     env = {k: v for k, v in __import__("os").environ.items() if k != "NUMBA_CACHE_DIR"}
