@@ -290,3 +290,27 @@ def test_the_treadle_command_points_numba_at_the_cache_named_after_every_kernel_
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO,
                           check=True)  # fmt: skip
     assert done.stdout.strip().splitlines()[-1] == str(REPO / ".numba_cache" / kernel_sources_hash())
+
+
+@pytest.mark.parametrize("configured", [None, "base", "hashed"])
+def test_any_script_that_loads_the_kernels_uses_the_cache_named_after_their_sources(tmp_path, configured):
+    """A script run without the Makefile's NUMBA_CACHE_DIR (or with a directory of its own) once loaded
+    kernels cached before an edit to a file they inline, and decoded Qwen2.5 as '!!!!': importing
+    decoding or threadpool now names the directory after the sources, numba loaded first or not."""
+    import os
+    import subprocess
+    import sys
+
+    from threadpool.numba_cache import REPO, kernel_sources_hash
+
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    base = tmp_path / "numba"
+    if configured == "base":
+        env["NUMBA_CACHE_DIR"] = str(base)
+    elif configured == "hashed":
+        env["NUMBA_CACHE_DIR"] = str(base / kernel_sources_hash())
+    code = "import numba, decoding.kernels.forward; print(numba.config.CACHE_DIR)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          check=True)  # fmt: skip
+    expected = (REPO / ".numba_cache" if configured is None else base) / kernel_sources_hash()
+    assert done.stdout.strip().splitlines()[-1] == str(expected)

@@ -15,7 +15,11 @@
 Atomics for nopython code live in `threadpool.atomics`; the benchmark in `bench.pool`.
 """
 
-from threadpool.barrier import BarrierAborted, barrier_wait, make_barrier
-from threadpool.pool import BrokenPool, SpinPool
+from threadpool.numba_cache import use_numba_cache
+
+use_numba_cache()  # before any kernel of the package is compiled: threadpool/numba_cache.py says why
+
+from threadpool.barrier import BarrierAborted, barrier_wait, make_barrier  # noqa: E402
+from threadpool.pool import BrokenPool, SpinPool  # noqa: E402
 
 __all__ = ["BarrierAborted", "BrokenPool", "SpinPool", "barrier_wait", "make_barrier"]
