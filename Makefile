@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # numba keeps compiled kernels here so warm starts and repeated test runs skip compilation; the
 # directory is named after a hash of every kernel package's source (threadpool/numba_cache.py says why).
 ifndef NUMBA_CACHE_DIR
-export NUMBA_CACHE_DIR := $(shell $(PYTHON) -m threadpool.numba_cache)
+export NUMBA_CACHE_DIR := $(shell $(PYTHON) threadpool/numba_cache.py)
 endif
 
 .PHONY: install serve test bench clean golden golden-tokenizers golden-architectures golden-llamacpp-tokenizers browser-deps

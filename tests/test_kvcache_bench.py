@@ -38,7 +38,7 @@ def test_attention_timings_cover_every_shape(num_threads: int, monkeypatch: pyte
     assert shapes == [
         (kv, *shape, num_threads)
         for shape in ((2, 40, 1), (1, 17, 1), (1, 30, 9))
-        for kv in ("float32", "float16")
+        for kv in ("float32", "float16", "int8")
     ]
     assert all(r["us_per_layer"] > 0 for r in rows)
 

@@ -348,8 +348,11 @@ def test_storage_is_sized_from_the_budget_and_copies_blocks_on_every_layer() -> 
     spec = KVCacheSpec()  # the default model: 30 layers, 3 KV heads of 64, blocks of 16 tokens
     assert spec.bytes_per_token == 46_080
     assert KVCacheSpec(dtype="float16").bytes_per_token == 23_040
+    assert KVCacheSpec(dtype="int8").bytes_per_token == 12_240  # 64 int8 values and 2 fp16 scales per row
     with pytest.raises(KVCacheError, match="float16"):
-        KVCacheSpec(dtype="int8")
+        KVCacheSpec(dtype="bfloat16")
+    with pytest.raises(KVCacheError, match="multiple of 32"):
+        KVCacheSpec(dtype="int8", head_dim=48)
     assert spec.num_blocks_for_mib(1024) == 1456
     with pytest.raises(KVCacheError):
         spec.num_blocks_for_mib(0.5)

@@ -10,7 +10,8 @@ knows nothing of threadpool: a script that compiles kvcache's kernels without im
 others first should call `use_numba_cache()` itself, as tests/conftest.py does.) <base> is NUMBA_CACHE_DIR
 where set, else .numba_cache beside the packages; the hash is added to it either way.
 
-The Makefile prints the directory (`python3 -m threadpool.numba_cache`). Standard library only, so that
+The Makefile prints the directory (`python3 threadpool/numba_cache.py`: as a file, not `-m`, so that the
+package, which loads numba, is not imported by a Python that lacks it). Standard library only, so that
 it can run before numba loads; where numba has loaded already, its configuration is updated too.
 """
 
