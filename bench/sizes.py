@@ -72,6 +72,8 @@ def measure_server(name: str, gguf: Path, threads: int, streams: list[int], prom
     argv = peer.command(port, gguf, threads, max(streams))
     if argv is None:
         return {"skipped": peer.why_missing}
+    if "--ctx-size" in argv:  # llama-server splits its context over its slots: room for the long prompt in each
+        argv[argv.index("--ctx-size") + 1] = str(max(streams) * (prompt_tokens + 512))
     log = tempfile.NamedTemporaryFile(prefix=f"sizes-{name}-", suffix=".log", delete=False)
     started = time.perf_counter()
     process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
@@ -86,13 +88,17 @@ def measure_server(name: str, gguf: Path, threads: int, streams: list[int], prom
             return result
         base_url = f"http://127.0.0.1:{port}"
         extra = peer.extra_body(128)
-        single = _run_levels(base_url, [1], 128, 32, peer.ignore_eos, extra)["levels"][0]
-        result["decode_ms_per_token"] = single["tpot_ms"]["p50"]
-        together = _run_levels(base_url, [s for s in streams if s > 1], 64, 32, peer.ignore_eos, extra)["levels"]
-        result["aggregate_tokens_per_s"] = {lv["concurrency"]: lv["output_throughput"] for lv in together}
-        prompt = _run_levels(base_url, [1], 1, prompt_tokens, peer.ignore_eos, peer.extra_body(1))["levels"][0]
-        result["prompt_ttft_ms"] = prompt["ttft_ms"]["p50"]
-        result["prompt_tokens"] = prompt["mean_prompt_tokens"] or prompt_tokens
+        try:  # a phase that fails is named in the report; the others are kept
+            single = _run_levels(base_url, [1], 128, 32, peer.ignore_eos, extra)["levels"][0]
+            result["decode_ms_per_token"] = single["tpot_ms"]["p50"]
+            prompt = _run_levels(base_url, [1], 1, prompt_tokens, peer.ignore_eos, peer.extra_body(1))["levels"][0]
+            result["prompt_ttft_ms"] = prompt["ttft_ms"]["p50"]
+            result["prompt_tokens"] = prompt["mean_prompt_tokens"] or prompt_tokens
+            together = _run_levels(base_url, [s for s in streams if s > 1], 64, 32, peer.ignore_eos, extra)["levels"]
+            result["aggregate_tokens_per_s"] = {lv["concurrency"]: lv["output_throughput"] for lv in together}
+        except RuntimeError as exc:
+            result["error"] = str(exc)
+            print(f"{gguf.name}: {name}: {exc} (log: {log.name})", file=sys.stderr)
         result["peak_rss_mb"] = (_vm_kib(process.pid, "VmHWM") or 0) / 1024
         return result
     finally:
