@@ -238,6 +238,7 @@ class _SamplingBody(SchedulingFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name; wins over max_tokens
     min_tokens: int = Field(0, ge=0)  # vLLM's; at most max_tokens
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -301,6 +302,10 @@ class _SamplingBody(SchedulingFields):
         return value
 
     @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
     def include_usage(self) -> bool:
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
@@ -358,7 +363,6 @@ class ChatCompletionRequest(_SamplingBody):
     tools: list[ToolSpec] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
-    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name; wins over max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
@@ -415,10 +419,6 @@ class ChatCompletionRequest(_SamplingBody):
     def tools_for_template(self) -> list[dict[str, Any]]:
         return [t.model_dump(exclude_none=True) for t in self.tools or []]
 
-    @property
-    def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, logprobs, None)
@@ -433,10 +433,6 @@ class CompletionRequest(_SamplingBody):
     prompt: Prompt  # one prompt: text, or token ids
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # the top k alternatives per token
-
-    @property
-    def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         # `echo` with `logprobs` reports the prompt's tokens too, as OpenAI's legacy completions did.

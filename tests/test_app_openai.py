@@ -114,6 +114,12 @@ def test_max_completion_tokens_wins_over_max_tokens(client):
     assert response.usage.completion_tokens == 3 and response.choices[0].finish_reason == "length"
 
 
+def test_completions_honour_max_completion_tokens_too(client):
+    response = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=9,
+                                         extra_body={"max_completion_tokens": 3})
+    assert response.usage.completion_tokens == 3 and response.choices[0].finish_reason == "length"
+
+
 def test_logit_bias_forces_a_token(client, default_model):
     paris = default_model.tokenizer.encode(" Paris")
     assert len(paris) == 1
