@@ -198,3 +198,34 @@ def test_a_temperature_below_1e_5_is_greedy(temperature, top_k):
                 for i in range(4)]
     tokens, _ = Sampler(500).sample(logits, requests)
     assert tokens.tolist() == np.argmax(logits, axis=-1).tolist()
+
+
+@pytest.mark.parametrize("uniform", [0.0, np.nextafter(1.0, 0.0)])
+def test_a_masked_token_is_never_drawn_even_at_the_ends_of_the_uniform_range(uniform):
+    """The draw's edges: a uniform of exactly 0 lands before any mass, one just under 1 at (or, rounded,
+    past) the end of it. Either way the token drawn has weight; the masked ones (logit -inf: EOS before
+    min_tokens, a forbidding logit_bias, padding past the real vocabulary) lie at both ends here."""
+    from decoding.engine.sampling import draw_full_vocabulary
+
+    vocab = 3000  # three CDF blocks; the last is masked whole, as a padded vocabulary's tail is
+    row = np.random.default_rng(3).standard_normal(vocab).astype(np.float32)
+    row[:5] = -np.inf
+    row[2000:] = -np.inf
+    token = draw_full_vocabulary(row[None], np.array([0]), np.array([1.0], np.float32), np.array([uniform]))[0]
+    assert np.isfinite(row[token])
+    sampler = Sampler(vocab)
+    for params in (SamplingParams(temperature=1.0, seed=0), SamplingParams(temperature=1.0, top_k=2500, seed=0),
+                   SamplingParams(temperature=1.0, top_p=0.999999, seed=0)):
+        request = SampleRequest(params=params, rng=_FixedDraw(uniform), prompt_ids=[1], output_ids=[])
+        tokens, _ = sampler.sample(row[None].copy(), [request])
+        assert np.isfinite(row[tokens[0]]), params
+
+
+class _FixedDraw:
+    """A generator whose every draw is one chosen number: the edges a seeded one reaches only rarely."""
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def random(self) -> float:
+        return self.value

@@ -183,26 +183,38 @@ def _draw_rows(logits, rows, temperatures, uniforms, tokens, weights):  # type: 
                 block_sum += weights[k]
             block_sums[b] = block_sum
             total += block_sum
+        # The first token whose cumulative weight passes the target strictly, so that a token of weight 0
+        # (masked) is never drawn: not with a target of exactly 0, nor where rounding leaves the target at
+        # or past the end of the mass (then the last token with weight is taken).
         target = uniforms[i] * total
-        before, b = 0.0, 0
-        while b < num_blocks - 1 and before + block_sums[b] < target:  # the block holding the target
-            before += block_sums[b]
-            b += 1
+        before, b, last_block, before_last = 0.0, -1, 0, 0.0
+        for candidate in range(num_blocks):
+            if block_sums[candidate] > 0.0:
+                last_block, before_last = candidate, before
+                if before + block_sums[candidate] > target:
+                    b = candidate
+                    break
+            before += block_sums[candidate]
+        if b < 0:
+            b, before = last_block, before_last
         j, end = b * _CDF_BLOCK, min((b + 1) * _CDF_BLOCK, vocab)
-        cumulative = before
-        while j < end - 1:
-            cumulative += weights[j]
-            if cumulative >= target:
-                break
+        cumulative, token = before, -1
+        while j < end:
+            if weights[j] > 0.0:
+                token = j
+                cumulative += weights[j]
+                if cumulative > target:
+                    break
             j += 1
-        tokens[i] = j
+        tokens[i] = token
 
 
 def _draw(ids: np.ndarray, scores: np.ndarray, uniform: float) -> int:
     weights = np.exp(scores - scores.max())
     cumulative = np.cumsum(weights)
-    index = int(np.searchsorted(cumulative, uniform * cumulative[-1], side="right"))
-    return int(ids[min(index, ids.shape[0] - 1)])
+    index = int(np.searchsorted(cumulative, uniform * cumulative[-1], side="right"))  # passes the target strictly
+    last_with_weight = int(np.flatnonzero(weights)[-1])  # where rounding put the target at the end of the mass
+    return int(ids[min(index, last_with_weight)])
 
 
 def stop_ids_to_mask(req: SampleRequest, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
