@@ -106,8 +106,8 @@ def with_tools(state: ServingState, body: ChatCompletionRequest, params: Samplin
         if params.constraint is not None:
             raise APIError(400, f"tool_choice {body.tool_choice!r} and {params.constraint.field} both "
                                 "constrain the output: give one", "tool_choice")  # fmt: skip
-        params = replace(params, constraint=syntax.constraint(body.called_functions(),
-                                                              body.parallel_tool_calls, tag_ids))  # fmt: skip
+        parallel = body.parallel_tool_calls and body.tool_choice == "required"  # a named function: one call
+        params = replace(params, constraint=syntax.constraint(body.called_functions(), parallel, tag_ids))
     elif params.constraint is None:  # auto: a call the model begins gets valid arguments
         params = replace(params, call_trigger=syntax.call_trigger(body.called_functions(), tag_ids))
     # the tags may be special tokens: the parser must see them in the text

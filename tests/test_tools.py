@@ -139,6 +139,18 @@ def test_a_named_function_is_the_one_called_once_without_parallel_calls(client):
         check_calls(calls, {"get_time"})
 
 
+def test_a_named_function_is_called_exactly_once_whatever_parallel_tool_calls_says(client):
+    """vLLM's meaning of a named tool_choice: one call of that function. parallel_tool_calls is left at its
+    default (true) here; the random model would go on calling until max_tokens if the grammar let it."""
+    for seed in range(3):
+        completion = client.chat.completions.create(
+            model="qwen2-hermes", messages=ASK, tools=TOOLS, seed=seed, temperature=1.0, max_tokens=300,
+            tool_choice={"type": "function", "function": {"name": "get_time"}})  # fmt: skip
+        choice = completion.choices[0]
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+        check_calls(choice.message.tool_calls, {"get_time"})
+
+
 def test_streamed_calls_arrive_in_openais_delta_shape(client):
     for seed in range(4):
         stream = client.chat.completions.create(model="qwen2-hermes", messages=ASK, tools=TOOLS, tool_choice="required",
