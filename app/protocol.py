@@ -130,6 +130,7 @@ class ChatFormatter:
         self.usage: Usage | None = None
         self.tool_syntax = tool_syntax  # the request calls tools: answers are split into content and calls
         self.tool_streams = [ToolCallStream(tool_syntax) for _ in range(n)] if tool_syntax else []
+        self.held_logprobs: list[list[TokenLogprobs]] = [[] for _ in range(n)]  # tokens whose text is held back
 
     def _chunk(self, choices: list[dict[str, Any]]) -> Chunk:
         chunk = {**self.header.fields("chat.completion.chunk"), "choices": choices}
@@ -160,21 +161,25 @@ class ChatFormatter:
     def _tool_chunks(self, output: RequestOutput) -> list[Chunk]:
         """Content as it comes, each tool call as OpenAI streams one: a delta with its index (0, 1, ...
         within the choice), id, type and name, then its arguments in fragments; a choice that called
-        tools ends with finish_reason tool_calls. Logprobs are not reported with tools (refused at
-        the edge)."""
+        tools ends with finish_reason tool_calls. Logprobs (of every token, the calls' too, as vLLM)
+        go with the first chunk sent after their tokens arrive: the parser may hold text back."""
         stream = self.tool_streams[output.index]
         events = stream.feed(output.text)
         if output.finish_reason is not None:
             events += stream.finish()
+        held = self.held_logprobs[output.index]
+        held += output.logprobs
         chunks = []
         for event in events:
             delta: dict[str, Any] = {"content": event} if isinstance(event, str) else {"tool_calls": [event]}
-            chunks.append(self._chunk([{"index": output.index, "delta": delta, "logprobs": None,
+            chunks.append(self._chunk([{"index": output.index, "delta": delta, "logprobs": self.logprobs(held),
                                         "finish_reason": None}]))  # fmt: skip
+            held.clear()
         if output.finish_reason is not None:
             reason = "tool_calls" if stream.num_calls and output.finish_reason == "stop" else output.finish_reason
-            chunks.append(self._chunk([{"index": output.index, "delta": {}, "logprobs": None,
+            chunks.append(self._chunk([{"index": output.index, "delta": {}, "logprobs": self.logprobs(held),
                                         "finish_reason": reason, "stop_reason": output.stop_reason}]))  # fmt: skip
+            held.clear()
         self.usage = output.usage or self.usage
         return chunks
 

@@ -393,8 +393,6 @@ class ChatCompletionRequest(_SamplingBody):
         if choice not in (None, "none") and not names:  # as OpenAI
             raise APIError(400, f"tool_choice {json.dumps(choice if isinstance(choice, str) else 'function')} needs "
                                 "tools", "tool_choice")  # fmt: skip
-        if self.calls_tools and self.logprobs:
-            raise APIError(400, "logprobs cannot be combined with tools yet", "logprobs")
         for tool in self.tools or []:
             if tool.function.strict and tool.function.parameters is None:
                 raise APIError(400, f"function {tool.function.name!r} is strict but has no parameters schema",

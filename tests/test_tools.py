@@ -230,6 +230,23 @@ def test_the_responses_api_takes_calls_and_their_outputs_as_input_items(client):
     assert response.usage.input_tokens > without_output.usage.input_tokens  # the output reached the prompt
 
 
+def test_logprobs_with_tools_cover_every_token_content_and_calls_whole_and_streamed(client):
+    """vLLM's way: logprobs.content lists every generated token, those that spell the calls too, in
+    order; a stream sends the same entries (each with the chunk its text first appears in, or the
+    last chunk), so that they add up to the whole answer's."""
+    ask = dict(model="qwen2-hermes", messages=ASK, tools=TOOLS, tool_choice="required", temperature=1.0, seed=5,
+               max_tokens=120, logprobs=True, top_logprobs=2)  # fmt: skip
+    whole = client.chat.completions.create(**ask)
+    entries = whole.choices[0].logprobs.content
+    assert whole.choices[0].message.tool_calls and len(entries) == whole.usage.completion_tokens
+    assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in entries)
+    spelled = "".join(e.token for e in entries)
+    assert whole.choices[0].message.tool_calls[0].function.name in spelled
+    streamed = [e for chunk in client.chat.completions.create(**ask, stream=True) if chunk.choices
+                for e in (chunk.choices[0].logprobs.content if chunk.choices[0].logprobs else [])]  # fmt: skip
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]
+
+
 REFUSED = [
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
@@ -237,7 +254,6 @@ REFUSED = [
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
      "give one"),
     ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]}, "tools", "no parameters"),
-    ({"tools": TOOLS, "logprobs": True}, "logprobs", "tools"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name", ""),
 ]  # fmt: skip
 
