@@ -10,8 +10,9 @@ after the slow-reader timeout, as it would for a client that stopped reading), a
 `keep_bytes` (past it the oldest events already sent are dropped; a reconnect from before them is
 answered 410).
 
-When the last reader of an unfinished run leaves, the run goes on for `grace_seconds` for a reconnect
-to find it, then is aborted (0: at once). A finished run is kept as long again, for a reader that lost
+When the last reader of an unfinished run leaves, the run is kept for `grace_seconds` for a reconnect
+to find it, then is aborted (0: at once); meanwhile its request is paused (its KV kept, nothing
+generated for nobody, first to be preempted) and a reconnect resumes it. A finished run is kept as long again, for a reader that lost
 the connection just before the end; one whose every event reached a reader that read to the end goes
 at once. Background runs (Responses API `background: true`) belong to no connection: they run to the
 end whoever reads, and are dropped by their owner.
@@ -191,6 +192,7 @@ class Run:
     def attach(self) -> None:
         """A connection begins to read (or will): the run is not abandoned while one does."""
         self.num_readers += 1
+        self.stream.set_unattended(False)
         if self._abandon_timer is not None:
             self._abandon_timer.cancel()
             self._abandon_timer = None
@@ -204,6 +206,7 @@ class Run:
         if read_to_the_end and self.is_done and not self.is_background:
             self.forget()
         elif not self.is_background:
+            self.stream.set_unattended(True)  # paused, its KV kept, until a reconnect or the grace's end
             self._schedule_forget()
 
     def _schedule_forget(self) -> None:

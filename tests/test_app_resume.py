@@ -5,6 +5,7 @@ aborted after the grace period; one that is cancelled stops."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -113,10 +114,31 @@ def test_a_stream_nobody_reconnects_to_is_aborted_after_the_grace_period(server)
                        json=chat_body(max_tokens=2000, temperature=0)) as response:
         read_events(response.iter_raw(), SSEDecoder(), stop_after=3)
     client.close()
-    # still generating during the grace period (3 s), aborted and released after it
-    assert server.metrics()["treadle_requests_running"] >= 1
+    # paused during the grace period (3 s): its KV kept for a reconnect, no token made for nobody
+    server.wait_for_metrics(lambda m: m["treadle_requests_paused"] == 1)
+    paused = server.metrics()
+    time.sleep(1.0)
+    still = server.metrics()
+    assert still["treadle_requests_running"] == 1 and still["treadle_kv_blocks_used"] > 0
+    assert still["treadle_step_seconds_count"] == paused["treadle_step_seconds_count"], "steps ran for nobody"
+    # aborted and released after it
     server.wait_for_metrics(lambda m: m.get(ABORTED, 0) == aborted + 1 and m["treadle_kv_blocks_used"] == 0
                             and m["treadle_requests_running"] == 0)
+
+
+def test_a_reconnect_during_the_grace_resumes_the_paused_generation(server):
+    body = chat_body(max_tokens=400, temperature=0)
+    whole = chat_text(uncut(server, "/v1/chat/completions", body))
+    client = httpx.Client(timeout=120)
+    with client.stream("POST", server.base_url + "/v1/chat/completions", json=body) as response:
+        before = read_events(response.iter_raw(), SSEDecoder(), stop_after=4)
+    client.close()
+    server.wait_for_metrics(lambda m: m["treadle_requests_paused"] == 1)
+    stream_id = json.loads(before[0][1])["id"]
+    with httpx.stream("GET", f"{server.base_url}/v1/chat/completions/{stream_id}/stream",
+                      headers={"Last-Event-ID": str(before[-1][0])}, timeout=120) as response:
+        after = read_events(response.iter_raw(), SSEDecoder())
+    assert after[-1][1] == "[DONE]" and chat_text(before + after) == whole
 
 
 def test_cancel_ends_a_stream_now_and_bad_resumes_are_refused(server):

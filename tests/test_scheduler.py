@@ -92,6 +92,23 @@ def test_out_of_blocks_preempts_the_newest_and_it_is_recomputed_later():
     assert [(c.seq, c.num_tokens, c.samples) for c in out.chunks] == [(new, 9, True)]  # prompt + its token
 
 
+def test_a_sequence_nobody_reads_is_preempted_first_and_not_readmitted_until_its_reader_returns():
+    kv = KVCacheManager(5, 4, 512, enable_prefix_caching=False)
+    scheduler = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
+    gone, live = make_seq(8, "gone"), make_seq(12, "live")  # 2 + 3 blocks of 5; gone is the older
+    scheduler.add(gone)
+    scheduler.add(live)
+    finish_step(scheduler, scheduler.schedule())
+    gone.request.stream.set_unattended(True)  # its connection closed; a reconnect may come
+    out = scheduler.schedule()  # live's decode needs a 6th block
+    assert out.preempted == [gone] and [c.seq for c in out.chunks] == [live]
+    finish_step(scheduler, out)
+    scheduler.remove(live)  # every block free again, and still gone is not admitted
+    assert scheduler.schedule().chunks == [] and list(scheduler.waiting) == [gone]
+    gone.request.stream.set_unattended(False)
+    assert [(c.seq, c.num_tokens) for c in scheduler.schedule().chunks] == [(gone, 9)]
+
+
 def test_a_lone_sequence_that_cannot_grow_preempts_itself_and_nothing_is_lost():
     kv = KVCacheManager(3, 4, 512, enable_prefix_caching=False)
     scheduler = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)

@@ -77,6 +77,7 @@ class RequestStream:
         self.num_unread_bytes = 0
         self._over_limit_since: float | None = None  # time.monotonic() when unread output passed the limit
         self._reader_blocked_since: float | None = None  # when the reader began a write that has not returned
+        self._is_unattended = False  # nobody reads it (its connection closed; a reconnect may come)
         self._on_drained = on_drained
         self._loop = loop
         self._lock = threading.Lock()
@@ -119,6 +120,18 @@ class RequestStream:
     @property
     def is_backlogged(self) -> bool:
         return self.backlogged_since is not None
+
+    @property
+    def is_unattended(self) -> bool:
+        return self._is_unattended
+
+    def set_unattended(self, is_unattended: bool) -> None:
+        """No reader follows the stream (True) until one comes back (False): the engine produces nothing
+        for nobody meanwhile, and a returning reader wakes it. Unlike a backlog, this is never timed out
+        here: whoever keeps the stream for a reconnect decides when to abort it."""
+        was_unattended, self._is_unattended = self._is_unattended, is_unattended
+        if was_unattended and not is_unattended:
+            self._drained_backlog()
 
     def reader_writes(self, is_writing: bool) -> None:
         """The reader tells when it starts and ends handing output to its client (a write that does not

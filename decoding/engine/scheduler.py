@@ -12,8 +12,9 @@ goes ahead of every priority, in arrival order: a low priority delays a request 
 plus the admission of the requests that reached it earlier, never for ever. When a decode needs a block
 and none is free, the running sequence with the lowest priority (the most recently admitted among equals)
 is preempted: its blocks are freed and it goes back to the queue, to be recomputed (prefix caching
-often finds its blocks still there). A sequence whose client has stopped reading (`Sequence.is_paused`)
-keeps its place and its blocks but is not scheduled.
+often finds its blocks still there). A sequence whose client has stopped reading, or whose connection closed while a reconnect may still
+come (`Sequence.is_paused`), keeps its place and its blocks but is not scheduled, nor admitted from the
+queue, and is the first to be preempted.
 
 While streams are decoding, prefill chunks are also held to a time budget: a step may take at most
 `max_itl_stretch` times as long as a decode-only step, so prompts arriving never stretch the running
@@ -388,23 +389,30 @@ class Scheduler:
                 out.chunks.append(self._chunk(seq, num_tokens, out))
 
     def _preemption_victim(self) -> Sequence:
-        """The running sequence of the lowest priority (highest value); the newest among equals."""
+        """A paused sequence (nobody is waiting for its tokens now), else the running sequence of the lowest
+        priority (highest value); the newest among equals."""
         running = self.running
-        return running[max(range(len(running)), key=lambda i: (running[i].request.priority, i))]
+        return running[max(range(len(running)), key=lambda i: (running[i].is_paused, running[i].request.priority, i))]
 
-    def next_waiting(self, now: float | None = None) -> Sequence:
-        """The waiting sequence to admit next: by priority then arrival, the starved first."""
+    def next_waiting(self, now: float | None = None) -> Sequence | None:
+        """The waiting sequence to admit next: by priority then arrival, the starved first; never a paused
+        one (admitted, it would only hold blocks), so None where every waiting sequence is paused."""
+        candidates = [seq for seq in self.waiting if not seq.is_paused]
+        if not candidates:
+            return None
         starvation = self.priority_starvation_seconds
         if starvation is None:
-            return min(self.waiting, key=_admission_order)
+            return min(candidates, key=_admission_order)
         starved_since = (time.monotonic() if now is None else now) - starvation
-        return min(self.waiting, key=lambda seq: (seq.request.arrival_time > starved_since, *_admission_order(seq)))
+        return min(candidates, key=lambda seq: (seq.request.arrival_time > starved_since, *_admission_order(seq)))
 
     def _admit(self, out: SchedulerOutput, budget: _PrefillBudget) -> None:
         num_reserved = self.num_reserved_seqs
         now = time.monotonic()
         while self.waiting:
             seq = self.next_waiting(now)
+            if seq is None:
+                break
             if num_reserved + _num_seqs_reserved_by(seq) > self.max_num_seqs:
                 break
             token_ids = seq.all_token_ids()

@@ -120,8 +120,10 @@ class Sequence:
 
     @property
     def is_paused(self) -> bool:
-        """Its reader has not taken the output so far (past the unread limit): produce no more for now."""
-        return self.request.stream.is_backlogged
+        """Its reader has not taken the output so far (past the unread limit), or it has no reader (the
+        connection closed, a reconnect may come): produce no more for now."""
+        stream = self.request.stream
+        return stream.is_unattended or stream.is_backlogged
 
     @property
     def is_prefill_done(self) -> bool:
