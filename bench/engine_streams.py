@@ -9,12 +9,14 @@ from decoding.engine.engine import Engine
 from decoding.engine.params import SamplingParams
 
 
-def generate_together(engine: Engine, prompt_ids: list[int], params: list[SamplingParams]) -> tuple[int, float]:
-    """One request per `params`, all submitted at once: the tokens they produced, and the seconds from
-    submission to the last one's end."""
+def generate_together(engine: Engine, prompt_ids: list[int] | list[list[int]],
+                      params: list[SamplingParams]) -> tuple[int, float]:  # fmt: skip
+    """One request per `params`, all submitted at once (with one prompt, or each with its own): the tokens
+    they produced, and the seconds from submission to the last one's end."""
     counts = [0] * len(params)
+    prompts = prompt_ids if prompt_ids and isinstance(prompt_ids[0], list) else [prompt_ids] * len(params)
     started = time.perf_counter()
-    streams = [engine.submit(prompt_ids, p) for p in params]
+    streams = [engine.submit(prompt, p) for prompt, p in zip(prompts, params, strict=True)]
 
     def drain(i: int) -> None:
         counts[i] = sum(len(o.token_ids) for o in streams[i])

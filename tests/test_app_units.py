@@ -29,10 +29,10 @@ def test_every_option_reads_its_environment_variable_and_a_flag_wins(monkeypatch
     assert settings.port == 9001 and settings.max_queue == 9 and settings.api_key == "k"
     assert settings.cors_origins == ("http://a.test", "http://b.test")
     assert settings.engine_config().max_queue == 9
-    assert settings.engine_config().speculative == "auto"
-    monkeypatch.setenv("TREADLE_SPECULATIVE", "off")
+    assert settings.engine_config().speculative == "off"
+    monkeypatch.setenv("TREADLE_SPECULATIVE", "auto")
     config = parse_settings(["--speculative-max-tokens", "4"]).engine_config()
-    assert (config.speculative, config.speculative_max_tokens) == ("off", 4)
+    assert (config.speculative, config.speculative_max_tokens) == ("auto", 4)
     monkeypatch.setenv("TREADLE_KV_CACHE_DTYPE", "float32")
     assert resolve_kv_cache_dtype(parse_settings([]).engine_config()) == "float32"
     assert resolve_kv_cache_dtype(parse_settings(["--kv-cache-dtype", "auto"]).engine_config()) == "float16"

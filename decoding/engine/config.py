@@ -34,8 +34,9 @@ class EngineConfig:
     max_unread_bytes: int | None = 1 << 20
     slow_reader_timeout_seconds: float = 30.0
     # Speculative decoding from the context (n-gram drafts, decoding/engine/speculative.py): "auto" drafts
-    # while the cost model says a draft pays, "ngram" always drafts, "off" never.
-    speculative: str = "auto"
+    # while the cost model says a draft pays, "ngram" always drafts, "off" never. Off by default: `auto`
+    # ran 0.85-0.96x of off on several workloads (docs/performance.md, speculative decoding).
+    speculative: str = "off"
     speculative_max_tokens: int = 8  # the longest draft
     # Admission goes by priority, then arrival; a request that has waited this long goes ahead of every
     # priority (in arrival order), so a low priority delays a request but never starves it. None: never.
