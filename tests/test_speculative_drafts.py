@@ -85,3 +85,17 @@ def test_one_noisy_step_with_drafts_does_not_stop_drafting():
     for _ in range(DraftCostModel.MIN_DRAFTED_STEPS):
         model.observe(4, 12, 0.05)
     assert model.acceptance_needed(4) < 0.5
+
+
+def test_the_bench_unique_workload_gives_every_request_a_prompt_never_seen_before(default_model):
+    """`treadle bench engine --speculative`'s `unique` workload stands for a server's traffic: no two
+    requests share a prompt, in one run or across runs, so none is served from the prefix cache."""
+    from bench.speculative import _REQUEST_NUMBERS, workloads
+
+    unique = next(w for w in workloads() if w.name == "unique")
+    first = unique.prompts(default_model, [next(_REQUEST_NUMBERS) for _ in range(8)])
+    second = unique.prompts(default_model, [next(_REQUEST_NUMBERS) for _ in range(8)])
+    assert len({tuple(p) for p in first + second}) == 16
+    assert all(30 <= len(p) <= 120 for p in first)  # short questions, as the issue's traffic was
+    shared = next(w for w in workloads() if w.name == "chat")
+    assert len({tuple(p) for p in shared.prompts(default_model, [0, 1, 2])}) == 1
