@@ -45,7 +45,7 @@ class ServerSettings:
     priority_header: str | None = None  # a header that gives `priority` when the body does not
     priority_starvation_seconds: float = _ENGINE_DEFAULTS.priority_starvation_seconds or 60.0
     queue_timeout_seconds: float | None = None  # a request's `timeout` when it gives none; None: wait as long as it takes
-    stream_grace_seconds: float = 30.0  # a stream whose client left keeps generating this long for a reconnect
+    stream_grace_seconds: float = 30.0  # a stream whose client left is paused this long for a reconnect
     stream_resume_bytes: int = 4 << 20  # of one stream's events kept for a reconnect; older sent ones are dropped
     responses_store_seconds: float = 3600.0  # how long a finished stored response stays retrievable
     responses_store_max: int = 1000  # stored responses kept at most (the oldest go first)
@@ -225,8 +225,8 @@ def build_parser(prog: str = "treadle serve") -> argparse.ArgumentParser:
            "the default `timeout` of a request: one still waiting for admission past it is answered 503 with "
            "Retry-After (an error event if its stream has begun) instead of being served late (default: none)")
     option("--stream-grace-seconds", _non_negative_float, defaults.stream_grace_seconds,
-           "a stream whose client disconnects keeps generating this long, so that the client can reconnect "
-           "(GET /v1/chat/completions/ID/stream with Last-Event-ID) and lose nothing; 0 aborts it at once "
+           "a stream whose client disconnects is paused (its KV kept) this long, so that the client can reconnect "
+           "(GET /v1/chat/completions/ID/stream with Last-Event-ID), resume it and lose nothing; 0 aborts it at once "
            "(default %(default)s)")
     option("--stream-resume-bytes", _positive_int, defaults.stream_resume_bytes,
            "events of one stream kept for a reconnect; past it the oldest events already sent are dropped "

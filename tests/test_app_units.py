@@ -314,3 +314,24 @@ def test_any_script_that_loads_the_kernels_uses_the_cache_named_after_their_sour
                           check=True)  # fmt: skip
     expected = (REPO / ".numba_cache" if configured is None else base) / kernel_sources_hash()
     assert done.stdout.strip().splitlines()[-1] == str(expected)
+
+
+def test_every_serve_option_is_in_the_docs_table_with_its_environment_variable():
+    """docs/serving.md's option table is what users read: a flag added to the parser without a row, or a
+    row for a flag that is gone, fails here."""
+    import re
+    from pathlib import Path
+
+    from app.settings import build_parser
+
+    parser = build_parser()
+    flags = {o: a for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
+    rows = [line.split(" | ") for line in (Path(__file__).parent.parent / "docs" / "serving.md").read_text()
+            .splitlines() if line.startswith("| `--")]  # fmt: skip
+    documented = {flag: row for row in rows for flag in re.findall(r"`(--[a-z0-9-]+)", row[0])}
+    assert sorted(set(flags) - set(documented)) == [], "flags without a row in docs/serving.md"
+    assert sorted(set(documented) - set(flags)) == [], "rows for flags the parser does not have"
+    for flag, action in flags.items():
+        variable = "TREADLE_" + flag[2:].replace("-", "_").upper()
+        if f"[{variable}" in (action.help or ""):  # the option reads this variable: the row names it
+            assert variable in documented[flag][1], (flag, variable)
