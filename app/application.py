@@ -20,7 +20,8 @@ from .server import APIKeyMiddleware, ServingState
 from .settings import ServerSettings
 
 
-def build_app(settings: ServerSettings, engine: Engine, on_startup_failure: Callable[[], None] | None = None) -> Starlette:
+def build_app(settings: ServerSettings, engine: Engine,
+              on_startup_failure: Callable[[], None] | None = None) -> Starlette:
     """The ASGI app over an engine that the caller owns (and shuts down after the server stops).
 
     The engine is warmed up in the background once the server listens; until then /health is 503.

@@ -19,6 +19,6 @@ def main(argv: list[str]) -> int:
                      str(path) if path is not None else f"not pulled: treadle pull {name}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     for row in rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1])
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False)) + "  " + row[-1])
     print(f"\nmodels directory ({MODELS_DIR_ENV}): {models_dir()}")
     return 0

@@ -105,7 +105,8 @@ def request_usage(outputs: list[RequestOutput]) -> Usage | None:
 def is_stream_error(output: RequestOutput) -> bool:
     """A choice that ended without finishing: an engine fault, or the engine stopped under it
     (shutdown). An abort without an error is the client's own, and nobody reads its stream."""
-    return output.finish_reason in ("error", "timeout") or (output.finish_reason == "abort" and output.error is not None)
+    return (output.finish_reason in ("error", "timeout")
+            or (output.finish_reason == "abort" and output.error is not None))
 
 
 def stream_error_chunk(output: RequestOutput) -> Chunk:

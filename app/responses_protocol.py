@@ -97,7 +97,8 @@ class NamedFunctionChoice(_Body):
 
 
 ResponsesToolChoice = Annotated[Literal["none", "auto", "required"] | NamedFunctionChoice,
-                                _one_of('must be "none", "auto", "required" or {"type": "function", "name"}')]  # fmt: skip
+                                _one_of('must be "none", "auto", "required" '
+                                        'or {"type": "function", "name"}')]  # fmt: skip
 
 
 class TextFormat(_Body):

@@ -58,7 +58,8 @@ async def chat_completions(request: Request) -> Response:
         params = with_tools(state, body, params, syntax)
         header = ResponseHeader.new("chatcmpl", state.model_name, state.system_fingerprint)
         formatter = ChatFormatter(header, state.tokens, params.n, body.include_usage, syntax)
-        generation = submit(state, engine, prompt_ids, params, header.id, formatter, scheduling_of(state, request, body))
+        generation = submit(state, engine, prompt_ids, params, header.id, formatter,
+                            scheduling_of(state, request, body))
     return await respond(request, generation, body.stream, state.stream_settings, state.runs)
 
 
@@ -77,7 +78,8 @@ async def completions(request: Request) -> Response:
             echo_text = body.prompt if isinstance(body.prompt, str) else state.model.tokenizer.decode(prompt_ids)
         header = ResponseHeader.new("cmpl", state.model_name, state.system_fingerprint)
         formatter = CompletionFormatter(header, state.tokens, params.n, body.include_usage, prompt_ids, echo_text)
-        generation = submit(state, engine, prompt_ids, params, header.id, formatter, scheduling_of(state, request, body))
+        generation = submit(state, engine, prompt_ids, params, header.id, formatter,
+                            scheduling_of(state, request, body))
     return await respond(request, generation, body.stream, state.stream_settings, state.runs)
 
 

@@ -12,10 +12,10 @@ answered 410).
 
 When the last reader of an unfinished run leaves, the run is kept for `grace_seconds` for a reconnect
 to find it, then is aborted (0: at once); meanwhile its request is paused (its KV kept, nothing
-generated for nobody, first to be preempted) and a reconnect resumes it. A finished run is kept as long again, for a reader that lost
-the connection just before the end; one whose every event reached a reader that read to the end goes
-at once. Background runs (Responses API `background: true`) belong to no connection: they run to the
-end whoever reads, and are dropped by their owner.
+generated for nobody, first to be preempted) and a reconnect resumes it. A finished run is kept as long
+again, for a reader that lost the connection just before the end; one whose every event reached a reader
+that read to the end goes at once. Background runs (Responses API `background: true`) belong to no
+connection: they run to the end whoever reads, and are dropped by their owner.
 """
 
 from __future__ import annotations

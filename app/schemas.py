@@ -353,7 +353,8 @@ class NamedToolChoice(_Body):
 
 
 ToolChoice = Annotated[Literal["none", "auto", "required"] | NamedToolChoice,
-                       _one_of('must be "none", "auto", "required" or {"type": "function", "function": {"name"}}')]  # fmt: skip
+                       _one_of('must be "none", "auto", "required" '
+                               'or {"type": "function", "function": {"name"}}')]  # fmt: skip
 
 
 class ChatCompletionRequest(_SamplingBody):

@@ -44,7 +44,8 @@ class ServerSettings:
     speculative_max_tokens: int = _ENGINE_DEFAULTS.speculative_max_tokens
     priority_header: str | None = None  # a header that gives `priority` when the body does not
     priority_starvation_seconds: float = _ENGINE_DEFAULTS.priority_starvation_seconds or 60.0
-    queue_timeout_seconds: float | None = None  # a request's `timeout` when it gives none; None: wait as long as it takes
+    # a request's `timeout` when it gives none; None: wait as long as it takes
+    queue_timeout_seconds: float | None = None
     stream_grace_seconds: float = 30.0  # a stream whose client left is paused this long for a reconnect
     stream_resume_bytes: int = 4 << 20  # of one stream's events kept for a reconnect; older sent ones are dropped
     responses_store_seconds: float = 3600.0  # how long a finished stored response stays retrievable
@@ -238,7 +239,8 @@ def build_parser(prog: str = "treadle serve") -> argparse.ArgumentParser:
     parser.add_argument("--no-chat-page", dest="chat_page", action="store_false",
                         default=_env_flag(env_var("--chat-page"), defaults.chat_page),
                         help="do not serve the browser chat page (examples/chat.html) at / [TREADLE_CHAT_PAGE=0]")
-    option("--log-level", str.lower, defaults.log_level, "critical, error, warning, info or debug (default %(default)s)")
+    option("--log-level", str.lower, defaults.log_level,
+           "critical, error, warning, info or debug (default %(default)s)")
     add_ray_options(parser, option)
     return parser
 

@@ -80,7 +80,8 @@ class HermesToolCalls:
     def _body_schema(functions: list[dict[str, Any]]) -> dict[str, Any]:
         bodies = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
                    "properties": {"name": {"const": f["name"]},
-                                  "arguments": f.get("parameters") or EMPTY_PARAMETERS}} for f in functions]  # fmt: skip
+                                  "arguments": f.get("parameters") or EMPTY_PARAMETERS}}
+                  for f in functions]  # fmt: skip
         return {"x-guidance": JSON_LAYOUT, "anyOf": bodies}
 
     def parse_call(self, body: str) -> ToolCall | None:

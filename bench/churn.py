@@ -94,7 +94,7 @@ def phase_summary(records: list[StepRecord]) -> dict[str, Any] | None:
         kernel_ms = float(np.mean([r.kernel_ms for r in rows]))
         return {"steps": len(rows), "kernel_ms": kernel_ms,
                 "phases": {name: {"share": float(share), "ms": float(share * kernel_ms)}
-                           for name, share in zip(PHASES, shares)}}
+                           for name, share in zip(PHASES, shares, strict=True)}}
 
     return {"decode_only": split([r for r in profiled if r.decodes and not r.prefill_tokens]),
             "with_prefill": split([r for r in profiled if r.prefill_tokens])}
@@ -182,7 +182,8 @@ def print_report(report: dict[str, Any]) -> None:
               f"{g['p99_ms']:>8.1f}{g['p999_ms']:>8.1f}")
     share = gaps["with_prefill"]["tokens"] / max(1, gaps["all"]["tokens"])
     print(f"{100 * share:.0f}% of the tokens came from steps a prefill shared; prefill tokens in such a step: "
-          f"median {gaps['prefill_tokens_per_prefill_step']['p50']}, max {gaps['prefill_tokens_per_prefill_step']['max']}")
+          f"median {gaps['prefill_tokens_per_prefill_step']['p50']}, "
+          f"max {gaps['prefill_tokens_per_prefill_step']['max']}")
     print(f"Python (everything but the kernels) {100 * gaps['python_share']:.0f}% of the engine thread's time")
     phases = report.get("phases")
     if phases:

@@ -218,8 +218,9 @@ def measure_structured(engine: Engine, model: Model, levels: list[int], rounds: 
             sides["constrained"].append(run_closed_loop(engine, prompt_ids, level, seconds, lambda seed: SamplingParams(
                 max_tokens=256, temperature=0.8, seed=seed, constraint=constraint)))
             length = max(1, round(statistics.mean(r.mean_answer_tokens for r in sides["constrained"])))
-            sides["unconstrained"].append(run_closed_loop(engine, prompt_ids, level, seconds, lambda seed, length=length: SamplingParams(
-                max_tokens=length, temperature=0.8, seed=seed, ignore_eos=True)))
+            sides["unconstrained"].append(run_closed_loop(
+                engine, prompt_ids, level, seconds, lambda seed, length=length: SamplingParams(
+                    max_tokens=length, temperature=0.8, seed=seed, ignore_eos=True)))
         ratios = [c.tokens_per_second / u.tokens_per_second for c, u in zip(*sides.values(), strict=True)]
         step_ratios = [c.step_ms_median / u.step_ms_median for c, u in zip(*sides.values(), strict=True)]
         medians = {side: {"tokens_per_second": statistics.median(r.tokens_per_second for r in runs),
@@ -304,7 +305,8 @@ def main(argv: list[str]) -> int:
     prompt_ids = model.tokenizer.encode(PROMPT)
     structured_levels = [int(c) for c in args.structured.split(",")] if args.structured else []
     speculative_levels = [int(c) for c in args.speculative.split(",")] if args.speculative else []
-    max_seqs = max(*levels, *structured_levels, *speculative_levels, args.interference_streams + 1)  # +1: the long prompt
+    # +1: the long prompt
+    max_seqs = max(*levels, *structured_levels, *speculative_levels, args.interference_streams + 1)
     config = EngineConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max(512, max_seqs),
                           kv_cache_mb=1024, n_threads=args.threads, kernels=args.kernels, speculative="off")
     engine = Engine(model, config).start()

@@ -29,7 +29,7 @@ def top1_predictions(engine: Engine, chunks: list[list[int]]) -> list[list[int]]
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    pairs = [(x, y) for row_a, row_b in zip(a, b) for x, y in zip(row_a, row_b)]
+    pairs = [(x, y) for row_a, row_b in zip(a, b, strict=True) for x, y in zip(row_a, row_b, strict=False)]
     return sum(x == y for x, y in pairs) / len(pairs)
 
 
@@ -46,7 +46,7 @@ def measure_quality(model: Model, num_tokens: int) -> dict:
                                .token_ids for p in prompts]
         finally:
             engine.shutdown()
-    identical = sum(a == b for a, b in zip(greedy["fast"], greedy["exact"]))
+    identical = sum(a == b for a, b in zip(greedy["fast"], greedy["exact"], strict=True))
     return {"positions": sum(len(c) for c in chunks), "chunks": chunks, "exact_top1": predictions["exact"],
             "fast_top1_agreement": agreement(predictions["fast"], predictions["exact"]),
             "greedy_prompts": len(prompts), "greedy_identical_32_tokens": identical,

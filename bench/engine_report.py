@@ -21,9 +21,11 @@ def print_table(r: dict) -> None:
         print(f"a {i['long_prompt_tokens']}-token prompt arriving while {i['streams']} streams decode: their token gap "
               f"{i['median_gap_ms']:.1f} ms median before, {i['max_gap_ms']:.1f} ms max / {i['p99_gap_ms']:.1f} ms p99 "
               f"during its prefill ({i['stretch']:.2f}× median); its first token after {i['long_prompt_ttft_s']:.2f} s")
-        print(f"  (right after its prefill the streams' median gap was {i['median_gap_after_ms']:.1f} ms: their contexts "
-              f"grew meanwhile; the p99 gap during it is {i['p99_gap_ms'] / i['median_gap_after_ms']:.2f}× that)")
-    print(f"read bandwidth {r['read_bandwidth_gb_s']:.1f} GB/s on {r['threads']} threads → roofline {r['bandwidth_roofline_tokens_per_second']:.0f}"
+        print(f"  (right after its prefill the streams' median gap was {i['median_gap_after_ms']:.1f} ms: "
+              f"their contexts grew meanwhile; the p99 gap during it is "
+              f"{i['p99_gap_ms'] / i['median_gap_after_ms']:.2f}× that)")
+    print(f"read bandwidth {r['read_bandwidth_gb_s']:.1f} GB/s on {r['threads']} threads → roofline "
+          f"{r['bandwidth_roofline_tokens_per_second']:.0f}"
           f" tokens/s for one stream ({r['weight_bytes_per_step'] / 1e6:.1f} MB of weights per step)")
     if r.get("numpy_read_bandwidth_gb_s"):
         print(f"  checks, same minute: numpy sum in {r['threads']} threads {r['numpy_read_bandwidth_gb_s']:.1f} GB/s, "
@@ -37,7 +39,8 @@ def print_table(r: dict) -> None:
               f"compute roofline {r['int8_roofline_tokens_per_second']:.0f} tokens/s for a batched decode step")
         if r.get("vnni_issue_gmacs"):
             print(f"  check: one 512-bit VNNI instruction per cycle per thread at the reported clock is "
-                  f"{r['vnni_issue_gmacs']:.0f} GMAC/s; the kernels reach {100 * r['int8_gmacs'] / r['vnni_issue_gmacs']:.0f}% of it")
+                  f"{r['vnni_issue_gmacs']:.0f} GMAC/s; the kernels reach "
+                  f"{100 * r['int8_gmacs'] / r['vnni_issue_gmacs']:.0f}% of it")
     if r["quality"]:
         q = r["quality"]
         print(f"fast vs exact kernels over {q['positions']} positions of real text: top-1 agrees at "
@@ -53,7 +56,8 @@ def print_table(r: dict) -> None:
               + f"; prompt {peer['prompt_tokens_per_second']:.0f} tokens/s → treadle "
               f"{r['prefill_tokens_per_second'] / peer['prompt_tokens_per_second']:.2f}×")
         if "top1_agreement_with_exact" in peer:
-            print(f"llama.cpp top-1 agrees with treadle's exact kernels at {100 * peer['top1_agreement_with_exact']:.1f}%")
+            print(f"llama.cpp top-1 agrees with treadle's exact kernels at "
+                  f"{100 * peer['top1_agreement_with_exact']:.1f}%")
     elif peer:
         print(f"llama.cpp: {peer['skipped']}")
     if r["transformers"]:
@@ -65,7 +69,8 @@ def print_table(r: dict) -> None:
               + "; ".join(f"{lv['concurrency']} streams {lv['constrained']['tokens_per_second']:.1f} vs "
                           f"{lv['unconstrained']['tokens_per_second']:.1f} tokens/s unconstrained → {lv['ratio']:.2f}× "
                           f"(rounds {min(lv['round_ratios']):.2f}-{max(lv['round_ratios']):.2f}), "
-                          f"step {lv['constrained']['step_ms_median']:.2f} vs {lv['unconstrained']['step_ms_median']:.2f} ms"
+                          f"step {lv['constrained']['step_ms_median']:.2f} vs "
+                          f"{lv['unconstrained']['step_ms_median']:.2f} ms"
                           for lv in st["levels"]))
     if r.get("speculative"):
         print(format_speculative(r["speculative"]))
@@ -73,11 +78,13 @@ def print_table(r: dict) -> None:
         a = r["rounds"]
         m = a["medians"]
         print(f"alternating with llama.cpp, {a['rounds']} rounds (medians): decode {m['treadle_decode']:.1f} vs "
-              f"{m['llama_cpp_decode']:.1f} tokens/s → treadle {a['decode_ratio']:.2f}×; prompt {m['treadle_prompt']:.0f} vs "
+              f"{m['llama_cpp_decode']:.1f} tokens/s → treadle {a['decode_ratio']:.2f}×; "
+              f"prompt {m['treadle_prompt']:.0f} vs "
               f"{m['llama_cpp_prompt']:.0f} → {a['prompt_ratio']:.2f}×")
         print("  per round, decode: " + ", ".join(f"{t:.1f}/{p:.1f}" for t, p in
                                                  zip(a["treadle_decode"], a["llama_cpp_decode"], strict=True)))
-    print(f"peak RSS {r['peak_rss_mb']:.0f} MB (model file {r['model_file_mb']:.0f} MB, KV cache {r['kv_cache_mb']:.0f} MB)")
+    print(f"peak RSS {r['peak_rss_mb']:.0f} MB (model file {r['model_file_mb']:.0f} MB, "
+          f"KV cache {r['kv_cache_mb']:.0f} MB)")
 
 
 def format_transformers(r: dict) -> str:

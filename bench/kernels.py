@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{'DRAM GB/s x1':>13}")
     for r in results:
         one, many = r["in_cache"]
-        print(f"{one['type']:<6} {one['path']:<8} {one['bits_per_weight']:>13.2f} {one['resident_bits_per_weight']:>9.2f} "
+        print(f"{one['type']:<6} {one['path']:<8} {one['bits_per_weight']:>13.2f} "
+              f"{one['resident_bits_per_weight']:>9.2f} "
               f"{one['gmacs']:>10.1f} {many['gmacs']:>11.1f} {r['from_dram']['weight_gbs']:>13.1f}")
     if skipped:
         print(f"skipped (rows of {args.cols} weights are not whole blocks of theirs): {', '.join(skipped)}")

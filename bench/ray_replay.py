@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from threadpool.numba_cache import use_numba_cache
 from bench.prometheus import parse_metrics
 from bench.sse import iter_sse_data
+from threadpool.numba_cache import use_numba_cache
 
 SYSTEM_PROMPTS = [
     ("You are a patient tutor for a weaving workshop. Explain looms, shuttles, warps and wefts in plain words, "
@@ -163,7 +163,7 @@ class BurstResult:
     def open_on(self, replica: str, at: float) -> int:
         """Requests served by `replica` that were open (sent, not yet finished) at time `at`, client side:
         an upper bound on what the router saw, since the client sends before it and reads after it."""
-        return sum(r == replica and sent < at < done for r, (sent, done) in zip(self.replicas, self.spans))
+        return sum(r == replica and sent < at < done for r, (sent, done) in zip(self.replicas, self.spans, strict=True))
 
     @property
     def first_elsewhere(self) -> int | None:

@@ -242,7 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", type=_levels, default=[1, 4, 16, 32],
                         help="comma-separated levels of requests in flight (default 1,4,16,32)")
     parser.add_argument("--requests", type=_positive_int, help="requests per level (default 2×concurrency, ≥ 8)")
-    parser.add_argument("--max-tokens", type=_positive_int, default=128, help="output tokens per request (default %(default)s)")
+    parser.add_argument("--max-tokens", type=_positive_int, default=128,
+                        help="output tokens per request (default %(default)s)")
     parser.add_argument("--prompt-tokens", type=_positive_int, default=128,
                         help="approximate prompt length in tokens, synthetic text (default %(default)s)")
     parser.add_argument("--chat", action="store_true", help="use /v1/chat/completions instead of /v1/completions")
@@ -254,7 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "output length: '{\"generation_config\": \"{\\\"min_new_tokens\\\": 64}\"}'")
     parser.add_argument("--warmup", type=int, default=2, help="uncounted warm-up requests first (default %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts (default %(default)s)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="per-request read timeout, s (default %(default)s)")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="per-request read timeout, s (default %(default)s)")
     parser.add_argument("--knee-metric", choices=KNEE_METRICS, default="ttft",
                         help="whose P99 finds the knee (default %(default)s)")
     parser.add_argument("--knee-factor", type=float, default=DEFAULT_KNEE_FACTOR,

@@ -24,7 +24,7 @@ def format_table(report: dict[str, Any]) -> str:
                      _fmt(ttft["p50"]), _fmt(ttft["p95"]), _fmt(ttft["p99"]),
                      _fmt(itl["p50"]), _fmt(itl["p95"]), _fmt(itl["p99"]), _fmt(tpot["p50"]), errors))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     knee = report["knee"]
     if knee["concurrency"] is None:

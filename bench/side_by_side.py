@@ -319,7 +319,8 @@ def main() -> int:
     if roof is not None:
         top = max(concurrency)
         reached = (lv := level(reports["treadle"], top)) and lv["output_throughput"]
-        table += (f"\n\nint8 compute roof, measured after the servers in the same run: {roof['int8_gmacs']:.0f} GMAC/s on "
+        table += (f"\n\nint8 compute roof, measured after the servers in the same run: "
+                  f"{roof['int8_gmacs']:.0f} GMAC/s on "
                   f"{args.threads} threads → {roof['tokens_per_second']:.0f} tokens/s for a batched decode step"
                   + (f"; treadle's {top} streams reach {100 * reached / roof['tokens_per_second']:.0f}% of it"
                      if reached else ""))
@@ -340,7 +341,8 @@ def main() -> int:
             report = reports[name]
             load = report.get("load_average", {})
             when = report.get("finished_at") or report.get("started_at", "")
-            during = f"; 1-minute load average {load['before']:.2f} before, {load['after']:.2f} at the end" if load else ""
+            during = (f"; 1-minute load average {load['before']:.2f} before, {load['after']:.2f} at the end"
+                      if load else "")
             section.append(f"- {name}: `{cmd}` (finished {when.replace('T', ' ')[:16]}{during})")
     section += [f"- {name}: skipped — {why}" for name, why in skipped.items()]
     section += ["", f"Command: `{shlex.join(['.venv/bin/python', 'bench/side_by_side.py', *sys.argv[1:]])}`"]

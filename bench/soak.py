@@ -236,7 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--malformed-rate", type=float, default=d.malformed_rate,
                    help="fraction of requests that are malformed (default %(default)s)")
     p.add_argument("--max-prompt-words", type=int, default=d.max_prompt_words, help="(default %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="largest max_tokens drawn (default %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens,
+                   help="largest max_tokens drawn (default %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed, help="(default %(default)s)")
     p.add_argument("--api-key", default=None, help="sent as Authorization: Bearer KEY")
     p.add_argument("--max-rss-growth-mib", type=float, default=d.max_rss_growth_mib,
@@ -249,7 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    if args.clients < 1 or args.duration <= 0 or not 0 <= args.disconnect_rate <= 1 or not 0 <= args.malformed_rate <= 1:
+    if (args.clients < 1 or args.duration <= 0 or not 0 <= args.disconnect_rate <= 1
+            or not 0 <= args.malformed_rate <= 1):
         print("treadle bench soak: --clients ≥ 1, --duration > 0, rates in [0, 1]", file=sys.stderr)
         return 2
     cfg = SoakConfig(base_url=args.base_url.rstrip("/"), duration=args.duration, clients=args.clients,

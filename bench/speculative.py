@@ -9,10 +9,11 @@
   prefilled in the measured time, as a server's traffic is), greedy: drafts have little to copy.
 
 Each workload runs at each concurrency level with speculation off and `auto`, `rounds` times in the
-order off, auto, auto, off, ... (a drift of the host cancels), on one engine (its scheduler's mode switched between runs, so both sides share the pool, the
-cache and the machine's minute). Every request of a level is submitted at once; the rate is all
-their tokens over the time from submission to the last token. The workload's prompt is prefilled
-once first, so the prefix cache serves it and the rate is the decode's.
+order off, auto, auto, off, ... (a drift of the host cancels), on one engine (its scheduler's mode
+switched between runs, so both sides share the pool, the cache and the machine's minute). Every
+request of a level is submitted at once; the rate is all their tokens over the time from submission
+to the last token. The workload's prompt is prefilled once first, so the prefix cache serves it and
+the rate is the decode's.
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ class SSEDecoder:
     """Feed it the response's bytes as they arrive; it returns the `data` of each event completed
     (multi-line data joined with "\\n"). `last_event_id` is the latest `id:` field (what a client sends as
     Last-Event-ID when it reconnects); `event_ids` and `event_types` hold, for each event returned, the
-    last event id then and its `event:` field (None where there was none). Comments (`: ping`) are skipped; lines that are none of these nor blank are kept
-    in `other_lines` for a checker that expects none."""
+    last event id then and its `event:` field (None where there was none). Comments (`: ping`) are skipped;
+    lines that are none of these nor blank are kept in `other_lines` for a checker that expects none."""
 
     def __init__(self) -> None:
         self._buffer = b""  # the unfinished line

@@ -28,7 +28,8 @@ def main() -> int:
     parser.add_argument("--system", default="You are a concise, helpful assistant.", help="system prompt")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.7)
-    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token, if the server wants one")
+    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                        help="bearer token, if the server wants one")
     args = parser.parse_args()
 
     body = {

@@ -246,8 +246,8 @@ def _make_attend_group(head_dim: int, group_size: int):  # type: ignore[no-untyp
                                 for i, phi in enumerate(phis[g])])
             next_t = builder.add(t, ir.Constant(_i64, 1))
             t.add_incoming(next_t, loop)
-            for head_phis, head_updated in zip(phis, updated):
-                for phi, value in zip(head_phis, head_updated):
+            for head_phis, head_updated in zip(phis, updated, strict=True):
+                for phi, value in zip(head_phis, head_updated, strict=True):
                     phi.add_incoming(value, loop)
             builder.cbranch(builder.icmp_signed("<", next_t, count), loop, done)
             builder.position_at_end(done)

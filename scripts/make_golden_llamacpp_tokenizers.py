@@ -33,10 +33,11 @@ SEPARATOR = "\n__ggml_vocab_test__\n"
 
 SPECIAL_TEXT = {
     "smollm2": ["<|im_start|>user\nhi<|im_end|>", "<|endoftext|>", "<|im_start|><|im_end|>", "<repo_name>x<file_sep>y"],
-    "qwen2": ["<|im_start|>system\nYou are Qwen.<|im_end|>\n<|im_start|>user\n", "<|endoftext|>", "<|fim_prefix|>a<|fim_suffix|>b<|fim_middle|>",
+    "qwen2": ["<|im_start|>system\nYou are Qwen.<|im_end|>\n<|im_start|>user\n", "<|endoftext|>",
+              "<|fim_prefix|>a<|fim_suffix|>b<|fim_middle|>",
               "<tool_call>\n{\"name\": \"f\"}\n</tool_call>", "<|im_end|><|im_end|>", "x<|im_start|>"],
-    "gemma3": ["<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n", "<bos>text<eos>", "<pad>", "<start_of_image>",
-               "<end_of_turn><start_of_turn>", " <start_of_turn> "],
+    "gemma3": ["<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n", "<bos>text<eos>", "<pad>",
+               "<start_of_image>", "<end_of_turn><start_of_turn>", " <start_of_turn> "],
     "llama-bpe": ["<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>", "<|eot_id|>",
                   "<|start_header_id|>assistant<|end_header_id|>\n\n"],
     "llama-spm": ["<s>hello</s>", "<unk>", " <s> "],
@@ -56,7 +57,8 @@ def corpus(name: str, inp_strings: list[str]) -> list[str]:
               "fn main() { println!(\"hi\"); }", "#include <stdio.h>\nint main(void){return 0;}",
               "console.log(`${a} + ${b}`);", "x => x * 2", "<?php echo 'hi'; ?>", "SELECT 1;", "a:b::c:::d",
               "snake_case CamelCase kebab-case SCREAMING_CASE", "https://example.com/a/b?c=1&d=2#e",
-              "user@example.com", "C:\\Users\\name\\file.txt", "~/.config/treadle.toml", "`code`  ```python\nx\n```"]  # fmt: skip
+              "user@example.com", "C:\\Users\\name\\file.txt", "~/.config/treadle.toml",
+              "`code`  ```python\nx\n```"]  # fmt: skip
     texts += ["🙂", "🙂🙂🙂", "a🙂b", " 🙂", "🧑🏿‍💻", "🏳️‍🌈", "✅ done", "⚠️ warning", "1️⃣ 2️⃣", "🇺🇸🇬🇧"]
     texts += ["中文", "中 文", "漢字かなカナ", "한국어 텍스트", "ภาษาไทย", "עברית", "Ελληνικά", "Türkçe İı",
               "Tiếng Việt", "ქართული", "Ӂ ӂ", "👋 世界 hello"]  # fmt: skip

@@ -22,7 +22,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
-from make_golden import TOKENIZER_CORPUS, decode  # the corpus is shared with make_golden.py
+from make_golden import TOKENIZER_CORPUS, decode  # noqa: E402 - the corpus is shared with make_golden.py
 
 # name -> the function of tests/real_models.py that assembles the file
 FILES = {"qwen2": "qwen25_coder_05b", "gemma3": "gemma3_270m"}

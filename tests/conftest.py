@@ -20,8 +20,9 @@ if "TREADLE_WEIGHT_CACHE_DIR" not in os.environ:
 
 GOLDEN = Path(__file__).parent / "golden"
 
-# The real Q4_K_M files, for the slow tests that skip unless their PyPI parts are installed.
-from tests.real_models import real_q4_k_m_file  # noqa: F401 - a fixture for every test module
+# The real Q4_K_M files, for the slow tests that skip unless their PyPI parts are installed (imported
+# once the caches above are set).
+from tests.real_models import real_q4_k_m_file  # noqa: F401, E402 - a fixture for every test module
 
 
 @pytest.fixture(scope="session")

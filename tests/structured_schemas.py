@@ -45,7 +45,8 @@ SCHEMAS: list[dict[str, Any]] = [
     # numbers with bounds
     closed({"temperature": {"type": "number", "minimum": -50, "maximum": 60}}),
     closed({"ratio": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1}}),
-    closed({"n": {"type": "integer", "minimum": -5, "maximum": 5}, "m": {"type": "integer", "minimum": 10, "maximum": 12}}),
+    closed({"n": {"type": "integer", "minimum": -5, "maximum": 5},
+            "m": {"type": "integer", "minimum": 10, "maximum": 12}}),
     closed({"price": {"type": "number", "minimum": 0, "maximum": 1000}, "currency": {"enum": ["EUR", "USD"]}}),
     # arrays with bounds
     closed({"tags": {"type": "array", "items": SHORT, "maxItems": 3}}),
@@ -66,7 +67,8 @@ SCHEMAS: list[dict[str, Any]] = [
     closed({"meta": closed({"version": {"type": "integer", "minimum": 1, "maximum": 9}, "draft": {"type": "boolean"}}),
             "body": SHORT}),
     closed({"a": closed({"b": closed({"c": closed({"d": {"type": "integer", "minimum": 0, "maximum": 9}})})})}),
-    closed({"team": SHORT, "members": {"type": "array", "maxItems": 2, "items": closed({"name": NAME, "role": COLOR})}}),
+    closed({"team": SHORT,
+            "members": {"type": "array", "maxItems": 2, "items": closed({"name": NAME, "role": COLOR})}}),
     # enums and const
     closed({"answer": {"enum": ["yes", "no"]}}),
     closed({"level": {"enum": [1, 2, 3]}, "name": SHORT}),
@@ -84,7 +86,8 @@ SCHEMAS: list[dict[str, Any]] = [
     closed({"shape": {"anyOf": [closed({"r": {"type": "integer", "minimum": 1, "maximum": 9}}),
                                 closed({"w": {"type": "integer", "minimum": 1, "maximum": 9},
                                         "h": {"type": "integer", "minimum": 1, "maximum": 9}})]}}),
-    closed({"id": {"oneOf": [{"type": "integer", "minimum": 0, "maximum": 99}, {"type": "string", "pattern": r"^id\d$"}]}}),
+    closed({"id": {"oneOf": [{"type": "integer", "minimum": 0, "maximum": 99},
+                             {"type": "string", "pattern": r"^id\d$"}]}}),
     closed({"maybe": {"type": ["integer", "null"], "minimum": 0, "maximum": 9}}),
     # $ref and $defs
     {"$defs": {"person": closed({"name": NAME, "age": AGE})}, **closed({"owner": {"$ref": "#/$defs/person"}})},

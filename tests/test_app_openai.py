@@ -95,7 +95,8 @@ def test_completion_prompt_may_be_token_ids(client, default_model):
 
 def test_seeded_sampling_is_reproducible_and_n_gives_distinct_indexed_choices(client):
     def sample():
-        return client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=1.0, seed=1234, n=2)
+        return client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=1.0,
+                                         seed=1234, n=2)
 
     first, second = sample(), sample()
     assert [c.index for c in first.choices] == [0, 1]
@@ -110,7 +111,8 @@ def test_stop_string_ends_the_reply_before_it(client):
 
 
 def test_max_completion_tokens_wins_over_max_tokens(client):
-    response = client.chat.completions.create(model=MODEL, messages=CHAT_QUESTION, max_tokens=9, max_completion_tokens=3)
+    response = client.chat.completions.create(model=MODEL, messages=CHAT_QUESTION, max_tokens=9,
+                                              max_completion_tokens=3)
     assert response.usage.completion_tokens == 3 and response.choices[0].finish_reason == "length"
 
 
@@ -123,7 +125,8 @@ def test_completions_honour_max_completion_tokens_too(client):
 def test_logit_bias_forces_a_token(client, default_model):
     paris = default_model.tokenizer.encode(" Paris")
     assert len(paris) == 1
-    response = client.completions.create(model=MODEL, prompt="I like", max_tokens=2, temperature=0, logit_bias={str(paris[0]): 100})
+    response = client.completions.create(model=MODEL, prompt="I like", max_tokens=2, temperature=0,
+                                         logit_bias={str(paris[0]): 100})
     assert response.choices[0].text == " Paris Paris"
 
 

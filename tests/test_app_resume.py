@@ -29,7 +29,8 @@ def chat_body(**extra) -> dict:
             "max_tokens": 48, "ignore_eos": True, "stream": True, **extra}
 
 
-def read_events(chunks: Iterator[bytes], decoder: SSEDecoder, stop_after: int | None = None) -> list[tuple[int | None, str]]:
+def read_events(chunks: Iterator[bytes], decoder: SSEDecoder,
+                stop_after: int | None = None) -> list[tuple[int | None, str]]:
     """(event id, data) of each event, up to `stop_after` events (then the caller cuts the connection)."""
     events: list[tuple[int | None, str]] = []
     for chunk in chunks:

@@ -42,7 +42,8 @@ def test_a_high_priority_request_behind_30_low_ones_gets_its_first_token_before_
     first_tokens: dict[str, float] = {}
     low = {"messages": QUESTION, "max_tokens": 12, "ignore_eos": True, "temperature": 0, "stream": True,
            "priority": 10}
-    threads = [threading.Thread(target=stream_first_token_time, args=(server.base_url, low, None, first_tokens, f"low{i}"))
+    threads = [threading.Thread(target=stream_first_token_time,
+                                args=(server.base_url, low, None, first_tokens, f"low{i}"))
                for i in range(30)]
     for thread in threads:
         thread.start()
@@ -74,7 +75,7 @@ def test_a_request_queued_past_its_timeout_gets_503_or_an_error_event_and_is_cou
 
     def occupy() -> None:
         with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=busy, timeout=300) as response:
-            for data in iter_sse_data(response.iter_bytes()):
+            for _ in iter_sse_data(response.iter_bytes()):
                 started.set()
                 if stop.is_set():
                     break

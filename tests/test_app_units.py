@@ -88,9 +88,9 @@ def test_ray_options_only_with_ray(monkeypatch):
     assert parse_serve_args(["--replicas", "3"])[1] is None
 
 
-@pytest.mark.parametrize("argv", [["--port", "70000"], ["--max-queue", "0"], ["--replicas", "0"], ["--kv-cache-mb", "-1"],
-                                  ["--log-level", "loud"], ["--kv-cache-dtype", "fp8"], ["--speculative", "eagle"],
-                                  ["--speculative-max-tokens", "0"]])
+@pytest.mark.parametrize("argv", [["--port", "70000"], ["--max-queue", "0"], ["--replicas", "0"],
+                                  ["--kv-cache-mb", "-1"], ["--log-level", "loud"], ["--kv-cache-dtype", "fp8"],
+                                  ["--speculative", "eagle"], ["--speculative-max-tokens", "0"]])
 def test_bad_options_exit_with_usage(argv):
     with pytest.raises(SystemExit) as exc:
         parse_settings(argv)

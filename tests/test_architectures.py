@@ -147,7 +147,8 @@ def test_each_architecture_streams_transformers_greedy_text_over_http(arch):
         text = "".join(c["choices"][0]["text"] for c in chunks)
         assert text == case["greedy_text"]
         chat = httpx.post(server.base_url + "/v1/chat/completions", timeout=120,
-                          json={"messages": [{"role": "user", "content": "Hello, world!"}], "max_tokens": 4})  # fmt: skip
+                          json={"messages": [{"role": "user", "content": "Hello, world!"}],
+                                "max_tokens": 4})  # fmt: skip
         if arch == "gemma3":  # a base model: its directory has no chat template
             assert chat.status_code == 400
             assert "chat template" in chat.json()["error"]["message"]

@@ -72,7 +72,8 @@ def setup(request, default_model):
 
 def skip_int8_where_heads_are_narrow(model, kv: str) -> None:
     if kv == "int8" and model.config.head_dim % 32:
-        pytest.skip(f"an int8 KV cache needs heads of a multiple of 32 values; this model's have {model.config.head_dim}")
+        pytest.skip(f"an int8 KV cache needs heads of a multiple of 32 values; "
+                    f"this model's have {model.config.head_dim}")
 
 
 @pytest.mark.parametrize(("kernels", "kv"), [("fast", "auto"), ("exact", "auto"), ("fast", "int8"), ("exact", "int8")])

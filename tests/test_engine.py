@@ -34,7 +34,7 @@ def test_greedy_tokens_match_transformers(engine, default_model):
         golden = np.load(GOLDEN / f"logits_{name}.npz")
         out = engine.generate(golden["ids"].tolist(), greedy(12, ignore_eos=True))[0]
         expected, margins = golden["greedy_ids"][:12].tolist(), golden["greedy_margin"][:12]
-        for step, (got, want, margin) in enumerate(zip(out.token_ids, expected, margins)):
+        for step, (got, want, margin) in enumerate(zip(out.token_ids, expected, margins, strict=False)):
             if margin > 1e-3:
                 assert got == want, f"{name}: step {step}"
             if got != want:
@@ -47,7 +47,7 @@ def test_fast_kernels_agree_with_transformers_on_clear_greedy_steps(default_mode
         golden = np.load(GOLDEN / "logits_digits.npz")
         out = eng.generate(golden["ids"].tolist(), greedy(12, ignore_eos=True))[0]
         expected, margins = golden["greedy_ids"][:12].tolist(), golden["greedy_margin"][:12]
-        for got, want, margin in zip(out.token_ids, expected, margins):
+        for got, want, margin in zip(out.token_ids, expected, margins, strict=False):
             if got != want:
                 assert margin < 0.5, "int8 activations may only flip near-ties"
                 break

@@ -86,7 +86,8 @@ def test_curl_example_streams_chat_and_completions(server, how):
     chunks = [json.loads(e) for e in chat[:-1]]
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     content = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
-    chat_finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    chat_finish = [c["choices"][0]["finish_reason"] for c in chunks
+                   if c["choices"] and c["choices"][0]["finish_reason"]]
     assert chat_finish in (["length"], ["stop"]) and (content or chat_finish == ["stop"])  # sampled, as below
     assert chunks[-1]["choices"] == [] and 0 < chunks[-1]["usage"]["completion_tokens"] <= 12  # include_usage
     if how == "flag":  # the quote and backslash in the question reached the server as JSON, intact

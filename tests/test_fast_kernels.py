@@ -44,7 +44,8 @@ def test_group_dot_products_equal_numpy_on_the_same_quantized_inputs(qtype, toke
     stored = store_as(rng.standard_normal((rows, cols)).astype(np.float32), qtype, rng)
     x = rng.standard_normal((tokens, cols)).astype(np.float32) * 3
     xq, xd, xsum = quantized_activations(x)
-    expected = dequantized_activations(xq, xd, cols).astype(np.float64) @ dequantize(stored, qtype, cols).T.astype(np.float64)
+    expected = (dequantized_activations(xq, xd, cols).astype(np.float64)
+                @ dequantize(stored, qtype, cols).T.astype(np.float64))
     out = np.full((tokens, rows + 5), np.nan, np.float32)
     matmul_groups(repack(stored, qtype, rows, cols), int(qtype), cols, xq, xd, xsum, tokens, out, 0, rows // 8, False,
                   np.zeros((4, 8), np.float32))
@@ -59,7 +60,8 @@ def test_groups_of_four_tokens_give_the_same_bits_as_one_at_a_time():
     packed = repack(stored, QType.Q4_1, rows, cols)
     xq, xd, xsum = quantized_activations(rng.standard_normal((tokens, cols)).astype(np.float32))
     together = np.zeros((tokens, rows), np.float32)
-    matmul_groups(packed, int(QType.Q4_1), cols, xq, xd, xsum, tokens, together, 0, 8, False, np.zeros((4, 8), np.float32))
+    matmul_groups(packed, int(QType.Q4_1), cols, xq, xd, xsum, tokens, together, 0, 8, False,
+                  np.zeros((4, 8), np.float32))
     for t in range(tokens):
         alone = np.zeros((1, rows), np.float32)
         matmul_groups(packed, int(QType.Q4_1), cols, xq[t : t + 1], xd[t : t + 1], xsum[t : t + 1], 1, alone, 0, 8,

@@ -49,7 +49,7 @@ class StepDriver:
         token_ids = np.asarray([t for c in chunks for t in c], dtype=np.int32)
         logits = self.runner.forward(StepBatch(token_ids, arrays, np.arange(token_ids.size, dtype=np.int32)))
         out, row = {}, 0
-        for seq_id, chunk in zip(seq_ids, chunks):
+        for seq_id, chunk in zip(seq_ids, chunks, strict=True):
             out[seq_id] = logits[row : row + len(chunk)].copy()
             row += len(chunk)
         return out
@@ -182,5 +182,5 @@ def test_profiled_steps_time_every_phase_and_compute_the_same_logits(tmp_path_fa
     ran = set(PHASES) - {"post-norms"}  # this architecture has none
     if kernels == "exact":
         ran -= {"quantize attention", "quantize hidden"}
-    for name, count in zip(PHASES, cycles):
+    for name, count in zip(PHASES, cycles, strict=True):
         assert (count > 0) == (name in ran), name

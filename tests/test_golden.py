@@ -57,7 +57,8 @@ def test_reference_logits_match_transformers(default_model, name):
 def test_reference_greedy_continuation_matches_where_the_margin_is_clear(default_model, name):
     golden = np.load(GOLDEN / f"logits_{name}.npz")
     ids = golden["ids"].tolist()
-    for step, (expected, margin) in enumerate(zip(golden["greedy_ids"].tolist(), golden["greedy_margin"].tolist())):
+    for step, (expected, margin) in enumerate(zip(golden["greedy_ids"].tolist(), golden["greedy_margin"].tolist(),
+                                                  strict=True)):
         if step >= 12:
             break  # the reference recomputes the whole sequence per token: keep the test short
         token = int(np.argmax(forward_logits(default_model, ids)[-1]))

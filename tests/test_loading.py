@@ -14,7 +14,8 @@ from tests.tinymodel import TinyShape, write_gguf, write_hf_directory
 
 def test_default_model_hyperparameters_come_from_the_gguf(default_model):
     cfg = default_model.config
-    assert (cfg.n_layers, cfg.dim, cfg.hidden_dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) == (30, 576, 1536, 9, 3, 64)
+    assert ((cfg.n_layers, cfg.dim, cfg.hidden_dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
+            == (30, 576, 1536, 9, 3, 64))
     assert cfg.vocab_size == 49152 and cfg.max_context == 8192
     assert cfg.rope_theta == 100000.0 and abs(cfg.rms_eps - 1e-5) < 1e-9
     assert cfg.tied_embeddings and default_model.weights.lm_head is default_model.weights.token_embedding

@@ -20,9 +20,9 @@ import pytest
 ray = pytest.importorskip("ray", reason="the ray extra: pip install -e '.[ray]'")
 serve = pytest.importorskip("ray.serve")
 
-from app.ray.deployment import APP_NAME, routing_text
-from bench.ray_replay import deploy, replay, saturated_prefix, stream_chat
-from bench.sse import iter_sse_data
+from app.ray.deployment import APP_NAME, routing_text  # noqa: E402 - after the skip when ray is missing
+from bench.ray_replay import deploy, replay, saturated_prefix, stream_chat  # noqa: E402
+from bench.sse import iter_sse_data  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 

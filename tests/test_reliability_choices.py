@@ -31,7 +31,8 @@ def test_many_concurrent_requests_with_16_choices_all_answer_in_full(options):
 
         with ThreadPoolExecutor(NUM_REQUESTS) as pool:
             responses = list(pool.map(post, range(NUM_REQUESTS)))
-        assert [r.status_code for r in responses] == [200] * NUM_REQUESTS, [r.text for r in responses if r.status_code != 200]
+        assert [r.status_code for r in responses] == [200] * NUM_REQUESTS, [
+            r.text for r in responses if r.status_code != 200]
         for response in responses:
             choices = response.json()["choices"]
             assert sorted(c["index"] for c in choices) == list(range(N))

@@ -165,7 +165,8 @@ def malformed(draw: st.DrawFn) -> tuple[str, str, bytes, bool]:
         must_fail = any(not 0 <= i < VOCAB_SIZE for i in ids) or path == COMPLETIONS and len(ids) + 2 > CONTEXT
         return path, "application/json", body(path, prompt=ids, tokens=ids), must_fail
     if kind == "bias":
-        bias = draw(st.dictionaries(st.text(max_size=30), st.floats(allow_nan=False, allow_infinity=False), max_size=2000))
+        bias = draw(st.dictionaries(st.text(max_size=30), st.floats(allow_nan=False, allow_infinity=False),
+                                    max_size=2000))
         return COMPLETIONS, "application/json", body(COMPLETIONS, logit_bias=bias), False
     if kind == "msgpack":  # msgpack carries what JSON cannot: NaN, bytes, huge unsigned ints
         value = draw(msgpack_value)

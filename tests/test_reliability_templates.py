@@ -35,7 +35,8 @@ ATTACKS = {
     "raise": "{{ raise_exception('no such role') }}",
 }
 HOSTILE_TEMPLATE = "{%- set attack = messages[0]['content'] -%}" + "".join(
-    f"{'{%- if' if i == 0 else '{%- elif'} attack == {name!r} -%}}{body}" for i, (name, body) in enumerate(ATTACKS.items())
+    f"{'{%- if' if i == 0 else '{%- elif'} attack == {name!r} -%}}{body}"
+    for i, (name, body) in enumerate(ATTACKS.items())
 ) + "{%- else -%}" + CHAT_TEMPLATE + "{%- endif -%}"
 
 

@@ -127,7 +127,7 @@ def test_blocked_inverse_cdf_draws_the_same_tokens_as_a_plain_one():
     temperatures = np.array([1.0, 0.5, 1.7, 1.0, 0.9, 3.0], dtype=np.float32)
     uniforms = rng.random(6)
     tokens = draw_full_vocabulary(z, rows, temperatures, uniforms)
-    for row, t, u, token in zip(z[rows].astype(np.float64), temperatures, uniforms, tokens):
+    for row, t, u, token in zip(z[rows].astype(np.float64), temperatures, uniforms, tokens, strict=True):
         scaled = row / t
         cdf = np.cumsum(np.exp(scaled - scaled.max()))
         expected = np.searchsorted(cdf, u * cdf[-1], side="left")

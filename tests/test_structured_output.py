@@ -139,8 +139,8 @@ def test_check_answer_refuses_what_the_constraint_does_not_allow(engine):
 
 def test_a_number_cannot_run_on_forever(engine):
     """An unbounded number is where a sampled JSON answer wanders off: its digit runs are bounded."""
-    schema = {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"}}, "required": ["x", "y"],
-              "additionalProperties": False}  # fmt: skip
+    schema = {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"}},
+              "required": ["x", "y"], "additionalProperties": False}  # fmt: skip
     for text, reason in generate(engine, Constraint("json", json.dumps(schema)), seeds=range(8), temperature=1.5):
         assert reason == "stop", text
         jsonschema.validate(json.loads(text), schema)
@@ -148,7 +148,8 @@ def test_a_number_cannot_run_on_forever(engine):
 
 
 @pytest.mark.parametrize("pattern", [r"\d{3}-\d{4}", r"#[0-9a-f]{6}", r"(yes|no), because [a-z ]{5,20}\.",
-                                     r"[A-Z][a-z]{2,8} [A-Z][a-z]{2,8}", r"\d{4}-\d{2}-\d{2}", r"[a-z]{1,10}@[a-z]{1,10}\.(com|org)"])
+                                     r"[A-Z][a-z]{2,8} [A-Z][a-z]{2,8}", r"\d{4}-\d{2}-\d{2}",
+                                     r"[a-z]{1,10}@[a-z]{1,10}\.(com|org)"])
 def test_a_regex_is_matched_whole(engine, pattern):
     for text, reason in generate(engine, Constraint("regex", pattern), max_tokens=60):
         assert reason == "stop" and re.fullmatch(pattern, text), (pattern, text)
@@ -306,4 +307,4 @@ def test_logprobs_of_a_constrained_answer_are_finite_json(server):
     with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60) as stream:
         events = [line[6:] for line in stream.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
     for event in events:
-        json.loads(event, parse_constant=lambda name: pytest.fail(f"{name} in {event}"))
+        json.loads(event, parse_constant=lambda name, event=event: pytest.fail(f"{name} in {event}"))

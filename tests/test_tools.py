@@ -18,7 +18,7 @@ import jsonschema
 import openai
 import pytest
 
-from app.tools import HermesToolCalls, ToolCall, ToolCallStream, split_calls
+from app.tools import HermesToolCalls, ToolCallStream, split_calls
 from tests.reliability import running_server
 from tests.test_architectures import GOLDEN
 
@@ -59,10 +59,12 @@ WEATHER = {"type": "function", "function": {
                                   "unit": {"enum": ["celsius", "fahrenheit"]}}}}}  # fmt: skip
 TIME = {"type": "function", "function": {
     "name": "get_time", "parameters": {"type": "object", "additionalProperties": False, "required": ["zone"],
-                                       "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}}}}}  # fmt: skip
+                                       "properties": {"zone": {"type": "string",
+                                                               "pattern": "^[A-Z]{3}$"}}}}}  # fmt: skip
 NO_ARGS = {"type": "function", "function": {"name": "roll_die"}}
 TOOLS = [WEATHER, TIME, NO_ARGS]
-SCHEMAS = {t["function"]["name"]: t["function"].get("parameters", {"type": "object", "maxProperties": 0}) for t in TOOLS}
+SCHEMAS = {t["function"]["name"]: t["function"].get("parameters", {"type": "object", "maxProperties": 0})
+           for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
@@ -87,7 +89,8 @@ def hermes_model(parent: Path, tag_tokens: bool = False) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with running_server(["--model", str(hermes_model(tmp_path_factory.mktemp("hermes"))), "--kv-cache-mb", "32"]) as server:
+    with running_server(["--model", str(hermes_model(tmp_path_factory.mktemp("hermes"))),
+                         "--kv-cache-mb", "32"]) as server:
         yield server
 
 
@@ -123,7 +126,8 @@ def test_parallel_calls_are_each_valid(client):
     unfinished last one keeps the arguments written, finish_reason length)."""
     for seed in range(3):
         completion = client.chat.completions.create(model="qwen2-hermes", messages=ASK, tools=TOOLS, seed=seed,
-                                                    tool_choice="required", temperature=1.0, max_tokens=300)  # fmt: skip
+                                                    tool_choice="required", temperature=1.0,
+                                                    max_tokens=300)  # fmt: skip
         choice = completion.choices[0]
         assert choice.finish_reason in ("tool_calls", "length")
         check_calls(choice.message.tool_calls, {"get_weather", "get_time", "roll_die"}, choice.finish_reason)
@@ -276,7 +280,8 @@ def test_a_model_whose_template_has_no_tool_syntax_refuses_tools():
 
 def test_the_parser_splits_streamed_text_into_content_and_calls_at_any_boundary():
     text = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris {\\"}"}}\n</tool_call>\n'
-            '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET", "at": [1, {"h": 2}]}}\n</tool_call> Done <tool_ca')  # fmt: skip
+            '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET", "at": [1, {"h": 2}]}}\n</tool_call>'
+            ' Done <tool_ca')  # fmt: skip
     whole_content, whole_calls = split_calls(HermesToolCalls(), text)
     assert whole_content == "Let me check.  Done <tool_ca"
     assert [(c.name, json.loads(c.arguments)) for c in whole_calls] == [

@@ -39,6 +39,7 @@ def test_the_first_build_writes_the_file_and_the_next_maps_the_same_bytes(quanti
         [*in_memory.packed, in_memory.lm_head_packed],
         [*written.packed, written.lm_head_packed],
         [*mapped.packed, mapped.lm_head_packed],
+        strict=True,
     ):
         assert np.array_equal(a, b) and np.array_equal(a, c)
     assert sum(a.nbytes for a in mapped.packed) > 0
@@ -73,7 +74,7 @@ def test_a_damaged_or_foreign_file_is_ignored_and_rewritten(quantized_file, tmp_
     with caplog.at_level(logging.WARNING, logger="decoding.kernels.weight_cache"):
         rebuilt = build(quantized_file, cache)
     assert "ignoring the weight cache" in caplog.text
-    assert all(np.array_equal(a, b) for a, b in zip(reference.packed, rebuilt.packed))
+    assert all(np.array_equal(a, b) for a, b in zip(reference.packed, rebuilt.packed, strict=True))
     assert weight_cache.load(cache, [a.nbytes for a in reference.packed] + [reference.lm_head_packed.nbytes])
 
 

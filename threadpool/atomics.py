@@ -4,9 +4,9 @@ numba has no atomics, and a spin on a plain array read never ends: LLVM proves t
 not write the element and hoists the load out of the loop. These intrinsics emit LLVM's atomic
 instructions directly, so every flag read is a real load with a stated ordering.
 
-All of them take a 1-D int64 array `arr` and an element index `i` (not bounds-checked, no
-negative indices). They are usable only from jitted code (`@njit`, including `nogil=True` and `cache=True` functions); from
-Python, wrap them in a small `@njit` function.
+All of them take a 1-D int64 array `arr` and an element index `i` (not bounds-checked, no negative
+indices). They are usable only from jitted code (`@njit`, including `nogil=True` and `cache=True`
+functions); from Python, wrap them in a small `@njit` function.
 
 On x86-64 acquire loads and release stores compile to plain `mov`s (the hardware is TSO); the
 orderings still matter because they forbid the *compiler* from reordering or hoisting.

@@ -53,7 +53,7 @@ class Task:
     def is_same(self, kernel: Kernel, args: tuple[Any, ...]) -> bool:
         return kernel is self.kernel and len(args) == len(self.args) and all(
             new is old or (type(new) is type(old) and np.isscalar(new) and new == old)
-            for new, old in zip(args, self.args)
+            for new, old in zip(args, self.args, strict=True)
         )
 
     def compiled_trampoline(self, barrier: np.ndarray, control: np.ndarray) -> Callable[..., tuple[int, int]]:

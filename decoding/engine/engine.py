@@ -298,7 +298,7 @@ class Engine:
         seqs: list[Sequence] = []
         requests: list[SampleRequest] = []
         drafts_at: dict[int, list[int]] = {}  # index in `seqs` of a verified decode's first row -> its drafts
-        for chunk, first_row in zip(scheduled.chunks, logit_row_of_chunk):
+        for chunk, first_row in zip(scheduled.chunks, logit_row_of_chunk, strict=True):
             seq = chunk.seq
             seq.num_computed_tokens += chunk.num_tokens - chunk.num_draft_tokens  # accepted drafts: below
             self._count_prompt_tokens(seq)

@@ -73,7 +73,8 @@ class SamplingParams:
               f"stop strings must be 1..{MAX_STOP_STRING_CHARS} characters")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            check(value is None or 0 <= value <= MAX_TOP_LOGPROBS, name, f"{name} must be between 0 and {MAX_TOP_LOGPROBS}")
+            check(value is None or 0 <= value <= MAX_TOP_LOGPROBS, name,
+                  f"{name} must be between 0 and {MAX_TOP_LOGPROBS}")
         check(all(math.isfinite(b) and -100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias",
               "logit_bias values must be between -100 and 100")
         check(self.seed is None or -(2**63) <= self.seed < 2**64, "seed", "seed must fit in 64 bits")

@@ -233,7 +233,8 @@ class Sampler:
         self.eos_token_ids = eos_token_ids  # masked, with a request's stop token ids, before its min_tokens
         self._draw_scratch = np.empty((pool.n_threads if pool is not None else 1, vocab_size), dtype=np.float32)
 
-    def sample(self, logits: np.ndarray, requests: list[SampleRequest]) -> tuple[np.ndarray, list[TokenLogprobs | None]]:
+    def sample(self, logits: np.ndarray,
+               requests: list[SampleRequest]) -> tuple[np.ndarray, list[TokenLogprobs | None]]:
         """logits: (rows, vocab) float32 → (token ids (rows,), per-row logprobs or None)."""
         num_rows = len(requests)
         tokens = np.empty(num_rows, dtype=np.int64)

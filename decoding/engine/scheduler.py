@@ -2,9 +2,9 @@
 
 Each step has a token budget. It goes first to every running sequence's decode token, so streams keep
 flowing (with draft tokens after it where speculative decoding pays: decoding/engine/speculative.py,
-never at the cost of another sequence's decode); then to prefills already under way, a chunk each; then to waiting sequences, as far as
-the budget, `max_num_seqs` and free KV blocks allow. A long prompt is therefore split over several steps
-instead of stalling every stream.
+never at the cost of another sequence's decode); then to prefills already under way, a chunk each; then
+to waiting sequences, as far as the budget, `max_num_seqs` and free KV blocks allow. A long prompt is
+therefore split over several steps instead of stalling every stream.
 
 Waiting sequences are admitted by priority (lower first, vLLM's convention), then arrival; nobody
 overtakes the sequence at the head of that order. A request that has waited `priority_starvation_seconds`
@@ -12,9 +12,9 @@ goes ahead of every priority, in arrival order: a low priority delays a request 
 plus the admission of the requests that reached it earlier, never for ever. When a decode needs a block
 and none is free, the running sequence with the lowest priority (the most recently admitted among equals)
 is preempted: its blocks are freed and it goes back to the queue, to be recomputed (prefix caching
-often finds its blocks still there). A sequence whose client has stopped reading, or whose connection closed while a reconnect may still
-come (`Sequence.is_paused`), keeps its place and its blocks but is not scheduled, nor admitted from the
-queue, and is the first to be preempted.
+often finds its blocks still there). A sequence whose client has stopped reading, or whose connection
+closed while a reconnect may still come (`Sequence.is_paused`), keeps its place and its blocks but is not
+scheduled, nor admitted from the queue, and is the first to be preempted.
 
 While streams are decoding, prefill chunks are also held to a time budget: a step may take at most
 `max_itl_stretch` times as long as a decode-only step, so prompts arriving never stretch the running
@@ -29,9 +29,10 @@ to the bound added a second to it at 32 streams). A burst stays one until each o
 first token, even after the first of them decode and outnumber the rest; prompts arriving meanwhile
 are held to the bound. Each stream then sees a burst as one long gap rather than many stretched ones,
 which keeps its 99th-percentile gap within the bound — hence steps of up to 1024 tokens by default.
-Long prompts (the whole prompt stays long to its last chunk) always get the bound alone. The engine reports each step's duration; the
-scheduler fits what a decode row and a prompt token cost (StepCostModel) and sizes the prefill share
-from that. (CPU steps are compute-bound: time grows linearly with the tokens in the step.)
+Long prompts (the whole prompt stays long to its last chunk) always get the bound alone. The engine
+reports each step's duration; the scheduler fits what a decode row and a prompt token cost
+(StepCostModel) and sizes the prefill share from that. (CPU steps are compute-bound: time grows linearly
+with the tokens in the step.)
 Chunk sizes never change any sequence's numbers (the kernels are batch-invariant), only its timing.
 """
 

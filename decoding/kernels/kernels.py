@@ -125,8 +125,8 @@ def _dequantize_q2_k_row(row, n_cols, out):
                     sc = np.int64(row[base + sub])
                     dl = d * np.float32(sc & 15)
                     ml = dmin * np.float32(sc >> 4)
-                    for l in range(16):
-                        out[y] = dl * np.float32((np.int64(row[q + 16 * part + l]) >> (2 * j)) & 3) - ml
+                    for i in range(16):
+                        out[y] = dl * np.float32((np.int64(row[q + 16 * part + i]) >> (2 * j)) & 3) - ml
                         y += 1
                     sub += 1
 
@@ -148,9 +148,9 @@ def _dequantize_q3_k_row(row, n_cols, out):
                     low = (np.int64(row[base + 96 + sub % 8]) >> (4 * (sub // 8))) & 15
                     high = (np.int64(row[base + 104 + sub % 4]) >> (2 * (sub // 4))) & 3
                     dl = d * np.float32(np.int32(low | (high << 4)) - 32)
-                    for l in range(16):
-                        value = np.int32((np.int64(row[q + 16 * part + l]) >> (2 * j)) & 3)
-                        if not np.int64(row[base + 16 * part + l]) & mask:
+                    for i in range(16):
+                        value = np.int32((np.int64(row[q + 16 * part + i]) >> (2 * j)) & 3)
+                        if not np.int64(row[base + 16 * part + i]) & mask:
                             value -= 4
                         out[y] = dl * np.float32(value)
                         y += 1
@@ -181,10 +181,10 @@ def _dequantize_q4_k_row(row, has_fifth_bits, n_cols, out):
                 scale, minimum = _k4_scale_min(row, base + 4, 2 * g + nibble)
                 dl = d * np.float32(scale)
                 ml = dmin * np.float32(minimum)
-                for l in range(32):
-                    byte = np.int64(row[qs + 32 * g + l])
+                for i in range(32):
+                    byte = np.int64(row[qs + 32 * g + i])
                     value = (byte >> 4) if nibble else (byte & 15)
-                    if has_fifth_bits and (np.int64(row[base + 16 + l]) >> (2 * g + nibble)) & 1:
+                    if has_fifth_bits and (np.int64(row[base + 16 + i]) >> (2 * g + nibble)) & 1:
                         value += 16
                     out[y] = dl * np.float32(value) - ml
                     y += 1
@@ -200,14 +200,14 @@ def _dequantize_q6_k_row(row, n_cols, out):
             qh = base + 128 + 32 * half
             scales = base + 192 + 8 * half
             y = b * 256 + 128 * half
-            for l in range(32):
-                high = np.int64(row[qh + l])
+            for i in range(32):
+                high = np.int64(row[qh + i])
                 for k in range(4):
-                    low = np.int64(row[ql + l + 32 * (k & 1)])
+                    low = np.int64(row[ql + i + 32 * (k & 1)])
                     nibble = (low >> 4) if k >= 2 else (low & 15)
                     value = np.int32(nibble | (((high >> (2 * k)) & 3) << 4)) - 32
-                    scale = np.float32((np.int64(row[scales + l // 16 + 2 * k]) ^ 128) - 128)  # the byte as int8
-                    out[y + l + 32 * k] = d * scale * np.float32(value)
+                    scale = np.float32((np.int64(row[scales + i // 16 + 2 * k]) ^ 128) - 128)  # the byte as int8
+                    out[y + i + 32 * k] = d * scale * np.float32(value)
 
 
 @njit(nogil=True, cache=True, fastmath=_DOT_MATH)

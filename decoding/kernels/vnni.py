@@ -184,7 +184,8 @@ def _avx2_dpbusd(builder: ir.IRBuilder, unsigned_max: int):
 
     def wide(acc: ir.Value, a: ir.Value, b: ir.Value) -> ir.Value:
         pairs = [builder.call(maddwd, [builder.zext(part(a, q, 16), _vec(_i16, 16)),
-                                       builder.sext(part(b, q, 16), _vec(_i16, 16))]) for q in (0, 16, 32, 48)]  # fmt: skip
+                                       builder.sext(part(b, q, 16), _vec(_i16, 16))])
+                 for q in (0, 16, 32, 48)]  # fmt: skip
         pairs32 = join(join(pairs[0], pairs[1], 8), join(pairs[2], pairs[3], 8), 16)  # sums of byte pairs
         even = builder.shuffle_vector(pairs32, pairs32, _mask(list(range(0, 32, 2))))
         odd = builder.shuffle_vector(pairs32, pairs32, _mask(list(range(1, 32, 2))))
@@ -272,7 +273,8 @@ def _make_group_dot(qtype: QType, num_tokens: int):  # noqa: C901 - one IR loop,
                     if qtype in HALF_SCALES:
                         half_sums = count(half_sums, ir.Constant(_vec(_i8, 64), [1] * 64), x_vec)
                 block_bytes = builder.mul(block, ir.Constant(_i64, 4))
-                x_scale = _load(builder, xd_base, builder.add(builder.mul(row, xd_row_bytes), block_bytes), _f32, align=4)
+                x_scale = _load(builder, xd_base, builder.add(builder.mul(row, xd_row_bytes), block_bytes), _f32,
+                                align=4)
                 if (bias and qtype not in HALF_SCALES) or qtype in MIN_OFFSET:
                     x_sum = _load(builder, xs_base, builder.add(builder.mul(row, xs_row_bytes), block_bytes), _i32,
                                   align=4)
@@ -292,7 +294,7 @@ def _make_group_dot(qtype: QType, num_tokens: int):  # noqa: C901 - one IR loop,
                 next_accs.append(acc)
             next_block = builder.add(block, ir.Constant(_i64, 1))
             block.add_incoming(next_block, loop)
-            for acc, nxt in zip(accs, next_accs):
+            for acc, nxt in zip(accs, next_accs, strict=True):
                 acc.add_incoming(nxt, loop)
             builder.cbranch(builder.icmp_signed("<", next_block, n_blocks), loop, done)
 

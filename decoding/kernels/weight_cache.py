@@ -84,7 +84,7 @@ def load(path: Path, sizes: Sequence[int]) -> list[np.ndarray] | None:
             if (
                 index["key"] != path.name
                 or len(found) != len(sizes)
-                or any(n not in (0, e) for n, e in zip(found, sizes))
+                or any(n not in (0, e) for n, e in zip(found, sizes, strict=True))
             ):
                 raise ValueError("made for another model or layout")
             if index_offset + index_length > os.fstat(f.fileno()).st_size:

@@ -123,7 +123,8 @@ def _switches(cfg: dict[str, Any], arch: str, n_layers: int, head_dim: int) -> d
             switches["sliding_layers"] = tuple((i + 1) % pattern != 0 for i in range(n_layers))
         local = _rope(cfg, "sliding_attention")
         switches.update(
-            qk_norm=True, post_norms=True, activation="gelu_tanh", embedding_scale=float(np.sqrt(np.float32(cfg["hidden_size"]))),
+            qk_norm=True, post_norms=True, activation="gelu_tanh",
+            embedding_scale=float(np.sqrt(np.float32(cfg["hidden_size"]))),
             attention_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5,
             rope_theta_local=float(cfg.get("rope_local_base_freq", local.get("rope_theta", 10000.0))),
         )  # fmt: skip
@@ -139,7 +140,8 @@ def read_config(directory: Path) -> ModelConfig:
         raise ModelLoadError(f"{directory / 'config.json'} is not readable JSON ({exc})") from None
     arch = cfg.get("model_type")
     if arch not in HF_ARCHITECTURES:
-        raise ModelLoadError(f"unsupported architecture {arch!r} in config.json (treadle runs {', '.join(HF_ARCHITECTURES)})")
+        raise ModelLoadError(f"unsupported architecture {arch!r} in config.json "
+                             f"(treadle runs {', '.join(HF_ARCHITECTURES)})")
     try:
         n_heads = int(cfg["num_attention_heads"])
         n_layers = int(cfg["num_hidden_layers"])

@@ -28,7 +28,8 @@ _TOKEN_CONTROL = 3
 _TOKEN_USER_DEFINED = 4
 
 _LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+    r"\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 # Qwen2's split (llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN2, the tokenizer.json of Qwen2/2.5): llama 3's,
 # but every digit alone
@@ -76,9 +77,10 @@ def _from_gguf(data: GGUFTokenizerData) -> HFTokenizer:
         )
     types = data.token_types or [1] * len(data.tokens)
     # llama.cpp parses the text of control and unknown tokens (`<unk>`) as those tokens
-    specials = [AddedToken(t, special=True, normalized=False) for t, ty in zip(data.tokens, types)
+    specials = [AddedToken(t, special=True, normalized=False) for t, ty in zip(data.tokens, types, strict=False)
                 if ty in (_TOKEN_CONTROL, _TOKEN_UNKNOWN)]  # fmt: skip
-    user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(data.tokens, types) if ty == _TOKEN_USER_DEFINED]
+    user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(data.tokens, types, strict=False)
+            if ty == _TOKEN_USER_DEFINED]
     tok.add_special_tokens(specials)
     tok.add_tokens(user)
     return tok
@@ -107,7 +109,7 @@ def _merges_by_score(tokens: list[str], scores: list[float]) -> list[tuple[str, 
     piece, by the ids of its parts (as the SentencePiece-to-BPE conversions of tokenizers do)."""
     ids = {token: i for i, token in enumerate(tokens)}
     candidates: list[tuple[str, str, float]] = []
-    for piece, score in zip(tokens, scores):
+    for piece, score in zip(tokens, scores, strict=False):
         splits = [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in ids and piece[k:] in ids]
         splits.sort(key=lambda pair: (ids[pair[0]], ids[pair[1]]))
         candidates.extend((left, right, score) for left, right in splits)
