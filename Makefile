@@ -11,7 +11,7 @@ ifndef NUMBA_CACHE_DIR
 export NUMBA_CACHE_DIR := $(shell $(PYTHON) threadpool/numba_cache.py)
 endif
 
-.PHONY: install serve test bench clean golden golden-tokenizers golden-architectures golden-llamacpp-tokenizers browser-deps
+.PHONY: install serve test lint bench clean golden golden-tokenizers golden-architectures golden-llamacpp-tokenizers browser-deps
 
 install: $(STAMP) browser-deps
 
@@ -38,8 +38,13 @@ browser-deps:
 serve: install
 	$(VENV)/bin/treadle serve
 
-test: install
+# The lint stage first: ruff's settings are the project's (pyproject.toml), and a violation fails the run
+# in seconds rather than after the tests.
+test: install lint
 	$(PY) -m pytest
+
+lint: install
+	$(VENV)/bin/ruff check .
 
 # Regenerates tests/golden/ from transformers + torch (optional, heavy; see scripts/make_golden.py).
 # A separate venv, so torch never enters .venv; torch first and alone (the CPU wheel on disk).
