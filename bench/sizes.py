@@ -197,11 +197,11 @@ def main(argv: list[str] | None = None) -> int:
         results["files"][str(path)] = {"costs": costs, "runs": runs}
         tables.append(report_table(path, costs, runs, streams))
         print(tables[-1] + "\n", flush=True)
+        if args.json:  # after each file: a 7B file's run is long, and what was measured is kept if it is cut
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(results, indent=2) + "\n")
     machine = results["machine"]
     print(f"{results['date']}, {machine['cpu']} ({platform.machine()}), {args.threads} threads; `{results['command']}`")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
     return 0
 
 
