@@ -213,8 +213,9 @@ def _draw(ids: np.ndarray, scores: np.ndarray, uniform: float) -> int:
     weights = np.exp(scores - scores.max())
     cumulative = np.cumsum(weights)
     index = int(np.searchsorted(cumulative, uniform * cumulative[-1], side="right"))  # passes the target strictly
-    last_with_weight = int(np.flatnonzero(weights)[-1])  # where rounding put the target at the end of the mass
-    return int(ids[min(index, last_with_weight)])
+    if index >= ids.shape[0]:  # rounding put the target at the end of the mass: the last token with weight
+        index = int(np.flatnonzero(weights)[-1])
+    return int(ids[index])
 
 
 def stop_ids_to_mask(req: SampleRequest, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
