@@ -17,7 +17,7 @@ import os
 from collections.abc import Mapping
 
 from decoding.engine.engine import Engine
-from decoding.engine.scheduler import SchedulerOutput
+from decoding.engine.step import ScheduledStep
 
 EVERY_N_STEPS = "TREADLE_TEST_FAULT_EVERY_N_STEPS"
 SEED = "TREADLE_TEST_FAULT_SEED"
@@ -40,7 +40,7 @@ class StepFaults:
         self.num_steps = 0
         self.num_faults = 0
 
-    def __call__(self, scheduled: SchedulerOutput) -> None:
+    def __call__(self, scheduled: ScheduledStep) -> None:
         self.num_steps += 1
         if self.every_n_steps is not None and self.num_steps % self.every_n_steps == 0:
             self._fail(f"step {self.num_steps}")

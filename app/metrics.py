@@ -19,7 +19,7 @@ from prometheus_client import (
 )
 
 from decoding.engine.engine import Engine
-from decoding.engine.outputs import RequestOutput
+from decoding.engine.outputs import FinishReason, RequestOutput
 from decoding.engine.sequence import Request
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -104,7 +104,7 @@ class EngineMetricsObserver:
     def on_first_token(self, seconds: float) -> None:
         self.metrics.time_to_first_token.observe(seconds)
 
-    def on_request_finished(self, request: Request, finish_reason: str) -> None:
+    def on_request_finished(self, request: Request, finish_reason: FinishReason) -> None:
         m = self.metrics
         m.prompt_tokens.inc(len(request.prompt_ids))
         m.generation_tokens.inc(request.num_completion_tokens)

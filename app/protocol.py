@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from decoding.engine.outputs import RequestOutput, Usage
+from decoding.engine.outputs import FinishReason, RequestOutput, Usage
 from decoding.engine.sampling import TokenLogprobs
 from decoding.model.tokenizer import Tokenizer
 
-from .errors import error_body
+from .outcomes import error_event, finish_reason_of, is_failure
 from .tools import HermesToolCalls, ToolCallStream, split_calls
 
 Chunk = dict[str, Any]
@@ -102,23 +102,6 @@ def request_usage(outputs: list[RequestOutput]) -> Usage | None:
     return next((o.usage for o in outputs if o.usage is not None), None)
 
 
-def is_stream_error(output: RequestOutput) -> bool:
-    """A choice that ended without finishing: an engine fault, or the engine stopped under it
-    (shutdown). An abort without an error is the client's own, and nobody reads its stream."""
-    return (output.finish_reason in ("error", "timeout")
-            or (output.finish_reason == "abort" and output.error is not None))
-
-
-def stream_error_chunk(output: RequestOutput) -> Chunk:
-    if output.finish_reason == "timeout":
-        return error_body(503, output.error or "the request waited in the queue past its timeout",
-                          code="queue_timeout")
-    if output.finish_reason == "abort":
-        return error_body(503, "the server is shutting down: this generation was ended before it finished",
-                          code="shutting_down")
-    return error_body(500, output.error or "generation failed")
-
-
 class ChatFormatter:
     object_name = "chat.completion"
 
@@ -144,8 +127,8 @@ class ChatFormatter:
                               "finish_reason": None}]) for i in range(self.n)]
 
     def chunks(self, output: RequestOutput) -> list[Chunk]:
-        if is_stream_error(output):
-            return [stream_error_chunk(output)]
+        if is_failure(output):
+            return [error_event(output)]
         if self.tool_syntax is not None:
             return self._tool_chunks(output)
         chunks = []
@@ -155,7 +138,7 @@ class ChatFormatter:
                                         "logprobs": logprobs, "finish_reason": None}]))
         if output.finish_reason is not None:
             chunks.append(self._chunk([{"index": output.index, "delta": {}, "logprobs": None,
-                                        "finish_reason": output.finish_reason, "stop_reason": output.stop_reason}]))
+                                        "finish_reason": finish_reason_of(output), "stop_reason": output.stop_reason}]))
         self.usage = output.usage or self.usage
         return chunks
 
@@ -177,7 +160,7 @@ class ChatFormatter:
                                         "finish_reason": None}]))  # fmt: skip
             held.clear()
         if output.finish_reason is not None:
-            reason = "tool_calls" if stream.num_calls and output.finish_reason == "stop" else output.finish_reason
+            reason = finish_reason_of(output, has_calls=bool(stream.num_calls))
             chunks.append(self._chunk([{"index": output.index, "delta": {}, "logprobs": self.logprobs(held),
                                         "finish_reason": reason, "stop_reason": output.stop_reason}]))  # fmt: skip
             held.clear()
@@ -190,17 +173,17 @@ class ChatFormatter:
         return [{**self._chunk([]), "usage": usage_body(self.usage)}]
 
     def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
-        choices = [{"index": o.index, "message": self._message(o), "logprobs": self.logprobs(o.logprobs),
-                    "finish_reason": o.finish_reason, "stop_reason": o.stop_reason} for o in outputs]
-        if self.tool_syntax is not None:
-            for choice in choices:
-                if choice["message"].get("tool_calls") and choice["finish_reason"] == "stop":
-                    choice["finish_reason"] = "tool_calls"
+        choices = []
+        for o in outputs:
+            message = self._message(o)
+            choices.append({"index": o.index, "message": message, "logprobs": self.logprobs(o.logprobs),
+                            "finish_reason": finish_reason_of(o, has_calls="tool_calls" in message),
+                            "stop_reason": o.stop_reason})  # fmt: skip
         return {**self.header.fields(self.object_name), "choices": choices,
                 "usage": usage_body(request_usage(outputs))}
 
     def _message(self, output: RequestOutput) -> dict[str, Any]:
-        if self.tool_syntax is None or output.finish_reason in ("error", "abort"):
+        if self.tool_syntax is None or not FinishReason(output.finish_reason or "stop").is_complete:
             return {"role": "assistant", "content": output.text}
         content, calls = split_calls(self.tool_syntax, output.text)
         message: dict[str, Any] = {"role": "assistant", "content": content if content.strip() or not calls else None}
@@ -255,11 +238,11 @@ class CompletionFormatter:
             text = self.echo_text + text
             entries = [*(self._prompt_logprobs or []), *entries]
         return {"index": output.index, "text": text, "logprobs": self.logprobs(output.index, entries),
-                "finish_reason": output.finish_reason, "stop_reason": output.stop_reason}
+                "finish_reason": finish_reason_of(output), "stop_reason": output.stop_reason}
 
     def chunks(self, output: RequestOutput) -> list[Chunk]:
-        if is_stream_error(output):
-            return [stream_error_chunk(output)]
+        if is_failure(output):
+            return [error_event(output)]
         self.usage = output.usage or self.usage
         choice = self._choice(output)
         if not choice["text"] and not choice["logprobs"] and choice["finish_reason"] is None:

@@ -18,9 +18,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
-from decoding.engine.outputs import RequestOutput, Usage
+from decoding.engine.outputs import FinishReason, RequestOutput, Usage
 
 from .errors import APIError, invalid_body
+from .outcomes import failure_message, is_failure, outcome_of
 from .protocol import Chunk
 from .schemas import ChatCompletionRequest, SchedulingFields, _Body, _one_of, _refuse_not_implemented
 from .tools import HermesToolCalls, ToolCallStream
@@ -238,6 +239,7 @@ class ResponseState:
         self.output: list[dict[str, Any]] = []
         self.usage: dict[str, Any] | None = None
         self.error: dict[str, Any] | None = None
+        self.failure: FinishReason | None = None  # why it failed, where it did
         self.incomplete_details: dict[str, Any] | None = None
         self.finished_at: float | None = None  # time.monotonic() when its last event was made
         self.history: list[dict[str, Any]] = []  # the previous response's conversation, if it continues one
@@ -366,23 +368,18 @@ class ResponsesFormatter:
         state = self.state
         state.finished_at = time.monotonic()
         state.usage = usage_of(output.usage)
-        reason = output.finish_reason
-        if reason in ("stop", "length"):
-            if reason == "length":
-                state.status = "incomplete"
+        outcome = outcome_of(output)
+        state.status = outcome.responses_status
+        if outcome.finish_reason is not None:
+            if output.finish_reason == FinishReason.LENGTH:
                 state.incomplete_details = {"reason": "max_output_tokens"}
-            else:
-                state.status = "completed"
             state.conversation = self._conversation()
-            kind = "response.completed" if reason == "stop" else "response.incomplete"
+            kind = "response.incomplete" if state.status == "incomplete" else "response.completed"
             return [self._event(kind, response=state.as_dict())]
-        if reason == "abort" and output.error is None:  # cancelled, or its client gone for good
-            state.status = "cancelled"
-            return [self._event("response.failed", response=state.as_dict())]
-        state.status = "failed"
-        code = {"timeout": "queue_timeout", "abort": "shutting_down"}.get(reason or "", "server_error")
-        state.error = {"code": code, "message": output.error or "generation failed"}
-        return [self._event("response.failed", response=state.as_dict())]
+        if is_failure(output):
+            state.failure = FinishReason(output.finish_reason)
+            state.error = {"code": outcome.code, "message": failure_message(output)}
+        return [self._event("response.failed", response=state.as_dict())]  # failed, or cancelled
 
     def _conversation(self) -> list[dict[str, Any]]:
         """What a later request with previous_response_id continues: this one's input and its answer."""

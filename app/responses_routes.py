@@ -16,7 +16,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from .body import read_body
-from .errors import RETRY_AFTER_SECONDS, APIError, encoded_response
+from .errors import APIError, encoded_response
+from .outcomes import error_for
 from .response_store import StoredResponse
 from .responses_protocol import ResponsesFormatter, ResponsesRequest, ResponseState, new_id
 from .routes import (
@@ -76,11 +77,8 @@ async def create_response(request: Request) -> Response:
     if not is_complete:
         run.abort_generation()
         return Response(status_code=499)
-    if response_state.error is not None and response_state.error["code"] in ("queue_timeout", "shutting_down"):
-        raise APIError(503, response_state.error["message"], code=response_state.error["code"],
-                       headers={"Retry-After": RETRY_AFTER_SECONDS})
-    if response_state.error is not None:
-        raise APIError(500, response_state.error["message"])
+    if response_state.failure is not None and response_state.error is not None:
+        raise error_for(response_state.failure, response_state.error["message"])
     return encoded_response(request, response_state.as_dict())
 
 

@@ -20,7 +20,8 @@ from starlette.types import Receive, Scope, Send
 
 from decoding.engine.outputs import RequestOutput
 
-from .errors import MSGPACK, RETRY_AFTER_SECONDS, APIError, encoded_response, error_body, wants_msgpack
+from .errors import MSGPACK, encoded_response, error_body, wants_msgpack
+from .outcomes import api_error, first_failure
 from .protocol import Chunk, merge_outputs
 from .runs import Event, EventsGone, Generation, Run, RunRegistry
 
@@ -148,14 +149,9 @@ async def _whole_response(request: Request, generation: Generation) -> Response:
     if not is_complete:
         return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
     merged = merge_outputs(outputs)
-    failed = next((o for o in merged if o.finish_reason in ("error", "abort", "timeout")), None)
-    if failed is not None and failed.finish_reason == "timeout":
-        raise APIError(503, failed.error or "the request waited in the queue past its timeout", code="queue_timeout",
-                       headers={"Retry-After": RETRY_AFTER_SECONDS})
-    if failed is not None and failed.finish_reason == "error":
-        raise APIError(500, failed.error or "generation failed")
+    failed = first_failure(merged)
     if failed is not None:
-        raise APIError(503, "the server is shutting down", code="shutting_down")
+        raise api_error(failed)
     return encoded_response(request, generation.formatter.response(merged))
 
 

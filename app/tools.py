@@ -21,6 +21,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from decoding.engine.params import ToolCallTrigger
 from decoding.engine.structured import JSON_LAYOUT, Constraint
 
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -62,7 +63,7 @@ class HermesToolCalls:
         return Constraint("grammar", lark, "tool_choice")
 
     def call_trigger(self, functions: list[dict[str, Any]],
-                     tag_token_ids: dict[str, int | None]) -> tuple[int, Constraint] | None:  # fmt: skip
+                     tag_token_ids: dict[str, int | None]) -> ToolCallTrigger | None:  # fmt: skip
         """For tool_choice auto: the token that opens a call and the grammar of what follows it, so that
         a call the model begins has valid arguments; None where the opening tag is not one token."""
         opening = tag_token_ids.get(self.start)
@@ -70,7 +71,7 @@ class HermesToolCalls:
             return None
         lark = (f'start: "\\n" body "\\n" {self._tag(self.end, tag_token_ids)}\n'
                 f"body: %json {json.dumps(self._body_schema(functions))}\n")  # fmt: skip
-        return opening, Constraint("grammar", lark, "tools")
+        return ToolCallTrigger(opening, Constraint("grammar", lark, "tools"))
 
     @staticmethod
     def _tag(tag: str, tag_token_ids: dict[str, int | None]) -> str:

@@ -27,7 +27,7 @@ from bench.serve import machine_description, synthetic_prompt
 from decoding.engine.engine import Engine, EngineConfig
 from decoding.engine.params import SamplingParams
 from decoding.engine.runner import ModelRunner
-from decoding.engine.scheduler import SchedulerOutput
+from decoding.engine.step import ScheduledStep
 from decoding.kernels.phases import PHASES
 from decoding.model.registry import DEFAULT_MODEL, load_model
 
@@ -58,7 +58,7 @@ class StepRecorder:
         self._runner = runner
         self._phases_before: np.ndarray | None = None
 
-    def on_step_scheduled(self, scheduled: SchedulerOutput, seconds: float, kernel_seconds: float) -> None:
+    def on_step_scheduled(self, scheduled: ScheduledStep, seconds: float, kernel_seconds: float) -> None:
         now = time.perf_counter()
         decodes = scheduled.num_decode_tokens - scheduled.num_draft_tokens
         # a decode is one token (plus its drafts); the other chunks are prefills, the largest ones

@@ -49,7 +49,7 @@ FD_SLACK = 8  # descriptors the server may legitimately hold more at rest (its o
 _WATCHED = {"rss": "process_resident_memory_bytes", "fds": "process_open_fds", "kv_used": "treadle_kv_blocks_used",
             "kv_total": "treadle_kv_blocks_total", "running": "treadle_requests_running",
             "waiting": "treadle_requests_waiting", "preemptions": "treadle_preemptions_total",
-            "aborted": 'treadle_request_success_total{finish_reason="abort"}',
+            "aborted": 'treadle_request_success_total{finish_reason="abort_client"}',
             "failed": 'treadle_request_success_total{finish_reason="error"}'}
 
 

@@ -31,7 +31,7 @@ from .conftest_server import (
 pytestmark = pytest.mark.slow
 
 CHAT = "/v1/chat/completions"
-ABORTED = 'treadle_request_success_total{finish_reason="abort"}'
+ABORTED = 'treadle_request_success_total{finish_reason="abort_client"}'
 CONTENT_CHUNK = b'"delta":{"content":'  # a token arrived (the role chunk has "role" first)
 
 

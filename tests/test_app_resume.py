@@ -16,7 +16,7 @@ from bench.sse import SSEDecoder
 
 from .conftest_server import TreadleServer, shared_server
 
-ABORTED = 'treadle_request_success_total{finish_reason="abort"}'
+ABORTED = 'treadle_request_success_total{finish_reason="abort_client"}'
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 
 from app.metrics import ServerMetrics, TokenGapTimer
 from app.runs import EventsGone, Generation, Run, RunRegistry
-from decoding.engine.outputs import RequestOutput, RequestStream
+from decoding.engine.outputs import FinishReason, RequestOutput, RequestStream
 
 
 class AbortRecorder:
@@ -158,7 +158,7 @@ def test_a_held_pump_ends_when_the_engine_ends_the_request():
         await put_words(stream, [f"word{i}" for i in range(20)], last=False)
         assert not run.is_done  # held: nobody reads
         # the engine aborts it (a slow reader, or the grace period): the run must finish, not hang
-        stream.put(RequestOutput("r1", 0, finish_reason="abort"), is_last=True)
+        stream.put(RequestOutput("r1", 0, finish_reason=FinishReason.ABORT_CLIENT), is_last=True)
         await asyncio.wait_for(run._pump_task, 2)
         assert run.is_done
 

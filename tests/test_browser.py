@@ -171,8 +171,8 @@ def test_stop_aborts_the_fetch_and_the_server_stops_generating(server, browser):
     stopped = wait_for(lambda: (r := last_reply(browser)) and r["state"] == "stopped" and r, what="the stopped state")
     server.wait_for_metrics(lambda m: m["treadle_requests_running"] == 0, timeout=30)
     after = server.wait_for_metrics(
-        lambda m: m.get('treadle_request_success_total{finish_reason="abort"}', 0)
-        > before.get('treadle_request_success_total{finish_reason="abort"}', 0), timeout=30)
+        lambda m: m.get('treadle_request_success_total{finish_reason="abort_client"}', 0)
+        > before.get('treadle_request_success_total{finish_reason="abort_client"}', 0), timeout=30)
     generated = after["treadle_generation_tokens_total"] - before.get("treadle_generation_tokens_total", 0)
     assert 0 < generated < 1500, f"the server generated {generated} tokens; Stop should have cut it short"
     time.sleep(0.3)

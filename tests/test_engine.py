@@ -117,7 +117,7 @@ def test_abort_ends_the_request_and_frees_its_blocks(engine, default_model):
         outputs.append(out)
         if len(outputs) == 3:
             engine.abort("to-abort")
-    assert outputs[-1].finish_reason == "abort"
+    assert outputs[-1].finish_reason == "abort_client"
     deadline = time.monotonic() + 5
     while engine.num_kv_blocks_used and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -244,7 +244,7 @@ def test_a_prompt_preempted_mid_prefill_answers_as_if_it_never_was(default_model
             eng.step()
         contended = eng.submit(prompt, params, request_id="contended")
         eng.step()
-        seq = eng._requests["contended"].sequences[0]
+        seq = eng.outputs.requests["contended"].sequences[0]
         run_until_done(eng, [*decoders, contended])
         assert seq.num_preemptions > 0 and eng.scheduler.num_preemptions > 0
         alone = eng.submit(prompt, params)

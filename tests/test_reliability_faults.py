@@ -10,7 +10,7 @@ import pytest
 
 from app.faults import EVERY_N_STEPS, FATAL_SEED, SEED, InjectedFault, StepFaults, install_from_env
 from bench.soak_checks import check_sse_events
-from decoding.engine.scheduler import SchedulerOutput
+from decoding.engine.step import ScheduledStep
 
 from .reliability import StreamReader, running_server
 
@@ -111,8 +111,8 @@ class _Chunk:
         self.seq = _Seq(seed)
 
 
-def step_with(*seeds: int | None) -> SchedulerOutput:
-    return SchedulerOutput(chunks=[_Chunk(s) for s in seeds])  # type: ignore[misc]
+def step_with(*seeds: int | None) -> ScheduledStep:
+    return ScheduledStep(chunks=[_Chunk(s) for s in seeds])  # type: ignore[misc]
 
 
 def test_every_n_steps_fails_exactly_every_nth_step():

@@ -75,7 +75,7 @@ def test_a_request_paused_past_the_timeout_is_aborted_and_frees_its_blocks(tiny_
         before = server.metrics()
         stuck, _ = open_unread_stream(server.port, BULKY)
         try:
-            aborted = 'treadle_request_success_total{finish_reason="abort"}'
+            aborted = 'treadle_request_success_total{finish_reason="abort_client"}'
             server.wait_for_metrics(lambda m: m.get(aborted, 0) - before.get(aborted, 0) == 1
                                     and m["treadle_kv_blocks_used"] == 0 and m["treadle_requests_running"] == 0,
                                     timeout=120)

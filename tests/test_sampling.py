@@ -229,3 +229,18 @@ class _FixedDraw:
 
     def random(self) -> float:
         return self.value
+
+
+@pytest.mark.parametrize("params", [
+    {"repetition_penalty": 5e-324, "temperature": 1.0},  # positive logits divided past float64's range
+    {"repetition_penalty": 5e-324, "temperature": 1.0, "top_p": 0.5},
+    {"repetition_penalty": 5e-324, "temperature": 0.0},
+    {"repetition_penalty": 1e-300, "temperature": 0.7, "top_k": 3},
+])  # fmt: skip
+def test_an_extreme_penalty_still_draws_a_token_of_the_vocabulary(params):
+    """The fuzzer found it: repetition_penalty near 0 made seen tokens' logits infinite, the draw returned
+    no token at all, and the grammar matcher then failed the step. Every draw is a real token."""
+    logits = np.array([[2.0, 1.0, 3.0, -1.0, 0.5, 0.1]], dtype=np.float32)  # 1 and 2 are in the prompt
+    for seed in range(20):
+        tokens, _ = Sampler(VOCAB).sample(logits, [request(seed, **params)])
+        assert tokens[0] in (1, 2), tokens  # the seen positive logits, now the largest by far

@@ -4,26 +4,33 @@ import time
 
 import numpy as np
 
+from decoding.engine.detokenizer import IncrementalDetokenizer
 from decoding.engine.outputs import RequestStream
 from decoding.engine.params import SamplingParams
-from decoding.engine.scheduler import LONG_PREFILL_TOKENS, Scheduler
+from decoding.engine.scheduler import Scheduler
 from decoding.engine.sequence import Request, Sequence, SequenceStatus
+from decoding.engine.step import ChunkResult, SampledTokens, ScheduledStep, StepResult
+from decoding.engine.step_costs import LONG_PREFILL_TOKENS
 from kvcache.manager import KVCacheManager
 
 
 def make_seq(prompt_len: int, name: str = "r") -> Sequence:
     request = Request(name, list(range(100, 100 + prompt_len)), SamplingParams(max_tokens=64), RequestStream(name))
-    seq = Sequence(request, 0, detokenizer=None, rng=np.random.default_rng(0))
+    seq = Sequence(request, 0, detokenizer=IncrementalDetokenizer(None), rng=np.random.default_rng(0))
     request.sequences.append(seq)
     return seq
 
 
-def finish_step(scheduler: Scheduler, out, next_token: int = 7) -> None:
-    """What the engine does after the model step: advance, and append a token where a row sampled."""
-    for chunk in out.chunks:
-        chunk.seq.num_computed_tokens += chunk.num_tokens
-        if chunk.samples:
-            chunk.seq.output_ids.append(next_token)
+def finish_step(scheduler: Scheduler, step: ScheduledStep, next_token: int = 7) -> None:
+    """The stages after the model step, every sampled row drawing `next_token`: the output stage appends
+    it, then the scheduler updates from the result."""
+    result = StepResult([ChunkResult([SampledTokens(seq, [next_token], [None], [False])
+                                      for seq in ((chunk.seq, *chunk.forks) if chunk.samples else ())])
+                         for chunk in step.chunks])
+    for chunk_result in result.chunks:
+        for sampled in chunk_result.sampled:
+            sampled.seq.output_ids.extend(sampled.token_ids)
+    scheduler.update_from_output(step, result)
 
 
 def test_decodes_come_first_then_prefill_chunks_within_the_budget():
@@ -137,7 +144,7 @@ def test_removing_sequences_returns_every_block():
 
 
 def test_prefill_chunks_while_decoding_are_sized_to_keep_the_step_within_the_stretch():
-    from decoding.engine.scheduler import StepCostModel
+    from decoding.engine.step_costs import StepCostModel
 
     model = StepCostModel(max_itl_stretch=2.0)
     assert model.prefill_budget_while_decoding(256, 16) == 64  # not measured yet: a modest chunk
@@ -150,7 +157,7 @@ def test_prefill_chunks_while_decoding_are_sized_to_keep_the_step_within_the_str
 
 
 def test_the_decode_step_is_priced_at_the_batch_size_and_keeps_its_slope_while_the_batch_is_steady():
-    from decoding.engine.scheduler import StepCostModel
+    from decoding.engine.step_costs import StepCostModel
 
     model = StepCostModel(max_itl_stretch=2.0)
     for i in range(40):  # a churning batch: 10-40 rows, 0.5 ms each over 5 ms
@@ -167,7 +174,7 @@ def test_a_wave_of_prompts_teaches_the_price_of_its_decode_rows_from_the_steps_i
     """A wave's steps all carry a prefill: the decode rows must be priced from them, not from the last
     decode-only steps (a one-row warm-up), or the wave's chunks shrink to a fifth of what the bound allows
     (its last prompts then waited 2.5 s for a first token instead of ~1.4)."""
-    from decoding.engine.scheduler import StepCostModel
+    from decoding.engine.step_costs import StepCostModel
 
     def truth(rows: int, tokens: int) -> float:
         return 0.005 + 0.0012 * rows + 0.0006 * tokens
@@ -189,7 +196,7 @@ def test_a_wave_of_prompts_teaches_the_price_of_its_decode_rows_from_the_steps_i
 def test_costs_fitted_from_collinear_steps_stay_positive_and_whole():
     """Full-budget steps have rows + prompt tokens = the budget: a fit of them alone can give a slope
     below zero, and a base taken from that fit beside an older slope priced a step at seconds."""
-    from decoding.engine.scheduler import StepCostModel
+    from decoding.engine.step_costs import StepCostModel
 
     model = StepCostModel(max_itl_stretch=2.0)
     rng = np.random.default_rng(3)
@@ -263,7 +270,7 @@ def test_short_prompts_arriving_during_decodes_are_held_to_the_step_time_bound_t
 def test_at_a_few_streams_short_prompts_still_get_the_floor_and_long_ones_the_bound():
     """A short decode step would allow only a few prompt tokens a step, and a queue would drain slower
     than requests arrive: short prompts may always take PREFILL_FLOOR_SECONDS of a step."""
-    from decoding.engine.scheduler import PREFILL_FLOOR_SECONDS
+    from decoding.engine.step_costs import PREFILL_FLOOR_SECONDS
 
     scheduler, _ = decoding_scheduler(0.010, 0.001, num_streams=9)  # the bound: 8 tokens
     floor_tokens = round(PREFILL_FLOOR_SECONDS / 0.001)
@@ -280,7 +287,7 @@ def test_at_a_few_streams_short_prompts_still_get_the_floor_and_long_ones_the_bo
 def make_request_seq(prompt_len: int, n: int, name: str) -> Sequence:
     request = Request(name, list(range(100, 100 + prompt_len)), SamplingParams(max_tokens=64, n=n),
                       RequestStream(name))
-    seq = Sequence(request, 0, detokenizer=None, rng=np.random.default_rng(0))
+    seq = Sequence(request, 0, detokenizer=IncrementalDetokenizer(None), rng=np.random.default_rng(0))
     request.sequences.append(seq)
     return seq
 

@@ -33,6 +33,13 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)  # first token whose text has not been emitted
         self.text = ""  # everything emitted so far
 
+    def copy(self) -> IncrementalDetokenizer:
+        """An independent detokenizer in the same state (another choice of the same prompt)."""
+        other = IncrementalDetokenizer(self._tokenizer, (), self._skip_special)
+        other._ids, other._prefix_offset, other._read_offset = list(self._ids), self._prefix_offset, self._read_offset
+        other.text = self.text
+        return other
+
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
 

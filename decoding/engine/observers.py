@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
-from .scheduler import SchedulerOutput
+from .outputs import FinishReason
 from .sequence import Request
+from .step import ScheduledStep
 
 
 class EngineObserver(Protocol):
@@ -15,11 +17,26 @@ class EngineObserver(Protocol):
 
     def on_step(self, seconds: float, kernel_seconds: float, num_tokens: int, num_seqs: int) -> None: ...
     def on_first_token(self, seconds: float) -> None: ...
-    def on_request_finished(self, request: Request, finish_reason: str) -> None: ...
+    def on_request_finished(self, request: Request, finish_reason: FinishReason) -> None: ...
     def on_preemption(self) -> None: ...
     def on_slow_reader_abort(self) -> None: ...
     def on_queue_timeout(self) -> None: ...
-    def on_step_scheduled(self, scheduled: SchedulerOutput, seconds: float, kernel_seconds: float) -> None: ...
+    def on_step_scheduled(self, scheduled: ScheduledStep, seconds: float, kernel_seconds: float) -> None: ...
+
+
+log = logging.getLogger(__name__)
+
+
+def notify(observers: list[EngineObserver], method: str, *args: Any) -> None:
+    """Call `method` on every observer that defines it; an observer's failure is logged, never raised."""
+    for observer in observers:
+        hook = getattr(observer, method, None)
+        if hook is None:
+            continue
+        try:
+            hook(*args)
+        except Exception:  # an observer must never take the engine down
+            log.exception("engine observer %s.%s failed", type(observer).__name__, method)
 
 
 @dataclass(slots=True)

@@ -3,12 +3,30 @@
 from __future__ import annotations
 
 import asyncio
+import enum
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
 from .sampling import TokenLogprobs
+
+
+class FinishReason(enum.StrEnum):
+    """Why a choice ended. The API layer maps each to what its protocol says (app/outcomes.py)."""
+
+    STOP = "stop"  # end of sequence, a stop string or token, or the grammar complete
+    LENGTH = "length"  # max_tokens, or the context full
+    TOOL_CALLS = "tool_calls"  # the answer is tool calls (told by the API layer, which parses them)
+    ABORT_CLIENT = "abort_client"  # its client cancelled, left, or stopped reading
+    ABORT_SHUTDOWN = "abort_shutdown"  # the engine shut down under it
+    ERROR = "error"  # the engine failed it (a fault in its step, a grammar dead end)
+    TIMEOUT = "timeout"  # it waited for admission past its queue timeout and never started
+
+    @property
+    def is_complete(self) -> bool:
+        """The choice ran to an end of its own: its text is an answer, not a fragment."""
+        return self in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.TOOL_CALLS)
 
 
 @dataclass(slots=True)
@@ -33,7 +51,7 @@ class RequestOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop", "length", "abort", "error"
+    finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     error: str | None = None
     usage: Usage | None = None  # on the last delta of the request

@@ -25,6 +25,15 @@ class InvalidParams(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCallTrigger:
+    """Under tool_choice auto: once `token_id` is drawn, what follows it until `arguments` ends is held
+    to that grammar (a call's arguments to their schema); then the text is free again."""
+
+    token_id: int
+    arguments: Constraint
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int = 16
     min_tokens: int = 0  # vLLM's: EOS, stop token ids and stop strings cannot end the first min_tokens tokens
@@ -46,9 +55,7 @@ class SamplingParams:
     n: int = 1
     skip_special_tokens: bool = True
     constraint: Constraint | None = None  # structured output: what the text must match
-    # tool calls under tool_choice auto: once this token is drawn, what follows it until the grammar
-    # ends is held to the constraint (the call's arguments to their schema), then the text is free again
-    call_trigger: tuple[int, Constraint] | None = None
+    call_trigger: ToolCallTrigger | None = None  # tool calls under tool_choice auto
 
     def __post_init__(self) -> None:
         def check(ok: bool, param: str, message: str) -> None:

@@ -25,6 +25,9 @@ _NUCLEUS_CANDIDATES = 1024
 # token inside it: two short cumulative sums per row instead of one over 49152 values.
 _CDF_BLOCK = 1024
 _SUM_LANES = 16  # float64 partial sums per block: a vectorisable order, the same for every row
+# Adjusted logits are held within this: divided by the lowest sampling temperature (1e-5) they stay
+# finite in float32, so no row's weights become inf - inf.
+_LOGIT_LIMIT = 1e30
 
 
 @dataclass(slots=True)
@@ -75,7 +78,8 @@ def apply_penalties(row: np.ndarray, req: SampleRequest) -> None:
     if p.repetition_penalty != 1.0:
         seen = np.unique(np.asarray(req.prompt_ids + req.output_ids, dtype=np.int64))
         values = row[seen]
-        row[seen] = np.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        with np.errstate(over="ignore"):  # a penalty near 0: the caller bounds the row
+            row[seen] = np.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
     if (p.presence_penalty or p.frequency_penalty) and req.output_ids:
         ids, counts = np.unique(np.asarray(req.output_ids, dtype=np.int64), return_counts=True)
         row[ids] -= p.frequency_penalty * counts + p.presence_penalty
@@ -253,6 +257,8 @@ class Sampler:
                 apply_penalties(work[i], req)
                 for token_id, bias in req.params.logit_bias.items():
                     work[i, token_id] += bias
+                # a penalty near 0 divides past the float range; bounded, the row still draws a real token
+                np.clip(work[i], -_LOGIT_LIMIT, _LOGIT_LIMIT, out=work[i])
                 work[i, list(masked[i])] = -np.inf  # exp(-inf) = 0: never drawn, whatever the bias
 
         uniforms: list[float] = []

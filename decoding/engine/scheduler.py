@@ -40,188 +40,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 
-import numpy as np
-
-from kvcache.manager import BlockCopy, KVCacheManager
+from kvcache.manager import KVCacheManager
 
 from .sequence import Sequence, SequenceStatus
 from .speculative import MAX_NGRAM, DraftCostModel, NgramDrafter
-
-
-@dataclass(slots=True)
-class _PrefillBudget:
-    """One step's prompt tokens: `tokens` for any prefill; while streams decode, `timed_tokens` for all
-    prefills together (the step-time bound, or the floor if larger) and `long_tokens` for chunks of
-    long prompts (the bound alone)."""
-
-    tokens: int
-    timed_tokens: int | None = None  # None: no stream decodes, prompts take the whole budget
-    long_tokens: int | None = None
-
-    def share(self, num_uncomputed: int, num_prefill_tokens: int) -> int:
-        """How many of a prompt's remaining tokens this step can take (without taking them).
-
-        Whether a prompt is long goes by its whole prefill (`num_prefill_tokens`, computed at admission),
-        not by what remains: the last chunk of a long prompt attends over all the rest, the dearest of all.
-        """
-        share = min(num_uncomputed, self.tokens)
-        if self.timed_tokens is not None:
-            share = min(share, self.timed_tokens)
-        if num_prefill_tokens > LONG_PREFILL_TOKENS and self.long_tokens is not None:
-            share = min(share, self.long_tokens)
-        return share
-
-    def take(self, num_uncomputed: int, num_prefill_tokens: int) -> int:
-        share = self.share(num_uncomputed, num_prefill_tokens)
-        self.tokens -= share
-        if self.timed_tokens is not None:
-            self.timed_tokens -= share
-        if num_prefill_tokens > LONG_PREFILL_TOKENS and self.long_tokens is not None:
-            self.long_tokens -= share
-        return share
-
-
-@dataclass(slots=True)
-class ScheduledChunk:
-    seq: Sequence
-    token_ids: list[int]  # the tokens whose KV this step computes, at positions num_computed_tokens…
-    samples: bool  # the chunk reaches the sequence's end: its last row's logits pick the next token
-    num_draft_tokens: int = 0  # a decode's speculative tail: every row is sampled, to verify them
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    block_copies: list[BlockCopy] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    num_decode_tokens: int = 0  # decodes and their draft tokens
-    num_draft_tokens: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
-
-LONG_PREFILL_TOKENS = 512
-# While streams decode, prompts may always take this much of a step, whatever the stretch bound allows:
-# a few streams make a short decode step, whose bound would admit a handful of prompt tokens a step, and
-# a queue would drain slower than requests arrive (throttled to the bound alone, a soak ran 2-5
-# requests while ~60 waited). It costs those few streams a gap of at most this much more.
-PREFILL_FLOOR_SECONDS = 0.02
-
-
-class StepCostModel:
-    """What a step costs: seconds ≈ base + per_row × decode rows + per_token × prompt tokens.
-
-    One linear model over every step, fitted by exponentially weighted least squares (a CPU step is
-    compute-bound: its time grows with the rows it computes), so that a churning batch of 10 to 32
-    sequences is priced at its size and a step's prompt tokens are told apart from its decodes. Steps
-    that mix both teach the decode rows' price too: when a wave of prompts arrives, every step for a
-    while carries a prefill, and a decode line learned only from decode-only steps was priced at the
-    batch of the last ones (one row, a warm-up), which sized the wave's chunks at a fifth of what the
-    bound allows and left its last prompts seconds without a first token. Where the recent steps do
-    not tell two coefficients apart (a steady batch, no prompts), a light ridge keeps them where they
-    were. The latest chunk's cost per token is kept as well: a long prompt's tokens grow dearer as it
-    goes on (attention reads its whole context).
-    """
-
-    MIN_PREFILL_CHUNK = 4  # tokens: a long prompt always makes progress
-    # Steps whose prompt tokens are fewer than this teach nothing: a step's jitter divided by 4 tokens
-    # made them look several times dearer, the next chunks smaller, every step then carried a sliver of
-    # prompt and the batch collapsed.
-    MIN_LEARNING_CHUNK = 16
-    # Chunks are planned to this share of the allowed extra time: a decode step's own time varies by
-    # ±20% on a busy machine and grows as the streams' contexts do, so planning to the full allowance
-    # put the largest gaps at ~2.7x the median before the prompt arrived (2000 tokens under 16 streams);
-    # at 0.8, ~2.3-2.6x (0.7 gained nothing more: the rest is the machine's jitter).
-    PLANNING_MARGIN = 0.8
-    _DECAY = 0.97  # per step: the fit follows the last ~30 steps
-    _RIDGE = 1e-3  # pull of the previous slopes, relative to what the recent steps say about each
-
-    def __init__(self, max_itl_stretch: float) -> None:
-        self.max_itl_stretch = max_itl_stretch
-        self.base_seconds = 0.0
-        self.seconds_per_row: float | None = None  # a decode row's cost (drafts included)
-        self.seconds_per_token: float | None = None  # a prompt token's cost in a step
-        self.latest_seconds_per_token: float | None = None  # a growing prompt costs more per token each chunk
-        self._weight = 0.0
-        self._moments = np.zeros((3, 3))  # decayed Σ x xᵀ over x = (1, rows, prompt tokens)
-        self._targets = np.zeros(3)  # decayed Σ x · seconds
-
-    def assume(self, decode_step_seconds: float, num_decodes: int, seconds_per_token: float) -> None:
-        """Start from known costs (tests; a caller that measured them elsewhere): a decode-only step of
-        `num_decodes` rows takes `decode_step_seconds`, all of it per row."""
-        self._weight = 1.0
-        self.base_seconds, self.seconds_per_row = 0.0, decode_step_seconds / max(1, num_decodes)
-        self.seconds_per_token = seconds_per_token
-
-    def observe(self, num_decode_tokens: int, num_prefill_tokens: int, seconds: float) -> None:
-        if 0 < num_prefill_tokens < self.MIN_LEARNING_CHUNK or num_decode_tokens + num_prefill_tokens == 0:
-            return
-        if num_prefill_tokens and num_decode_tokens and self.seconds_per_row is not None:
-            extra = (seconds - self.decode_step_seconds(num_decode_tokens)) / num_prefill_tokens
-            if extra > 0:
-                self.latest_seconds_per_token = extra
-        x = np.array([1.0, num_decode_tokens, num_prefill_tokens])
-        self._weight = self._DECAY * self._weight + 1.0
-        self._moments = self._DECAY * self._moments + np.outer(x, x)
-        self._targets = self._DECAY * self._targets + x * seconds
-        self._refit(num_decode_tokens, num_prefill_tokens, seconds)
-
-    def _refit(self, rows: int, tokens: int, seconds: float) -> None:
-        # slopes never seen (no decode row, or no prompt token, yet) start at this step's cost per row
-        first_guess = seconds / (rows + tokens)
-        previous = np.array([self.base_seconds, self.seconds_per_row or first_guess,
-                             self.seconds_per_token or first_guess])
-        seen = np.diag(self._moments) > 0
-        ridge = self._RIDGE * (np.diag(self._moments) + 1.0) * np.array([0.0, 1.0, 1.0])
-        ridge[0] = 1e-12  # the base: kept solvable when every step so far had the same rows
-        active = np.flatnonzero(seen)
-        system = self._moments[np.ix_(active, active)] + np.diag(ridge[active])
-        rhs = self._targets[active] + ridge[active] * previous[active]
-        try:
-            solution = np.linalg.solve(system, rhs)
-        except np.linalg.LinAlgError:
-            return
-        fitted = previous.copy()
-        fitted[active] = solution
-        if fitted[1] <= 0 or fitted[2] <= 0:  # a fit of collinear steps gone astray: keep the last whole one
-            return  # (full-budget steps all have rows + prompt tokens = the budget)
-        self.base_seconds = float(fitted[0])
-        if seen[1]:
-            self.seconds_per_row = float(fitted[1])
-        if seen[2]:
-            self.seconds_per_token = float(fitted[2])
-
-    def decode_step_seconds(self, num_decodes: int) -> float:
-        """A decode-only step of `num_decodes` sequences, as the fit prices it."""
-        per_row = self.seconds_per_row if self.seconds_per_row is not None else self.seconds_per_token or 0.0
-        return max(self.base_seconds + per_row * num_decodes, 1e-4)
-
-    def prefill_budget_while_decoding(self, budget: int, num_decodes: int, stretch: float | None = None) -> int:
-        """Prompt tokens that keep a step with `num_decodes` decodes within `stretch` (default: the bound)
-        times a decode-only step."""
-        if not self._weight or self.seconds_per_token is None:
-            return min(budget, 16 * self.MIN_PREFILL_CHUNK)  # until measured: a modest chunk
-        # The cost of a prefill token grows with its position (attention reads its whole context), so
-        # the latest chunk's cost, when higher, wins over the average: a long prompt's chunks shrink as it goes on.
-        per_token = max(self.seconds_per_token, self.latest_seconds_per_token or 0.0)
-        stretch = self.max_itl_stretch if stretch is None else stretch
-        allowed = self.PLANNING_MARGIN * (stretch - 1.0) * self.decode_step_seconds(num_decodes) / per_token
-        return max(self.MIN_PREFILL_CHUNK, min(budget, int(allowed + 1e-6)))  # 15.99999 tokens are 16
-
-    def prefill_floor_tokens(self, budget: int) -> int:
-        """The prompt tokens PREFILL_FLOOR_SECONDS buys (at the average cost), within `budget`."""
-        if self.seconds_per_token is None:
-            return min(budget, 16 * self.MIN_PREFILL_CHUNK)
-        # never below a learning chunk: chunks too small to price would keep the estimate where it is
-        return min(budget, max(self.MIN_LEARNING_CHUNK, int(PREFILL_FLOOR_SECONDS / self.seconds_per_token + 1e-6)))
+from .step import ScheduledChunk, ScheduledStep, StepResult
+from .step_costs import PrefillBudget, StepCostModel
 
 
 class Scheduler:
@@ -271,11 +97,11 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
 
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+    def schedule(self) -> ScheduledStep:
+        out = ScheduledStep()
         num_decodes = self._schedule_decodes(out)
         out.num_decode_tokens = num_decodes
-        budget = _PrefillBudget(self.max_num_batched_tokens - num_decodes)
+        budget = PrefillBudget(self.max_num_batched_tokens - num_decodes)
         num_decoding = num_decodes - out.num_draft_tokens
         if num_decoding and self.step_costs is not None:
             costs = self.step_costs
@@ -293,7 +119,42 @@ class Scheduler:
         self._schedule_prefills(out, budget)
         if not out.preempted:  # admitting right after preempting would only trade one for another
             self._admit(out, budget)
+        for chunk in out.chunks:
+            for fork in chunk.forks:
+                self.add_running(fork)
         return out
+
+    def update_from_output(self, step: ScheduledStep, result: StepResult, finished: Iterable[Sequence] = ()) -> int:
+        """After the step ran and its tokens were published: each chunk's sequence advances over the
+        tokens whose KV it computed (a decode's accepted drafts included, the rejected ones' KV rolled
+        back), its drafter learns the drafts' fate and the tokens produced, and the `finished` sequences
+        leave the queues and free their blocks. Returns the prompt positions computed for the first
+        time: each counts once per request (a recompute after a preemption is not new work asked for,
+        and positions the prefix cache held at admission were never computed here)."""
+        num_new_prompt_tokens = 0
+        for chunk, chunk_result in zip(step.chunks, result.chunks, strict=True):
+            seq = chunk.seq
+            num_rejected = chunk.num_draft_tokens - chunk_result.num_accepted_drafts
+            if num_rejected:
+                self.kv.rollback(seq.seq_id, num_rejected)
+            seq.num_computed_tokens += chunk.num_tokens - num_rejected
+            for fork in chunk.forks:
+                fork.num_computed_tokens = seq.num_computed_tokens
+            if seq.drafter is not None and chunk.num_draft_tokens:
+                seq.drafter.record(chunk.num_draft_tokens, chunk_result.num_accepted_drafts)
+            for sampled in chunk_result.sampled:
+                if sampled.seq.drafter is not None and sampled.seq.finish_reason is None:
+                    for token in sampled.token_ids:
+                        sampled.seq.drafter.append(token)
+            request = seq.request
+            computed = min(seq.num_computed_tokens, len(request.prompt_ids))
+            if computed > request.num_prompt_tokens_computed:
+                first_new = max(request.num_prompt_tokens_computed, request.num_cached_tokens)
+                num_new_prompt_tokens += max(0, computed - first_new)
+                request.num_prompt_tokens_computed = computed
+        for seq in finished:
+            self.remove(seq)
+        return num_new_prompt_tokens
 
     def _awaiting_first_token(self) -> list[Sequence]:
         """Sequences waiting for admission or in the middle of their prefill."""
@@ -316,7 +177,7 @@ class Scheduler:
             return None
         return sum(seq.num_uncomputed_tokens for seq in members)
 
-    def observe_step(self, scheduled: SchedulerOutput, seconds: float) -> None:
+    def observe_step(self, scheduled: ScheduledStep, seconds: float) -> None:
         """The engine reports how long a scheduled step took (it sizes later prefill chunks, and
         tells whether drafts pay)."""
         num_prefill = scheduled.num_tokens - scheduled.num_decode_tokens
@@ -352,7 +213,7 @@ class Scheduler:
             return []  # nobody is preempted for a draft
         return drafts
 
-    def _schedule_decodes(self, out: SchedulerOutput) -> int:
+    def _schedule_decodes(self, out: ScheduledStep) -> int:
         num_scheduled = 0
         num_candidates = len(self.running)
         acceptance_needed = self.draft_costs.acceptance_needed(num_candidates) if self.speculative == "auto" else None
@@ -379,7 +240,7 @@ class Scheduler:
             out.num_draft_tokens += len(drafts)
         return num_scheduled
 
-    def _schedule_prefills(self, out: SchedulerOutput, budget: _PrefillBudget) -> None:
+    def _schedule_prefills(self, out: ScheduledStep, budget: PrefillBudget) -> None:
         for seq in self.running:
             if budget.tokens == 0:
                 break
@@ -407,7 +268,7 @@ class Scheduler:
         starved_since = (time.monotonic() if now is None else now) - starvation
         return min(candidates, key=lambda seq: (seq.request.arrival_time > starved_since, *_admission_order(seq)))
 
-    def _admit(self, out: SchedulerOutput, budget: _PrefillBudget) -> None:
+    def _admit(self, out: ScheduledStep, budget: PrefillBudget) -> None:
         num_reserved = self.num_reserved_seqs
         now = time.monotonic()
         while self.waiting:
@@ -434,15 +295,25 @@ class Scheduler:
             if num_tokens:
                 out.chunks.append(self._chunk(seq, num_tokens, out))
 
-    def _chunk(self, seq: Sequence, num_tokens: int, out: SchedulerOutput,
+    def _chunk(self, seq: Sequence, num_tokens: int, out: ScheduledStep,
                drafts: list[int] | None = None) -> ScheduledChunk:  # fmt: skip
         begin = seq.num_computed_tokens
         token_ids = seq.token_ids(begin, begin + num_tokens) + (drafts or [])
         out.block_copies.extend(self.kv.append_slots(seq.seq_id, token_ids))
-        return ScheduledChunk(seq, token_ids, samples=begin + num_tokens == seq.num_tokens,
-                              num_draft_tokens=len(drafts or ()))  # fmt: skip
+        chunk = ScheduledChunk(seq, begin, token_ids, samples=begin + num_tokens == seq.num_tokens,
+                               num_draft_tokens=len(drafts or ()))  # fmt: skip
+        request = seq.request
+        if chunk.samples and not seq.output_ids and len(request.sequences) < request.params.n:
+            # the prompt ends this step: the other choices share its blocks (running from the end of
+            # schedule(); their reservation was held by this sequence)
+            for index in range(len(request.sequences), request.params.n):
+                fork = seq.fork(index)
+                self.kv.fork(seq.seq_id, fork.seq_id)
+                request.sequences.append(fork)
+                chunk.forks.append(fork)
+        return chunk
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence, out: ScheduledStep) -> None:
         self.running.remove(seq)
         self.kv.free(seq.seq_id)
         seq.status = SequenceStatus.WAITING

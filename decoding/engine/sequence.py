@@ -6,14 +6,15 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from .detokenizer import IncrementalDetokenizer
-from .outputs import RequestStream
+from .outputs import FinishReason, RequestStream
 from .params import SamplingParams
 from .sampling import TokenLogprobs
+from .speculative import NgramDrafter
+from .structured import GrammarState
 
 
 class SequenceStatus(enum.Enum):
@@ -84,15 +85,21 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     held_text: str = ""  # decoded text not yet sent: it could be the start of a stop string
     sent_text_tail: str = ""  # the last characters sent, where a stop string may have begun
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     num_preemptions: int = 0
-    matcher: Any = None  # structured output: this choice's grammar state (decoding.engine.structured)
-    json_guard: Any = None  # and, for JSON, where its answer stands outside strings (JsonRunGuard)
-    drafter: Any = None  # speculative decoding: its n-gram index (NgramDrafter), made at its first decode
+    grammar: GrammarState | None = None  # structured output (or a tool call under way): made at its first draw
+    drafter: NgramDrafter | None = None  # speculative decoding: its n-gram index, made at its first decode
 
     @property
     def params(self) -> SamplingParams:
         return self.request.params
+
+    def fork(self, index: int) -> Sequence:
+        """Choice `index` of the same request, as this one stands before its first output token (its
+        blocks are shared by the caller)."""
+        assert not self.output_ids, "choices fork when their prompt is done, before any output"
+        return Sequence(self.request, index, self.detokenizer.copy(), seed_generator(self.params.seed, index),
+                        num_computed_tokens=self.num_computed_tokens, status=self.status)
 
     @property
     def prompt_ids(self) -> list[int]:

@@ -1,4 +1,4 @@
-"""Flatten a SchedulerOutput into the runner's StepBatch."""
+"""Flatten a ScheduledStep into the runner's StepBatch."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from kvcache.batch import build_batch_arrays
 from kvcache.manager import KVCacheManager
 
 from .runner import StepBatch
-from .scheduler import SchedulerOutput
+from .step import ScheduledStep
 
 
-def build_step_batch(kv: KVCacheManager, scheduled: SchedulerOutput) -> tuple[StepBatch, list[int]]:
+def build_step_batch(kv: KVCacheManager, scheduled: ScheduledStep) -> tuple[StepBatch, list[int]]:
     """The batch, and for each chunk the index of its first logits row (-1 if it needs none).
 
     A chunk needs logits for its last row when it samples, and for every row while a request asks

@@ -183,10 +183,42 @@ class JsonRunGuard:
         return not self.in_string and self.digits >= MAX_NUMBER_DIGITS
 
 
-def apply_masks(logits: np.ndarray, constrained: list[tuple[int, Any, JsonRunGuard | None, list[int]]],
+@dataclass(slots=True)
+class GrammarState:
+    """One choice's progress through its grammar: llguidance's matcher and, for a JSON answer, where it
+    stands outside its strings."""
+
+    matcher: Any  # llguidance.LLMatcher
+    json_guard: JsonRunGuard | None = None
+
+    @classmethod
+    def start(cls, guide: Guide, constraint: Constraint, is_json: bool | None = None) -> GrammarState:
+        """`is_json`: whether to guard number runs (default: the constraint is a JSON one)."""
+        is_json = constraint.kind in ("json", "json_object") if is_json is None else is_json
+        return cls(guide.matcher(constraint), JsonRunGuard() if is_json else None)
+
+    def consume(self, token: int, guide: Guide) -> bool:
+        """Advance by a drawn token; False where the grammar refuses it."""
+        if not self.matcher.consume_token(token):
+            return False
+        if self.json_guard is not None:
+            self.json_guard.add(guide.token_texts()[0][token])
+        return True
+
+    @property
+    def is_complete(self) -> bool:
+        """The grammar accepts nothing after what it consumed."""
+        return bool(self.matcher.is_stopped())
+
+    @property
+    def error(self) -> str:
+        return self.matcher.get_error() or "dead end"
+
+
+def apply_masks(logits: np.ndarray, constrained: list[tuple[int, GrammarState, list[int]]],
                 guide: Guide) -> list[int]:  # fmt: skip
     """Set to -inf the logits each row's matcher forbids (and, for JSON, digits past a full number);
-    `constrained`: (row of `logits`, matcher, JSON guard or None, draft tokens). A sequence with
+    `constrained`: (row of `logits`, the choice's grammar state, draft tokens). A sequence with
     draft tokens (speculative decoding) owns that row and one more per draft: row j gets the mask of
     the state after drafts[:j] (the matcher consumes the drafts the grammar allows, then rolls them
     back); rows after a draft the grammar refuses only copy the row before, as verification stops
@@ -204,7 +236,8 @@ def apply_masks(logits: np.ndarray, constrained: list[tuple[int, Any, JsonRunGua
     bitmask = allocate_token_bitmask(sum(1 + len(drafts) for *_, drafts in constrained), guide.vocab_size)
     rows: list[int] = []
     owners: list[Any] = []
-    for first_row, matcher, guard, drafts in constrained:
+    for first_row, state, drafts in constrained:
+        matcher, guard = state.matcher, state.json_guard
         num_valid = matcher.validate_tokens(drafts) if drafts else 0
         for j in range(len(drafts) + 1):
             i = len(rows)
