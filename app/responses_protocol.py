@@ -23,7 +23,8 @@ from decoding.engine.outputs import FinishReason, RequestOutput, Usage
 from .errors import APIError, invalid_body
 from .outcomes import failure_message, is_failure, outcome_of
 from .protocol import Chunk
-from .schemas import ChatCompletionRequest, SchedulingFields, _Body, _one_of, _refuse_not_implemented
+from .schema_base import StrictBody, one_of, refuse_not_implemented
+from .schemas import ChatCompletionRequest, SchedulingFields
 from .tools import HermesToolCalls, ToolCallStream
 
 # Fields that would change the output and are not implemented, with the values that change nothing.
@@ -43,17 +44,17 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(16)}"
 
 
-class InputText(_Body):
+class InputText(StrictBody):
     type: Literal["input_text", "output_text", "text"]
     text: str
 
 
 InputContent = Annotated[str | list[InputText],
-                         _one_of("must be a string or a list of {type: input_text, text} parts (only text is "
+                         one_of("must be a string or a list of {type: input_text, text} parts (only text is "
                                  "supported)")]  # fmt: skip
 
 
-class InputMessage(_Body):
+class InputMessage(StrictBody):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: InputContent
@@ -62,7 +63,7 @@ class InputMessage(_Body):
         return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
 
 
-class FunctionCallItem(_Body):
+class FunctionCallItem(StrictBody):
     type: Literal["function_call"]
     call_id: Annotated[str, Field(min_length=1)]
     name: Annotated[str, Field(min_length=1)]
@@ -71,7 +72,7 @@ class FunctionCallItem(_Body):
     status: str | None = None
 
 
-class FunctionCallOutputItem(_Body):
+class FunctionCallOutputItem(StrictBody):
     type: Literal["function_call_output"]
     call_id: Annotated[str, Field(min_length=1)]
     output: str
@@ -80,11 +81,11 @@ class FunctionCallOutputItem(_Body):
 
 
 InputItem = Annotated[InputMessage | FunctionCallItem | FunctionCallOutputItem,
-                      _one_of("must be a message {role, content}, a function_call or a function_call_output "
+                      one_of("must be a message {role, content}, a function_call or a function_call_output "
                               "(other input items are not supported)")]  # fmt: skip
 
 
-class FunctionTool(_Body):
+class FunctionTool(StrictBody):
     type: Literal["function"]
     name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")]
     description: str | None = None
@@ -92,17 +93,17 @@ class FunctionTool(_Body):
     strict: bool | None = None
 
 
-class NamedFunctionChoice(_Body):
+class NamedFunctionChoice(StrictBody):
     type: Literal["function"]
     name: Annotated[str, Field(min_length=1)]
 
 
 ResponsesToolChoice = Annotated[Literal["none", "auto", "required"] | NamedFunctionChoice,
-                                _one_of('must be "none", "auto", "required" '
+                                one_of('must be "none", "auto", "required" '
                                         'or {"type": "function", "name"}')]  # fmt: skip
 
 
-class TextFormat(_Body):
+class TextFormat(StrictBody):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     description: str | None = None
@@ -116,7 +117,7 @@ class TextFormat(_Body):
         return self
 
 
-class TextOptions(_Body):
+class TextOptions(StrictBody):
     format: TextFormat | None = None
     verbosity: Literal["low", "medium", "high"] | None = None  # only medium (the default) changes nothing
 
@@ -124,7 +125,7 @@ class TextOptions(_Body):
 class ResponsesRequest(SchedulingFields):
     model: str | None = None
     input: Annotated[str | Annotated[list[InputItem], Field(min_length=1)],
-                     _one_of("must be a string or a non-empty list of input items")]
+                     one_of("must be a string or a non-empty list of input items")]
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -145,7 +146,7 @@ class ResponsesRequest(SchedulingFields):
     @classmethod
     def _refuse_what_is_not_implemented(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            _refuse_not_implemented(data, RESPONSES_NOT_IMPLEMENTED)
+            refuse_not_implemented(data, RESPONSES_NOT_IMPLEMENTED)
             tools = data.get("tools")
             for i, tool in enumerate(tools if isinstance(tools, list) else []):  # else the type check's 400
                 if isinstance(tool, dict) and tool.get("type") != "function":

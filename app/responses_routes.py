@@ -18,19 +18,18 @@ from starlette.routing import Route
 from .body import read_body
 from .errors import APIError, encoded_response
 from .outcomes import error_for
-from .response_store import StoredResponse
-from .responses_protocol import ResponsesFormatter, ResponsesRequest, ResponseState, new_id
-from .routes import (
+from .prompting import (
     DEFAULT_CHAT_MAX_TOKENS,
     chat_prompt_ids,
-    last_event_id,
-    resume_from,
     sampling_params,
     scheduling_of,
     submit,
     tool_syntax,
     with_tools,
 )
+from .response_store import StoredResponse
+from .responses_protocol import ResponsesFormatter, ResponsesRequest, ResponseState, new_id
+from .resuming import last_event_id, resume_from
 from .runs import Run
 from .server import serving
 from .streaming import TYPED_SSE_FRAMING, new_run, run_until_disconnect, stream_run

@@ -14,12 +14,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Field,
-    ValidationError,
     ValidationInfo,
-    ValidatorFunctionWrapHandler,
-    WrapValidator,
     field_validator,
     model_validator,
 )
@@ -28,96 +24,40 @@ from decoding.engine.params import MAX_N, MAX_TOP_LOGPROBS, SamplingParams
 from decoding.engine.structured import Constraint
 
 from .errors import APIError
+from .schema_base import (
+    CHAT_NOT_IMPLEMENTED,
+    COMPLETION_NOT_IMPLEMENTED,
+    MESSAGE_NOT_IMPLEMENTED,
+    NOT_IMPLEMENTED,
+    NonEmptyStr,
+    Prompt,
+    Stop,
+    StrictBody,
+    one_of,
+    refuse_not_implemented,
+)
 
 
-def _one_of(message: str) -> WrapValidator:
-    """One plain message for a union field, instead of one pydantic error per member of the union."""
-
-    def validate(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
-        try:
-            return handler(value)
-        except ValidationError:
-            raise ValueError(message) from None
-
-    return WrapValidator(validate)
-
-
-NonEmptyStr = Annotated[str, Field(min_length=1)]
-TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
-Prompt = Annotated[NonEmptyStr | TokenIds, _one_of("must be a non-empty string or a non-empty list of token ids")]
-Stop = Annotated[str | list[str], _one_of("must be a string or a list of strings")]
-
-
-# Fields that would change the output and are not implemented, each with the values that change nothing.
-# Any other value is refused with 400 `unsupported_parameter` naming the field: never silently dropped.
-# (OpenAI's old `functions` / `function_call` are refused: `tools` / `tool_choice` replace them.) Fields that only
-# describe the caller (user, metadata, store, service_tier, ...) are not listed: they are accepted and ignored.
-NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
-    # OpenAI's
-    "functions": (None, []),
-    "function_call": (None, "none"),
-    "best_of": (None,),  # or equal to n, which is what n alone does (see `_refuse_not_implemented`)
-    "modalities": (None, ["text"]),
-    "audio": (None,),
-    "web_search_options": (None,),
-    # vLLM's
-    "use_beam_search": (None, False),
-    "allowed_token_ids": (None,),
-    "bad_words": (None, []),
-    "logits_processors": (None, []),
-    "prompt_logprobs": (None,),
-    "truncate_prompt_tokens": (None,),
-    "return_tokens_as_token_ids": (None, False),
-    "spaces_between_special_tokens": (None, True),
-}
-CHAT_NOT_IMPLEMENTED = {
-    **NOT_IMPLEMENTED,
-    "echo": (None, False),  # vLLM's chat echo; completions implement theirs
-    "add_generation_prompt": (None, True),
-    "continue_final_message": (None, False),
-    "add_special_tokens": (None, False),
-    "chat_template": (None,),
-    "chat_template_kwargs": (None, {}),
-    "documents": (None, []),
-}
-COMPLETION_NOT_IMPLEMENTED = {**NOT_IMPLEMENTED, "suffix": (None, ""), "add_special_tokens": (None, True)}
-MESSAGE_NOT_IMPLEMENTED = {"function_call": (None,)}  # an assistant's, in the history (the old API)
-
-
-def _refuse_not_implemented(data: dict[str, Any], table: dict[str, tuple[Any, ...]], prefix: str = "") -> None:
-    for name, neutral in table.items():
-        value = data.get(name)
-        if value in neutral or (name == "best_of" and value == data.get("n", 1)):
-            continue
-        shown = " or ".join([json.dumps(v) for v in neutral] + (["n"] if name == "best_of" else []))
-        raise APIError(400, f"{name} is not supported: it would change the output and treadle does not implement "
-                            f"it yet (omit it, or send {shown})", prefix + name, code="unsupported_parameter")
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class TextPart(_Body):
+class TextPart(StrictBody):
     type: Literal["text"]
     text: str
 
 
-Content = Annotated[str | list[TextPart], _one_of("must be a string or a list of {type: text, text} parts")]
+Content = Annotated[str | list[TextPart], one_of("must be a string or a list of {type: text, text} parts")]
 
 
-class FunctionCall(_Body):
+class FunctionCall(StrictBody):
     name: NonEmptyStr
     arguments: str  # JSON text, as OpenAI sends it
 
 
-class MessageToolCall(_Body):
+class MessageToolCall(StrictBody):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Body):
+class ChatMessage(StrictBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Content | None = Field(None, validate_default=True)
     name: str | None = None
@@ -157,18 +97,18 @@ def _arguments_mapping(arguments: str) -> Any:
         return arguments  # not JSON: the template gets the text
 
 
-class StreamOptions(_Body):
+class StreamOptions(StrictBody):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(_Body):
+class JsonSchemaFormat(StrictBody):
     name: Annotated[str, Field(min_length=1, max_length=64)]
     description: str | None = None
     json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")  # `schema` is BaseModel's
     strict: bool | None = None  # the schema is always enforced: strict or not, the output matches it
 
 
-class ResponseFormat(_Body):
+class ResponseFormat(StrictBody):
     """OpenAI's response_format: text (no constraint), any JSON object, or JSON matching a schema."""
 
     type: Literal["text", "json_object", "json_schema"]
@@ -181,7 +121,7 @@ class ResponseFormat(_Body):
         return self
 
 
-class StructuredOutputs(_Body):
+class StructuredOutputs(StrictBody):
     """vLLM's structured_outputs: exactly one of a JSON schema, a regex, a choice of strings, a Lark grammar."""
 
     json_schema: dict[str, Any] | str | None = Field(None, alias="json")  # `json` is BaseModel's
@@ -221,7 +161,7 @@ def _json_schema_constraint(schema: dict[str, Any] | str, field: str) -> Constra
     return Constraint("json", json.dumps(schema), field)  # key order kept: properties come in schema order
 
 
-class SchedulingFields(_Body):
+class SchedulingFields(StrictBody):
     """When a generation runs: vLLM's `priority` (lower is admitted first) and a queue `timeout` in
     seconds (a request not started by then is answered 503 instead of being served late)."""
 
@@ -291,7 +231,7 @@ class _SamplingBody(SchedulingFields):
     @classmethod
     def _refuse_what_is_not_implemented(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            _refuse_not_implemented(data, cls.not_implemented)
+            refuse_not_implemented(data, cls.not_implemented)
         return data
 
     @field_validator("stream_options")
@@ -331,29 +271,29 @@ class _SamplingBody(SchedulingFields):
         return bias
 
 
-class FunctionSpec(_Body):
+class FunctionSpec(StrictBody):
     name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")]
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; none = a function without arguments
     strict: bool | None = None
 
 
-class ToolSpec(_Body):
+class ToolSpec(StrictBody):
     type: Literal["function"]
     function: FunctionSpec
 
 
-class NamedFunction(_Body):
+class NamedFunction(StrictBody):
     name: NonEmptyStr
 
 
-class NamedToolChoice(_Body):
+class NamedToolChoice(StrictBody):
     type: Literal["function"]
     function: NamedFunction
 
 
 ToolChoice = Annotated[Literal["none", "auto", "required"] | NamedToolChoice,
-                       _one_of('must be "none", "auto", "required" '
+                       one_of('must be "none", "auto", "required" '
                                'or {"type": "function", "function": {"name"}}')]  # fmt: skip
 
 
@@ -380,7 +320,7 @@ class ChatCompletionRequest(_SamplingBody):
         messages = data.get("messages") if isinstance(data, dict) else None
         for i, message in enumerate(messages if isinstance(messages, list) else []):
             if isinstance(message, dict):
-                _refuse_not_implemented(message, MESSAGE_NOT_IMPLEMENTED, f"messages.{i}.")
+                refuse_not_implemented(message, MESSAGE_NOT_IMPLEMENTED, f"messages.{i}.")
         return data
 
     @model_validator(mode="after")
@@ -439,7 +379,7 @@ class CompletionRequest(_SamplingBody):
         return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(StrictBody):
     """vLLM's /tokenize: a plain prompt, or messages rendered with the chat template."""
 
     model: str | None = None
@@ -455,7 +395,7 @@ class TokenizeRequest(_Body):
         return self
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(StrictBody):
     model: str | None = None
     tokens: list[Annotated[int, Field(ge=0)]]
 
