@@ -105,7 +105,7 @@ def main(argv: list[str]) -> int:
     log.info("loading %s ...", settings.model)
     started = time.perf_counter()
     try:
-        engine = Engine(load_model(settings.model), settings.engine_config())
+        engine = Engine(load_model(settings.model), settings.engine)
     except ModelLoadError as exc:
         print(f"treadle: error: {exc}", file=sys.stderr)
         return 2

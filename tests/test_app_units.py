@@ -13,7 +13,7 @@ import pytest
 from app.metrics import ServerMetrics
 from app.protocol import ChatFormatter, CompletionFormatter, ResponseHeader, TokenText
 from app.runs import Event
-from app.settings import RayOptions, parse_serve_args, parse_settings
+from app.settings import RayOptions, build_parser, parse_serve_args, parse_settings
 from app.streaming import SSE_FRAMING, run_until_disconnect
 from decoding.engine.engine import resolve_kv_cache_dtype
 from decoding.engine.outputs import RequestOutput, Usage
@@ -28,15 +28,15 @@ def test_every_option_reads_its_environment_variable_and_a_flag_wins(monkeypatch
     settings = parse_settings(["--max-queue", "9"])
     assert settings.port == 9001 and settings.max_queue == 9 and settings.api_key == "k"
     assert settings.cors_origins == ("http://a.test", "http://b.test")
-    assert settings.engine_config().max_queue == 9
-    assert settings.engine_config().speculative == "off"
+    assert settings.engine.max_queue == 9
+    assert settings.engine.speculative == "off"
     monkeypatch.setenv("TREADLE_SPECULATIVE", "auto")
-    config = parse_settings(["--speculative-max-tokens", "4"]).engine_config()
+    config = parse_settings(["--speculative-max-tokens", "4"]).engine
     assert (config.speculative, config.speculative_max_tokens) == ("auto", 4)
     monkeypatch.setenv("TREADLE_KV_CACHE_DTYPE", "float32")
-    assert resolve_kv_cache_dtype(parse_settings([]).engine_config()) == "float32"
-    assert resolve_kv_cache_dtype(parse_settings(["--kv-cache-dtype", "auto"]).engine_config()) == "float16"
-    assert resolve_kv_cache_dtype(parse_settings(["--kv-cache-dtype", "auto", "--kernels", "exact"]).engine_config()) \
+    assert resolve_kv_cache_dtype(parse_settings([]).engine) == "float32"
+    assert resolve_kv_cache_dtype(parse_settings(["--kv-cache-dtype", "auto"]).engine) == "float16"
+    assert resolve_kv_cache_dtype(parse_settings(["--kv-cache-dtype", "auto", "--kernels", "exact"]).engine) \
         == "float32"
 
 
@@ -271,7 +271,7 @@ def test_warm_up_freezes_what_lives_as_long_as_the_process(default_model):
 
 def test_more_threads_than_usable_cores_is_a_clear_command_line_error(capsys):
     cores = len(os.sched_getaffinity(0))
-    assert parse_settings(["--threads", str(cores)]).threads == cores
+    assert parse_settings(["--threads", str(cores)]).engine.n_threads == cores
     with pytest.raises(SystemExit):
         parse_settings(["--threads", str(cores + 1)])
     assert "usable cores" in capsys.readouterr().err
@@ -317,21 +317,42 @@ def test_any_script_that_loads_the_kernels_uses_the_cache_named_after_their_sour
 
 
 def test_every_serve_option_is_in_the_docs_table_with_its_environment_variable():
-    """docs/serving.md's option table is what users read: a flag added to the parser without a row, or a
-    row for a flag that is gone, fails here."""
+    """docs/serving.md's option table is what users read: it is written from the options' declarations, so
+    it must be current, and every flag the parser has must have its row with the variable it reads."""
     import re
+    import subprocess
+    import sys
     from pathlib import Path
 
-    from app.settings import build_parser
+    from app.settings import options_table
 
+    root = Path(__file__).parent.parent
+    check = subprocess.run([sys.executable, "scripts/options_table.py", "--check"], cwd=root, capture_output=True)
+    assert check.returncode == 0, check.stderr.decode()
     parser = build_parser()
     flags = {o: a for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
-    rows = [line.split(" | ") for line in (Path(__file__).parent.parent / "docs" / "serving.md").read_text()
-            .splitlines() if line.startswith("| `--")]  # fmt: skip
+    rows = [line.split(" | ") for line in options_table().splitlines() if line.startswith("| `--")]
     documented = {flag: row for row in rows for flag in re.findall(r"`(--[a-z0-9-]+)", row[0])}
-    assert sorted(set(flags) - set(documented)) == [], "flags without a row in docs/serving.md"
+    assert sorted(set(flags) - set(documented)) == [], "flags without a row"
     assert sorted(set(documented) - set(flags)) == [], "rows for flags the parser does not have"
     for flag, action in flags.items():
-        variable = "TREADLE_" + flag[2:].replace("-", "_").upper()
-        if f"[{variable}" in (action.help or ""):  # the option reads this variable: the row names it
-            assert variable in documented[flag][1], (flag, variable)
+        variable = re.search(r"\[([A-Z_]+)\]$", action.help or "")
+        if variable:  # the option reads this variable: the row names it
+            assert variable.group(1) in documented[flag][1], (flag, variable.group(1))
+
+
+def test_every_engine_option_is_reachable_from_the_command_line_and_checked_in_code_alike():
+    from dataclasses import fields
+
+    from decoding.engine.config import EngineConfig
+
+    parser_dests = {a.dest for a in build_parser()._actions}
+    assert {f.name for f in fields(EngineConfig)} <= parser_dests
+    assert parse_settings(["--max-itl-stretch", "3", "--max-model-len", "512", "--no-pin-threads"]).engine == \
+        EngineConfig(max_itl_stretch=3.0, max_model_len=512, pin_threads=False)
+    with pytest.raises(ValueError, match="speculative: must be one of off, auto, ngram"):
+        EngineConfig(speculative="sometimes")
+    with pytest.raises(ValueError, match="max_itl_stretch: must be more than 1"):
+        EngineConfig(max_itl_stretch=0.5)
+    with pytest.raises(SystemExit):
+        parse_settings(["--max-itl-stretch", "0.5"])

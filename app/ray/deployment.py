@@ -153,9 +153,9 @@ class TreadleReplica:
 
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.to_full_id_str()  # the replica actor's name, namespace "serve"
-        n_threads = settings.threads or 1
+        n_threads = settings.engine.n_threads or 1
         self.cores = _pin_to_own_cores(context.rank.local_rank, n_threads)
-        config = replace(settings.engine_config(), n_threads=n_threads, pin_threads=self.cores is not None)
+        config = replace(settings.engine, n_threads=n_threads, pin_threads=self.cores is not None)
         self.engine = Engine(load_model(settings.model), config)
         self.app = build_app(settings, self.engine)
         self.state = self.app.state.serving
@@ -358,7 +358,7 @@ class TreadleIngress:
 def build_application(settings: ServerSettings, replicas: int = 2, threads_per_replica: int = 1,
                       prefix_affinity: bool = True, imbalanced_threshold: float | None = None) -> Any:
     """The Ray Serve application: `serve.run(build_application(...))`."""
-    settings = replace(settings, threads=threads_per_replica)
+    settings = replace(settings, engine=replace(settings.engine, n_threads=threads_per_replica))
     if prefix_affinity:
         from .router import DEFAULT_IMBALANCED_THRESHOLD, TreadlePrefixRouter
 
