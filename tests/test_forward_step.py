@@ -184,3 +184,20 @@ def test_profiled_steps_time_every_phase_and_compute_the_same_logits(tmp_path_fa
         ran -= {"quantize attention", "quantize hidden"}
     for name, count in zip(PHASES, cycles, strict=True):
         assert (count > 0) == (name in ran), name
+
+
+def test_model_step_reads_every_field_of_its_named_structures_by_name():
+    """The step's arguments are named structures: a field added to one and never read (or read under
+    another name, which numba refuses when compiling) is a disagreement between runner and kernel."""
+    import inspect
+
+    from decoding.kernels import forward
+
+    source = inspect.getsource(forward.model_step.py_func)
+    parameters = list(inspect.signature(forward.model_step.py_func).parameters)
+    assert parameters == ["tid", "nthreads", "barrier", "fast", "step", "matrices", "packed", "weights", "arch",
+                          "key_cache", "value_cache", "scratch"]
+    for name, structure in [("step", forward.StepInputs), ("weights", forward.WeightArrays),
+                            ("arch", forward.Architecture), ("scratch", forward.StepScratch)]:
+        unread = [f for f in structure._fields if f"{name}.{f}" not in source]
+        assert unread == [], f"{structure.__name__} fields model_step never reads: {unread}"

@@ -36,9 +36,9 @@ def test_the_first_build_writes_the_file_and_the_next_maps_the_same_bytes(quanti
         mapped = build(quantized_file, cache)
     assert "mapped from" in caplog.text
     for a, b, c in zip(
-        [*in_memory.packed, in_memory.lm_head_packed],
-        [*written.packed, written.lm_head_packed],
-        [*mapped.packed, mapped.lm_head_packed],
+        [*in_memory.packed, in_memory.arrays.lm_head_packed],
+        [*written.packed, written.arrays.lm_head_packed],
+        [*mapped.packed, mapped.arrays.lm_head_packed],
         strict=True,
     ):
         assert np.array_equal(a, b) and np.array_equal(a, c)
@@ -75,7 +75,7 @@ def test_a_damaged_or_foreign_file_is_ignored_and_rewritten(quantized_file, tmp_
         rebuilt = build(quantized_file, cache)
     assert "ignoring the weight cache" in caplog.text
     assert all(np.array_equal(a, b) for a, b in zip(reference.packed, rebuilt.packed, strict=True))
-    assert weight_cache.load(cache, [a.nbytes for a in reference.packed] + [reference.lm_head_packed.nbytes])
+    assert weight_cache.load(cache, [a.nbytes for a in reference.packed] + [reference.arrays.lm_head_packed.nbytes])
 
 
 def test_an_unwritable_directory_repacks_in_memory(quantized_file, tmp_path):

@@ -1,4 +1,9 @@
-"""The engine: one thread turning the loop — schedule → run the model step → sample → publish.
+"""The engine: one thread turning the loop, each step a few stages with typed hand-offs.
+
+    Scheduler.schedule() → ScheduledStep → ModelRunner.forward → logits → sample_step → StepResult
+        → OutputProcessor.process (publish) → Scheduler.update_from_output
+
+`Engine` keeps what is no stage's: the inbox, the thread, the queue deadlines and fatal failure.
 
 `submit()` and `abort()` may be called from any thread or from the asyncio loop: they only put
 commands in a bounded inbox. The engine thread owns all engine state and applies the inbox before
@@ -26,7 +31,7 @@ from ..kernels import weight_cache
 from ..kernels.forward import KernelWeights, resident_weight_bytes
 from ..model.model import Model
 from . import memory
-from .config import KV_CACHE_DTYPES, SPECULATIVE_MODES, EngineConfig, resolve_kv_cache_dtype
+from .config import KV_CACHE_DTYPES, EngineConfig, resolve_kv_cache_dtype
 from .errors import EngineFailed, EngineShuttingDown, QueueFull, RequestTooLarge
 from .observers import EngineObserver, EngineStats, notify
 from .output_processor import OutputProcessor
@@ -36,7 +41,7 @@ from .runner import ModelRunner
 from .sampling import Sampler
 from .scheduler import Scheduler
 from .sequence import Request
-from .step import ScheduledStep
+from .step import ScheduledStep, StepResult
 from .step_batch import build_step_batch
 from .step_sampling import sample_step
 from .structured import Guide, StructuredOutputError
@@ -60,15 +65,14 @@ class Engine:
         mc = model.config
         spec = KVCacheSpec(n_layers=mc.n_layers, n_kv_heads=mc.n_kv_heads, head_dim=mc.head_dim,
                            block_size=cfg.block_size, dtype=resolve_kv_cache_dtype(cfg))
-        num_blocks = self._num_kv_blocks(spec)
+        weights_bytes = resident_weight_bytes(model.weights, fast=cfg.kernels == "fast")
+        num_blocks = memory.num_kv_blocks(cfg, spec, weights_bytes, self.max_model_len)
         # Repacking holds one matrix's file pages beside its copy until the pages are released: done
         # before the KV cache is touched, that passing peak does not stack on the cache's.
         cache = weight_cache.cache_file(model.path) if cfg.weight_cache and model.path.is_file() else None
         weights = KernelWeights.build(mc, model.weights, fast=cfg.kernels == "fast", cache=cache)
         self.storage = KVCacheStorage.allocate(spec, num_blocks)
         self.kv = KVCacheManager(num_blocks, cfg.block_size, self.max_model_len, cfg.enable_prefix_caching)
-        if cfg.speculative not in SPECULATIVE_MODES:
-            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {cfg.speculative!r}")
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_itl_stretch,
                                    cfg.speculative, cfg.speculative_max_tokens, cfg.priority_starvation_seconds)
         self.pool = SpinPool(cfg.n_threads, pin=cfg.pin_threads)
@@ -93,29 +97,6 @@ class Engine:
         self._is_idle = False  # the last step scheduled nothing (every running request's reader lags)
         self.failure: str | None = None  # why the engine thread ended, if it did on an error
         self._thread: threading.Thread | None = None
-
-    def _num_kv_blocks(self, spec: KVCacheSpec) -> int:
-        """The KV cache's size in blocks, from the configuration: refused where the weights and the
-        cache do not fit in the memory available (decoding.engine.memory)."""
-        cfg, budget = self.config, memory.available_memory()
-        weights_bytes = resident_weight_bytes(self.model.weights, fast=cfg.kernels == "fast")
-        if cfg.num_kv_blocks:
-            num_blocks = cfg.num_kv_blocks
-        elif cfg.kv_cache_mb == "auto":
-            most_useful = cfg.max_num_seqs * self.max_model_len * spec.bytes_per_token
-            num_blocks = memory.auto_kv_bytes(weights_bytes, most_useful, budget) // spec.bytes_per_block
-            log.info("KV cache (auto): %d blocks, %.0f MiB, %d tokens — half of the %.0f MiB available (%s) "
-                     "beyond %.0f MiB of weights and a %.0f MiB margin, at most what %d sequences of %d tokens fill",
-                     num_blocks, num_blocks * spec.bytes_per_block / memory.MIB, num_blocks * spec.block_size,
-                     budget.available / memory.MIB, budget.source, weights_bytes / memory.MIB,
-                     memory.RUNTIME_MARGIN_BYTES / memory.MIB, cfg.max_num_seqs, self.max_model_len)  # fmt: skip
-            if num_blocks < 1:
-                memory.check_fits(weights_bytes, spec.bytes_per_block, budget)
-                raise memory.NotEnoughMemory("no KV block fits beside the weights in the memory available")
-        else:
-            num_blocks = spec.num_blocks_for_mib(float(cfg.kv_cache_mb))
-        memory.check_fits(weights_bytes, num_blocks * spec.bytes_per_block, budget)
-        return num_blocks
 
     # ---- any thread -------------------------------------------------------------------------------
 
@@ -247,7 +228,7 @@ class Engine:
             self._end_request(request, FinishReason.ABORT_SHUTDOWN)
 
     def step(self) -> None:
-        """One turn: apply the inbox, schedule, run the model, sample, publish."""
+        """One turn: apply the inbox and the deadlines, then the step's stages."""
         self._drain_inbox()
         self._abort_slow_readers()
         self._end_queue_timeouts()
@@ -271,15 +252,7 @@ class Engine:
         self._is_idle = False
         started = time.perf_counter()
         try:
-            if self.fault_hook is not None:
-                self.fault_hook(step)
-            batch, first_rows = build_step_batch(self.kv, step)
-            kernel_started = time.perf_counter()
-            logits = self.runner.forward(batch)
-            kernel_seconds = time.perf_counter() - kernel_started
-            result = sample_step(step, logits, first_rows, self.sampler, self.guide)
-            finished = self.outputs.process(step, result)
-            self.stats.num_prompt_tokens += self.scheduler.update_from_output(step, result, finished)
+            result, kernel_seconds = self._run_stages(step)
         except Exception as exc:  # a failed step ends only the requests it touched
             log.exception("engine step failed")
             for request in {id(c.seq.request): c.seq.request for c in step.chunks}.values():
@@ -288,7 +261,23 @@ class Engine:
             if isinstance(exc, BrokenPool):
                 raise
             return
-        seconds = time.perf_counter() - started
+        self._record_step(step, result, time.perf_counter() - started, kernel_seconds)
+
+    def _run_stages(self, step: ScheduledStep) -> tuple[StepResult, float]:
+        """The model step, sampling, publishing and the scheduler's update; returns the result and the
+        seconds the kernels took."""
+        if self.fault_hook is not None:
+            self.fault_hook(step)
+        batch, first_rows = build_step_batch(self.kv, step)
+        kernel_started = time.perf_counter()
+        logits = self.runner.forward(batch)
+        kernel_seconds = time.perf_counter() - kernel_started
+        result = sample_step(step, logits, first_rows, self.sampler, self.guide)
+        finished = self.outputs.process(step, result)
+        self.stats.num_prompt_tokens += self.scheduler.update_from_output(step, result, finished)
+        return result, kernel_seconds
+
+    def _record_step(self, step: ScheduledStep, result: StepResult, seconds: float, kernel_seconds: float) -> None:
         self.scheduler.observe_step(step, seconds)
         self.stats.num_steps += 1
         self.stats.step_seconds += seconds
@@ -346,9 +335,10 @@ class Engine:
                     self.outputs.end_streams([request], error)
 
     def _add_request(self, request: Request) -> None:
-        self.scheduler.add(self.outputs.add(request))
+        seq = self.outputs.add(request)
+        self.scheduler.add(seq)
         if request.queue_deadline is not None:
-            heapq.heappush(self._queue_deadlines, (request.queue_deadline, next(self._ids), request))
+            heapq.heappush(self._queue_deadlines, (request.queue_deadline, seq.seq_id, request))
 
     def _end_request(self, request: Request, reason: FinishReason, error: str | None = None,
                      latest_step_ran: bool = True) -> None:  # fmt: skip

@@ -12,8 +12,17 @@ tier), and never more than `max_num_seqs` sequences of the longest length could 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvcache.storage import KVCacheSpec
+
+    from .config import EngineConfig
+
+log = logging.getLogger(__name__)
 
 MIB = 1 << 20
 # the process besides weights and KV: the interpreter, tokenizer, scratch of a step, HTTP buffers
@@ -78,3 +87,26 @@ def check_fits(weights_bytes: int, kv_bytes: int, budget: MemoryBudget) -> None:
             f"{needed / MIB:,.0f} MiB; {budget.available / MIB:,.0f} MiB is available ({budget.source}). "
             "Lower --kv-cache-mb, or use --kv-cache-mb auto"
         )
+
+
+def num_kv_blocks(cfg: EngineConfig, spec: KVCacheSpec, weights_bytes: int, max_model_len: int) -> int:
+    """The KV cache's size in blocks, from the configuration: refused where the weights and the
+    cache do not fit in the memory available."""
+    budget = available_memory()
+    if cfg.num_kv_blocks:
+        num_blocks = cfg.num_kv_blocks
+    elif cfg.kv_cache_mb == "auto":
+        most_useful = cfg.max_num_seqs * max_model_len * spec.bytes_per_token
+        num_blocks = auto_kv_bytes(weights_bytes, most_useful, budget) // spec.bytes_per_block
+        log.info("KV cache (auto): %d blocks, %.0f MiB, %d tokens — half of the %.0f MiB available (%s) "
+                 "beyond %.0f MiB of weights and a %.0f MiB margin, at most what %d sequences of %d tokens fill",
+                 num_blocks, num_blocks * spec.bytes_per_block / MIB, num_blocks * spec.block_size,
+                 budget.available / MIB, budget.source, weights_bytes / MIB,
+                 RUNTIME_MARGIN_BYTES / MIB, cfg.max_num_seqs, max_model_len)  # fmt: skip
+        if num_blocks < 1:
+            check_fits(weights_bytes, spec.bytes_per_block, budget)
+            raise NotEnoughMemory("no KV block fits beside the weights in the memory available")
+    else:
+        num_blocks = spec.num_blocks_for_mib(float(cfg.kv_cache_mb))
+    check_fits(weights_bytes, num_blocks * spec.bytes_per_block, budget)
+    return num_blocks

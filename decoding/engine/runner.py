@@ -10,7 +10,7 @@ from kvcache.batch import KVBatchArrays
 from kvcache.storage import KVCacheStorage
 from threadpool import SpinPool
 
-from ..kernels.forward import KERNEL_MODES, KernelWeights, RunState, architecture_switches, model_step
+from ..kernels.forward import KERNEL_MODES, Architecture, KernelWeights, StepInputs, StepScratch, model_step
 from ..kernels.phases import no_profile, phase_counters
 from ..model.model import Model
 
@@ -43,7 +43,9 @@ class ModelRunner:
         self.max_num_tokens = max_num_tokens
         self.max_logit_rows = max_logit_rows
         self.weights = weights or KernelWeights.build(cfg, model.weights, fast=kernels == "fast")
-        self.state = RunState.allocate(cfg, max_num_tokens, max_logit_rows, pool.n_threads, storage.spec.block_size)
+        self.architecture = Architecture.of(cfg)
+        self.state = StepScratch.allocate(cfg, max_num_tokens, max_logit_rows, pool.n_threads,
+                                          storage.spec.block_size)
 
     @property
     def phase_cycles(self) -> np.ndarray | None:
@@ -52,7 +54,7 @@ class ModelRunner:
 
     def profile_phases(self, on: bool) -> None:
         """Start timing each phase of every step from zero (`phase_cycles`), or stop."""
-        self.state.phase_cycles = phase_counters() if on else no_profile()
+        self.state = self.state._replace(phase_cycles=phase_counters() if on else no_profile())
 
     def forward(self, batch: StepBatch) -> np.ndarray:
         """Run one step; returns logits (num_logit_rows, vocab), a view valid until the next step."""
@@ -62,17 +64,11 @@ class ModelRunner:
             raise ValueError(f"a step samples at most {self.max_logit_rows} rows")
         if batch.block_copies:
             self.storage.copy_blocks(batch.block_copies)
-        cfg, w, s, kv = self.config, self.weights, self.state, batch.kv
-        self.pool.run(
-            model_step, self.kernels == "fast",
-            batch.token_ids, kv.positions, kv.slot_mapping, kv.block_tables, kv.context_lens, kv.query_start_loc,
-            batch.logit_rows,
-            w.matrices, w.packed, w.qtypes, w.packed_qtypes, w.norms, w.biases, w.head_norms, w.layer_windows,
-            w.layer_ropes, w.embedding, w.embedding_qtype, w.lm_head,
-            w.lm_head_qtype, w.lm_head_packed, w.lm_head_packed_qtype, w.output_norm, w.rope_cos, w.rope_sin,
-            cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, np.float32(cfg.rms_eps), *architecture_switches(cfg),
-            self.storage.key_cache, self.storage.value_cache,
-            s.x, s.xb, s.q, s.k, s.v, s.attn, s.hb, s.up, s.final, s.logits, s.row_buffers, s.attn_scratch,
-            s.xq, s.xd, s.xsum, s.group_out, s.phase_cycles,
-        )  # fmt: skip
-        return s.logits[: batch.logit_rows.shape[0]]
+        kv = batch.kv
+        step = StepInputs(token_ids=batch.token_ids, positions=kv.positions, slot_mapping=kv.slot_mapping,
+                          block_tables=kv.block_tables, context_lens=kv.context_lens,
+                          query_start_loc=kv.query_start_loc, logit_rows=batch.logit_rows)
+        w = self.weights
+        self.pool.run(model_step, self.kernels == "fast", step, w.matrices, w.packed, w.arrays, self.architecture,
+                      self.storage.key_cache, self.storage.value_cache, self.state)
+        return self.state.logits[: batch.logit_rows.shape[0]]

@@ -24,8 +24,8 @@ always take PREFILL_FLOOR_SECONDS of a step, so that at a few streams, whose sho
 handful of prompt tokens, the batch still grows as fast as requests come. Prompts waiting also earn
 short ones more of a step: the extra time allowed grows with the ratio of sequences awaiting their
 first token to decoding ones (up to twice the bound's), and once they are as many, short prompts are
-not held at all (a burst: its last first token is bounded by the whole burst's prefill, and holding it
-to the bound added a second to it at 32 streams). A burst stays one until each of its prompts has its
+not held at all (a burst: its last first token is bounded by the whole burst's prefill, which holding
+it to the bound would only lengthen). A burst stays one until each of its prompts has its
 first token, even after the first of them decode and outnumber the rest; prompts arriving meanwhile
 are held to the bound. Each stream then sees a burst as one long gap rather than many stretched ones,
 which keeps its 99th-percentile gap within the bound — hence steps of up to 1024 tokens by default.

@@ -14,8 +14,8 @@ import numpy as np
 LONG_PREFILL_TOKENS = 512
 # While streams decode, prompts may always take this much of a step, whatever the stretch bound allows:
 # a few streams make a short decode step, whose bound would admit a handful of prompt tokens a step, and
-# a queue would drain slower than requests arrive (throttled to the bound alone, a soak ran 2-5
-# requests while ~60 waited). It costs those few streams a gap of at most this much more.
+# a queue would drain slower than requests arrive. It costs those few streams a gap of at most this
+# much more.
 PREFILL_FLOOR_SECONDS = 0.02
 
 
@@ -26,23 +26,20 @@ class StepCostModel:
     compute-bound: its time grows with the rows it computes), so that a churning batch of 10 to 32
     sequences is priced at its size and a step's prompt tokens are told apart from its decodes. Steps
     that mix both teach the decode rows' price too: when a wave of prompts arrives, every step for a
-    while carries a prefill, and a decode line learned only from decode-only steps was priced at the
-    batch of the last ones (one row, a warm-up), which sized the wave's chunks at a fifth of what the
-    bound allows and left its last prompts seconds without a first token. Where the recent steps do
+    while carries a prefill, and a decode line learned only from decode-only steps would price the
+    wave's decodes at the batch of the last decode-only steps. Where the recent steps do
     not tell two coefficients apart (a steady batch, no prompts), a light ridge keeps them where they
     were. The latest chunk's cost per token is kept as well: a long prompt's tokens grow dearer as it
     goes on (attention reads its whole context).
     """
 
     MIN_PREFILL_CHUNK = 4  # tokens: a long prompt always makes progress
-    # Steps whose prompt tokens are fewer than this teach nothing: a step's jitter divided by 4 tokens
-    # made them look several times dearer, the next chunks smaller, every step then carried a sliver of
-    # prompt and the batch collapsed.
+    # Steps whose prompt tokens are fewer than this teach nothing: a step's jitter divided by a few
+    # tokens makes them look several times dearer, and smaller chunks would follow.
     MIN_LEARNING_CHUNK = 16
     # Chunks are planned to this share of the allowed extra time: a decode step's own time varies by
-    # ±20% on a busy machine and grows as the streams' contexts do, so planning to the full allowance
-    # put the largest gaps at ~2.7x the median before the prompt arrived (2000 tokens under 16 streams);
-    # at 0.8, ~2.3-2.6x (0.7 gained nothing more: the rest is the machine's jitter).
+    # ±20% on a busy machine and grows as the streams' contexts do: planned to the full allowance, the
+    # largest gaps pass the bound (docs/performance.md has the measurements).
     PLANNING_MARGIN = 0.8
     _DECAY = 0.97  # per step: the fit follows the last ~30 steps
     _RIDGE = 1e-3  # pull of the previous slopes, relative to what the recent steps say about each

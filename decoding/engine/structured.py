@@ -225,9 +225,8 @@ def apply_masks(logits: np.ndarray, constrained: list[tuple[int, GrammarState, l
     there. Returns the rows whose matcher allows no token at all (a dead end: the caller ends them).
 
     The masks are filled one row after another on the engine thread, after the model step, and
-    applied by a numba loop over their 32-bit words. Measured (docs/performance.md): llguidance's
-    parallel fill took 1.4 ms for 32 rows here against 0.08 ms alone, its threads fighting the pool's
-    spinning ones for two cores; one row at a time costs ~0.06 ms a row and competes with nothing.
+    applied by a numba loop over their 32-bit words: llguidance's parallel fill would put its threads
+    beside the pool's spinning ones on the same cores (docs/performance.md has the measurements).
     """
     from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 

@@ -9,8 +9,11 @@ The parenthesised phases are the architecture switches of `ModelConfig` (qwen2's
 and gemma3's head norms, gemma3's post-norms, embedding scale and GELU, per-layer windows and
 rotary bases): one step body for every architecture, each switch a branch on a scalar.
 
-Three lifetimes, as in llama2.c: `ModelConfig` (shape), `KernelWeights` (read-only, stored form),
-`RunState` (scratch sized once for the largest step; nothing is allocated per step).
+Three lifetimes, as in llama2.c: `ModelConfig` (shape, and the `Architecture` switches the step reads),
+`KernelWeights` (read-only, stored form), `StepScratch` (sized once for the largest step; nothing is
+allocated per step). `model_step` takes them as named structures — namedtuples, which numba passes by
+field at no cost — plus one step's `StepInputs`; a field is added in one place and read by name. The
+matrices travel apart as typed lists (a typed list inside a tuple slows numba's dispatch ~20x).
 
 Two kernel modes, one step body. `exact`: float32 activations, each weight row dequantized and dotted
 in float32 (logits within 1e-3 of the reference). `fast`: activations quantized to int8 per 32-block,
@@ -24,6 +27,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit
@@ -130,10 +134,9 @@ def _as_bytes(matrix: WeightMatrix) -> np.ndarray:
     return np.ascontiguousarray(data).view(np.uint8).reshape(matrix.n_rows, -1)
 
 
-@dataclass(slots=True)
-class KernelWeights:
-    matrices: List  # n_layers · 7 arrays (n_rows, row_bytes) uint8, in WQ..W_DOWN order per layer
-    packed: List  # the same matrices repacked for the fast kernels (flat uint8), or empty arrays
+class WeightArrays(NamedTuple):
+    """Every weight the step reads but the layers' matrices."""
+
     qtypes: np.ndarray  # (n_layers, 7) int64 storage type of each matrix
     packed_qtypes: np.ndarray  # (n_layers, 7) int64 the type whose int8 kernel runs each repacked matrix
     norms: np.ndarray  # (n_layers, 4, dim) float32: attention, feed-forward, post-attention, post-FFN
@@ -150,6 +153,13 @@ class KernelWeights:
     output_norm: np.ndarray  # (dim,) float32
     rope_cos: np.ndarray  # (n_tables, max_context, head_dim / 2) float32
     rope_sin: np.ndarray  # (n_tables, max_context, head_dim / 2) float32
+
+
+@dataclass(slots=True)
+class KernelWeights:
+    matrices: List  # n_layers · 7 arrays (n_rows, row_bytes) uint8, in WQ..W_DOWN order per layer
+    packed: List  # the same matrices repacked for the fast kernels (flat uint8), or empty arrays
+    arrays: WeightArrays
 
     @classmethod
     def build(cls, cfg: ModelConfig, weights: ModelWeights, fast: bool, cache: Path | None = None) -> KernelWeights:
@@ -178,27 +188,56 @@ class KernelWeights:
         ropes = sorted({cfg.layer_rope(i) for i in range(cfg.n_layers)})
         tables = [rope_tables(np.arange(cfg.max_context), cfg.head_dim, theta, cfg.rope_freq_factors, factor)
                   for theta, factor in ropes]  # fmt: skip
-        return cls(
-            matrices, packed, qtypes, packed_qtypes, norms, biases, head_norms,
-            np.array([cfg.layer_window(i) for i in range(cfg.n_layers)], dtype=np.int64),
-            np.array([ropes.index(cfg.layer_rope(i)) for i in range(cfg.n_layers)], dtype=np.int64),
-            _as_bytes(weights.token_embedding), int(weights.token_embedding.qtype),
-            _as_bytes(weights.lm_head), int(weights.lm_head.qtype), all_packed[-1],
-            int(packed_type(weights.lm_head.qtype)),
-            np.ascontiguousarray(weights.output_norm, dtype=np.float32),
-            np.stack([cos for cos, _ in tables]), np.stack([sin for _, sin in tables]),
-        )  # fmt: skip
+        return cls(matrices, packed, WeightArrays(
+            qtypes=qtypes, packed_qtypes=packed_qtypes, norms=norms, biases=biases, head_norms=head_norms,
+            layer_windows=np.array([cfg.layer_window(i) for i in range(cfg.n_layers)], dtype=np.int64),
+            layer_ropes=np.array([ropes.index(cfg.layer_rope(i)) for i in range(cfg.n_layers)], dtype=np.int64),
+            embedding=_as_bytes(weights.token_embedding), embedding_qtype=int(weights.token_embedding.qtype),
+            lm_head=_as_bytes(weights.lm_head), lm_head_qtype=int(weights.lm_head.qtype),
+            lm_head_packed=all_packed[-1], lm_head_packed_qtype=int(packed_type(weights.lm_head.qtype)),
+            output_norm=np.ascontiguousarray(weights.output_norm, dtype=np.float32),
+            rope_cos=np.stack([cos for cos, _ in tables]), rope_sin=np.stack([sin for _, sin in tables]),
+        ))  # fmt: skip
 
 
-def architecture_switches(cfg: ModelConfig) -> tuple:
-    """model_step's switch arguments, in its order: qkv_bias .. rope_neox."""
-    activation = GATE_GELU_TANH if cfg.activation == "gelu_tanh" else GATE_SILU
-    return (cfg.qkv_bias, cfg.qk_norm, cfg.post_norms, activation, np.float32(cfg.embedding_scale),
-            np.float32(cfg.query_scale), cfg.rope_neox)  # fmt: skip
+class Architecture(NamedTuple):
+    """The shape and the switches the step branches on (one step body for every architecture)."""
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rms_eps: np.float32
+    qkv_bias: bool
+    qk_norm: bool
+    post_norms: bool
+    activation: int  # GATE_SILU or GATE_GELU_TANH
+    embedding_scale: np.float32
+    query_scale: np.float32
+    rope_neox: bool
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> Architecture:
+        return cls(n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                   rms_eps=np.float32(cfg.rms_eps), qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm,
+                   post_norms=cfg.post_norms,
+                   activation=GATE_GELU_TANH if cfg.activation == "gelu_tanh" else GATE_SILU,
+                   embedding_scale=np.float32(cfg.embedding_scale), query_scale=np.float32(cfg.query_scale),
+                   rope_neox=cfg.rope_neox)  # fmt: skip
 
 
-@dataclass(slots=True)
-class RunState:
+class StepInputs(NamedTuple):
+    """One step's flat batch, as the kernels read it."""
+
+    token_ids: np.ndarray  # (num_tokens,) int32
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    block_tables: np.ndarray
+    context_lens: np.ndarray
+    query_start_loc: np.ndarray
+    logit_rows: np.ndarray  # rows whose logits are needed, in output order
+
+
+class StepScratch(NamedTuple):
     """Scratch for the largest step, allocated once."""
 
     x: np.ndarray  # (max_tokens, dim) residual stream
@@ -221,20 +260,22 @@ class RunState:
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, max_tokens: int, max_logit_rows: int, n_threads: int,
-                 block_size: int) -> RunState:
+                 block_size: int) -> StepScratch:
         def zeros(*shape: int) -> np.ndarray:
             return np.zeros(shape, dtype=np.float32)
 
         widest = max(cfg.dim, cfg.hidden_dim, cfg.q_dim)
         rows = max(max_tokens, max_logit_rows)
         return cls(
-            zeros(max_tokens, cfg.dim), zeros(max_tokens, cfg.dim), zeros(max_tokens, cfg.q_dim),
-            zeros(max_tokens, cfg.kv_dim), zeros(max_tokens, cfg.kv_dim), zeros(max_tokens, cfg.q_dim),
-            zeros(max_tokens, cfg.hidden_dim), zeros(max_tokens, cfg.hidden_dim), zeros(max_logit_rows, cfg.dim),
-            zeros(max_logit_rows, cfg.vocab_size), zeros(n_threads, 2, widest),
-            attention_scratch(n_threads, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, block_size),
-            np.zeros((rows, widest), dtype=np.int8), zeros(rows, widest // 32),
-            np.zeros((rows, widest // 32), dtype=np.int32), zeros(n_threads, 2, 4, 8), no_profile(),
+            x=zeros(max_tokens, cfg.dim), xb=zeros(max_tokens, cfg.dim), q=zeros(max_tokens, cfg.q_dim),
+            k=zeros(max_tokens, cfg.kv_dim), v=zeros(max_tokens, cfg.kv_dim), attn=zeros(max_tokens, cfg.q_dim),
+            hb=zeros(max_tokens, cfg.hidden_dim), up=zeros(max_tokens, cfg.hidden_dim),
+            final=zeros(max_logit_rows, cfg.dim), logits=zeros(max_logit_rows, cfg.vocab_size),
+            row_buffers=zeros(n_threads, 2, widest),
+            attn_scratch=attention_scratch(n_threads, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, block_size),
+            xq=np.zeros((rows, widest), dtype=np.int8), xd=zeros(rows, widest // 32),
+            xsum=np.zeros((rows, widest // 32), dtype=np.int32), group_out=zeros(n_threads, 2, 4, 8),
+            phase_cycles=no_profile(),
         )  # fmt: skip
 
 
@@ -267,16 +308,27 @@ def add_normed(x, out, weight, eps, t_begin, t_end):
 
 # fmt: off
 @njit(nogil=True, cache=True)
-def model_step(
-    tid, nthreads, barrier, fast,
-    token_ids, positions, slot_mapping, block_tables, context_lens, query_start_loc, logit_rows,
-    matrices, packed, qtypes, packed_qtypes, norms, biases, head_norms, layer_windows, layer_ropes,
-    embedding, embedding_qtype, lm_head, lm_head_qtype,
-    lm_head_packed, lm_head_packed_qtype, output_norm, rope_cos, rope_sin, n_heads, n_kv_heads, head_dim, rms_eps,
-    qkv_bias, qk_norm, post_norms, activation, embedding_scale, query_scale, rope_neox,
-    key_cache, value_cache,
-    x, xb, q, k, v, attn, hb, up, final, logits, row_buffers, attn_scratch, xq, xd, xsum, group_out, phase_cycles,
-):
+def model_step(tid, nthreads, barrier, fast, step, matrices, packed, weights, arch, key_cache, value_cache, scratch):
+    """One engine step on thread `tid` of `nthreads`: `step` (StepInputs) through every layer with
+    `weights` (WeightArrays, beside the layers' `matrices` and their `packed` copies) and `arch`
+    (Architecture), KV written to and read from the paged caches, `scratch` (StepScratch) for the
+    activations; the logits of `step.logit_rows` end in `scratch.logits`."""
+    token_ids, positions, slot_mapping = step.token_ids, step.positions, step.slot_mapping
+    block_tables, context_lens, query_start_loc = step.block_tables, step.context_lens, step.query_start_loc
+    logit_rows = step.logit_rows
+    qtypes, packed_qtypes, norms, biases = weights.qtypes, weights.packed_qtypes, weights.norms, weights.biases
+    head_norms, layer_windows, layer_ropes = weights.head_norms, weights.layer_windows, weights.layer_ropes
+    embedding, embedding_qtype = weights.embedding, weights.embedding_qtype
+    lm_head, lm_head_qtype = weights.lm_head, weights.lm_head_qtype
+    lm_head_packed, lm_head_packed_qtype = weights.lm_head_packed, weights.lm_head_packed_qtype
+    output_norm, rope_cos, rope_sin = weights.output_norm, weights.rope_cos, weights.rope_sin
+    n_heads, n_kv_heads, head_dim, rms_eps = arch.n_heads, arch.n_kv_heads, arch.head_dim, arch.rms_eps
+    qkv_bias, qk_norm, post_norms, activation = arch.qkv_bias, arch.qk_norm, arch.post_norms, arch.activation
+    embedding_scale, query_scale, rope_neox = arch.embedding_scale, arch.query_scale, arch.rope_neox
+    x, xb, q, k, v, attn = scratch.x, scratch.xb, scratch.q, scratch.k, scratch.v, scratch.attn
+    hb, up, final, logits = scratch.hb, scratch.up, scratch.final, scratch.logits
+    row_buffers, attn_scratch, group_out = scratch.row_buffers, scratch.attn_scratch, scratch.group_out
+    xq, xd, xsum, phase_cycles = scratch.xq, scratch.xd, scratch.xsum, scratch.phase_cycles
     n_tokens = token_ids.shape[0]
     n_layers = qtypes.shape[0]
     dim = x.shape[1]
