@@ -317,6 +317,35 @@ def test_an_error_applying_one_request_from_the_inbox_fails_only_that_request(de
         eng.shutdown()
 
 
+def test_a_request_that_fails_before_it_is_registered_ends_alone(default_model):
+    """Its stream gets an error; the requests already running are not forgotten with it."""
+    eng = Engine(default_model, EngineConfig(max_num_seqs=4, kv_cache_mb=32, kernels="exact", n_threads=1))
+    ids = default_model.tokenizer.encode(CAPITAL)
+    real_add = eng.outputs.add
+
+    def add(request):
+        if request.request_id == "broken":
+            raise RuntimeError("injected registration fault")
+        return real_add(request)
+
+    eng.outputs.add = add
+    try:
+        healthy = eng.submit(ids, greedy(4), request_id="healthy")
+        eng.step()  # registered, prefilled and decoding
+        broken = eng.submit(ids, greedy(4), request_id="broken")
+        eng.start()
+        assert [o.finish_reason for o in broken] == ["error"]
+        outputs: list = []
+        reader = threading.Thread(target=lambda: outputs.extend(healthy), daemon=True)
+        reader.start()
+        reader.join(60)  # forgotten by the engine, it would never end
+        assert outputs and outputs[-1].finish_reason == "length"
+        assert "".join(o.text for o in outputs) == " Paris.\n\n"
+        assert eng.num_unfinished == 0 and eng.num_kv_blocks_used == 0
+    finally:
+        eng.shutdown()
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread's death, expected
 def test_when_the_engine_thread_dies_every_stream_ends_and_new_requests_are_refused(default_model):
     eng = Engine(default_model, EngineConfig(max_num_seqs=4, kv_cache_mb=32, kernels="exact", n_threads=1))

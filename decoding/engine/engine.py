@@ -332,7 +332,7 @@ class Engine:
                 if request is not None and request.request_id in self.outputs.requests:
                     self._end_request(request, FinishReason.ERROR, error, latest_step_ran=False)
                 elif request is not None and not request.stream.is_finished:
-                    self.outputs.end_streams([request], error)
+                    self.outputs.end_stream(request, error)
 
     def _add_request(self, request: Request) -> None:
         seq = self.outputs.add(request)
@@ -360,7 +360,7 @@ class Engine:
             requests += [payload for command, payload in pending if command == "add"]
         for request in requests:
             try:
-                self.outputs.end_streams([request], error)
+                self.outputs.end_stream(request, error)
             except Exception:  # noqa: BLE001 - one stream must not keep the others open
                 log.exception("could not end request %s", request.request_id)
         self.outputs.requests.clear()

@@ -11,7 +11,7 @@ It never touches the scheduler: it returns the sequences that finished and the e
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from .detokenizer import IncrementalDetokenizer
 from .observers import EngineObserver, EngineStats, notify
@@ -157,20 +157,19 @@ class OutputProcessor:
             self._request_done(request, output.finish_reason or FinishReason.STOP)
         request.stream.put(output, is_last=is_last)
 
-    def end_streams(self, requests: Iterable[Request], error: str) -> None:
-        """After an error whose scope is unknown: put an error as the last output of each request's
-        unfinished choices, trusting none of the engine's state about them; forget them all."""
-        for request in requests:
-            finished = {seq.index for seq in request.sequences if seq.finish_reason is not None}
-            unfinished = [i for i in range(request.params.n) if i not in finished]
-            for position, index in enumerate(unfinished):
-                is_last = position == len(unfinished) - 1
-                output = RequestOutput(request.request_id, index, finish_reason=FinishReason.ERROR, error=error)
-                if is_last:
-                    output.usage = usage_of(request)
-                    self._request_done(request, FinishReason.ERROR)
-                request.stream.put(output, is_last=is_last)
-        self.requests.clear()
+    def end_stream(self, request: Request, error: str) -> None:
+        """After an error whose scope is unknown: put an error as the last output of each of the request's
+        unfinished choices, trusting none of the engine's state about them (the registry included: the
+        caller forgets what it must)."""
+        finished = {seq.index for seq in request.sequences if seq.finish_reason is not None}
+        unfinished = [i for i in range(request.params.n) if i not in finished]
+        for position, index in enumerate(unfinished):
+            is_last = position == len(unfinished) - 1
+            output = RequestOutput(request.request_id, index, finish_reason=FinishReason.ERROR, error=error)
+            if is_last:
+                output.usage = usage_of(request)
+                self._request_done(request, FinishReason.ERROR)
+            request.stream.put(output, is_last=is_last)
 
     def _request_done(self, request: Request, reason: FinishReason) -> None:
         self.on_request_done()
