@@ -190,8 +190,12 @@ def test_a_429_from_a_full_server_is_shown_as_a_readable_error(server, browser):
         with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=60) as response:
             for data in iter_sse_data(response.iter_bytes()):
                 if data.startswith("{"):
+                    stream_id = json.loads(data)["id"]
                     held_open.set()
                 if release.is_set():
+                    # Cancel, as a client that means to stop does: a dropped connection alone is kept
+                    # for a reconnect for the server's stream grace (30 s), as long as this test waits.
+                    httpx.post(f"{server.base_url}/v1/completions/{stream_id}/cancel", timeout=30)
                     break
 
     holder = threading.Thread(target=hold_the_only_slot, daemon=True)
