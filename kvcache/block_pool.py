@@ -9,7 +9,8 @@ Every block is in exactly one of three states, so `used + cached + free == num_b
 
 A new block comes from the free list first; only when that is empty is the least recently released
 cached block evicted (its hash dropped from the index). Nothing here touches the KV arrays: the pool
-hands out block ids, and `storage.KVCacheStorage` owns what they point at.
+hands out block ids, and `storage.KVCacheStorage` owns what they point at; `on_evict` and `on_publish`
+tell whoever keeps copies of blocks beyond the pool (`prefix_tiers.PrefixTiers`).
 
 Every operation is a list, dict or OrderedDict operation: O(1), cheap enough to run per step.
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvcache.errors import KVCacheError, OutOfBlocks
 
@@ -27,7 +28,7 @@ from kvcache.errors import KVCacheError, OutOfBlocks
 # every token before it.
 BlockHash = bytes
 
-# The parent hash of a sequence's first block.
+# The parent hash of a sequence's first block, unless the pool is given a namespace's root.
 ROOT_HASH: BlockHash = b""
 
 
@@ -38,7 +39,8 @@ def hash_block(parent_hash: BlockHash, token_ids: Sequence[int]) -> BlockHash:
     collision would silently serve one prompt the KV of another, so the hash is cryptographic and
     128 bits wide (vLLM moved from Python's `hash` to sha256 for the same reason): even 2**32
     distinct blocks collide with probability about 2**-64. The encoding is fixed-width, so no two
-    different token lists produce the same bytes. Digests are only compared within one process.
+    different token lists produce the same bytes. Digests outlive the process only in the prefix
+    tiers, whose chains start from a root that names the model and the KV's form.
     """
     digest = hashlib.blake2b(parent_hash, digest_size=16)
     digest.update(array("i", token_ids).tobytes())
@@ -48,11 +50,17 @@ def hash_block(parent_hash: BlockHash, token_ids: Sequence[int]) -> BlockHash:
 class BlockPool:
     """Hands out block ids, counts their references and indexes full blocks by hash."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, root_hash: BlockHash = ROOT_HASH) -> None:
         if num_blocks < 1:
             raise KVCacheError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.root_hash = root_hash
+        # Called with (hash, block id) while the block's KV is still intact: before an evicted block is
+        # handed out again, and when a written block is first indexed.
+        self.on_evict: Callable[[BlockHash, int], None] | None = None
+        self.on_publish: Callable[[BlockHash, int], None] | None = None
+        self.num_evictions = 0
         self._ref_counts: list[int] = [0] * num_blocks
         self._block_hashes: list[BlockHash | None] = [None] * num_blocks
         # Popped from the end, so block 0 goes out first: a lightly loaded engine touches little memory.
@@ -90,11 +98,15 @@ class BlockPool:
         """The block holding this full block's KV, used or cached, if any."""
         return self._block_id_by_hash.get(block_hash)
 
+    def hashed_blocks(self) -> list[tuple[BlockHash, int]]:
+        """(hash, block id) of every indexed block, used or cached."""
+        return list(self._block_id_by_hash.items())
+
     def match_prefix(self, token_ids: Sequence[int], max_num_blocks: int) -> tuple[list[int], BlockHash]:
         """The indexed blocks of the longest run (up to max_num_blocks) of token_ids' leading full
-        blocks, and the hash of the last one (ROOT_HASH if none). Takes no reference."""
+        blocks, and the hash of the last one (`root_hash` if none). Takes no reference."""
         block_ids: list[int] = []
-        block_hash = ROOT_HASH
+        block_hash = self.root_hash
         tokens = array("i", token_ids)  # sliced per block without building Python lists
         for start in range(0, max_num_blocks * self.block_size, self.block_size):
             next_hash = hash_block(block_hash, tokens[start : start + self.block_size])
@@ -161,9 +173,25 @@ class BlockPool:
             return
         self._block_hashes[block_id] = block_hash
         self._block_id_by_hash[block_hash] = block_id
+        if self.on_publish is not None:
+            self.on_publish(block_hash, block_id)
+
+    def forget_prefixes(self) -> int:
+        """Drop every hash from the index (cached blocks become free; used ones stay with their
+        sequences, unshared from now on); returns how many blocks were indexed."""
+        num_indexed = len(self._block_id_by_hash)
+        for block_id in self._cached_block_ids:
+            self._free_block_ids.append(block_id)
+        self._cached_block_ids.clear()
+        self._block_id_by_hash.clear()
+        self._block_hashes = [None] * self.num_blocks
+        return num_indexed
 
     def _evict(self, block_id: int) -> None:
         block_hash = self._block_hashes[block_id]
         assert block_hash is not None, "only hashed blocks are ever cached"
+        if self.on_evict is not None:
+            self.on_evict(block_hash, block_id)
         del self._block_id_by_hash[block_hash]
         self._block_hashes[block_id] = None
+        self.num_evictions += 1

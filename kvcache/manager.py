@@ -20,17 +20,26 @@ and generated tokens alike) when the sequence's next `append_slots` or its `free
 has run, so a prefix lookup never finds a block whose KV is still unwritten, even if the runner
 splits a step into several forward passes. After preemption, `allocate(seq_id, all_token_ids)`
 finds the sequence's own blocks again unless they were evicted.
+
+With prefix tiers (`prefix_tiers.PrefixTiers`), evicted blocks are kept in host memory or on disk, and
+`allocate` goes on looking past the pool's blocks there: each block found is copied into a freshly
+allocated block, published at once (its KV is whole), and counts as computed.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvcache.block_pool import BlockHash, BlockPool
+from kvcache.block_pool import ROOT_HASH, BlockHash, BlockPool, hash_block
 from kvcache.errors import CacheTooSmall, KVCacheError, OutOfBlocks, SequenceTooLong
+
+if TYPE_CHECKING:
+    from kvcache.prefix_tiers import PrefixTiers
 
 # (source block id, destination block id): a copy the runner performs, on every layer's K and V,
 # before this step's KV writes (`KVCacheStorage.copy_blocks`).
@@ -43,7 +52,9 @@ class PrefixCacheStats:
 
     num_requests: int = 0
     num_query_tokens: int = 0  # prompt tokens looked up
-    num_hit_tokens: int = 0  # of which found already computed
+    num_hit_tokens: int = 0  # of which found already computed (in the pool or a tier)
+    num_pool_hit_blocks: int = 0  # blocks found in the pool
+    num_tier_hit_blocks: int = 0  # blocks copied back from host memory or disk
 
     @property
     def hit_rate(self) -> float:
@@ -70,14 +81,36 @@ class KVCacheManager:
         block_size: int = 16,
         max_model_len: int = 8192,
         enable_prefix_caching: bool = True,
+        root_hash: BlockHash = ROOT_HASH,
     ) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, block_size)
+        self.pool = BlockPool(num_blocks, block_size, root_hash)
+        self.tiers: PrefixTiers | None = None
         self.stats = PrefixCacheStats()
         self._seqs: dict[int, _SequenceBlocks] = {}
+
+    def attach_tiers(self, tiers: PrefixTiers) -> None:
+        """Keep evicted blocks in `tiers`, write published ones through, and look there past the pool."""
+        if not self.enable_prefix_caching:
+            raise KVCacheError("prefix tiers need prefix caching")
+        self.tiers = tiers
+        self.pool.on_evict = tiers.spill
+        self.pool.on_publish = tiers.published
+
+    def flush_tiers(self) -> bool:
+        """Write what the disk tier lacks (a graceful shutdown); True if all of it reached the disk."""
+        return self.tiers.flush(self.pool.hashed_blocks()) if self.tiers is not None else True
+
+    def clear_prefix_cache(self) -> dict[str, int]:
+        """Forget every cached prefix, in the pool and in the tiers; returns the blocks each dropped.
+        Running sequences keep their blocks (no longer shared with later prompts)."""
+        cleared = {"pool": self.pool.forget_prefixes()}
+        if self.tiers is not None:
+            cleared.update(self.tiers.clear())
+        return cleared
 
     @property
     def num_total_blocks(self) -> int:
@@ -130,18 +163,39 @@ class KVCacheManager:
             raise OutOfBlocks(f"sequence {seq_id} does not fit now: check can_allocate first")
         for block_id in hit_block_ids:  # before allocating, so that no hit is evicted to make room
             self.pool.share(block_id)
+        # Past the pool's hits, what a tier kept, in order until one lacks a block: taken before
+        # allocating too, so that the spills allocation causes cannot push it out first.
+        found: list[tuple[BlockHash, np.ndarray]] = []
+        max_hit_blocks = self._max_hit_blocks(prompt_ids, use_prefix_cache)
+        if self.tiers is not None and len(hit_block_ids) < max_hit_blocks:
+            tokens = array("i", prompt_ids)
+            for logical_block in range(len(hit_block_ids), max_hit_blocks):
+                start = logical_block * self.block_size
+                block_hash = hash_block(last_hit_hash, tokens[start : start + self.block_size])
+                block = self.tiers.fetch(block_hash)
+                if block is None:
+                    break
+                found.append((block_hash, block))
+                last_hit_hash = block_hash
         num_blocks = self._num_blocks_for(len(prompt_ids))
         block_table = np.zeros(self.max_blocks_per_seq, dtype=np.int32)
         block_table[: len(hit_block_ids)] = hit_block_ids
         for logical_block in range(len(hit_block_ids), num_blocks):
             block_table[logical_block] = self.pool.allocate()
-        num_hit_tokens = len(hit_block_ids) * self.block_size
+        for offset, (block_hash, block) in enumerate(found):
+            block_id = int(block_table[len(hit_block_ids) + offset])
+            self.tiers.copy_in(block_id, block)  # type: ignore[union-attr]
+            self.pool.publish(block_id, block_hash)  # its KV is whole: other prompts may share it now
+        num_found = len(hit_block_ids) + len(found)
+        num_hit_tokens = num_found * self.block_size
         self._seqs[seq_id] = _SequenceBlocks(
-            block_table, num_blocks, num_hit_tokens, 0, len(hit_block_ids), last_hit_hash, []
+            block_table, num_blocks, num_hit_tokens, 0, num_found, last_hit_hash, []
         )
         self.stats.num_requests += 1
         self.stats.num_query_tokens += len(prompt_ids)
         self.stats.num_hit_tokens += num_hit_tokens
+        self.stats.num_pool_hit_blocks += len(hit_block_ids)
+        self.stats.num_tier_hit_blocks += num_found - len(hit_block_ids)
         return num_hit_tokens
 
     def can_append(self, seq_id: int, num_new_tokens: int = 1) -> bool:
@@ -247,12 +301,15 @@ class KVCacheManager:
     def _num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _match_prefix(self, prompt_ids: Sequence[int], use_prefix_cache: bool) -> tuple[list[int], BlockHash]:
-        """Cached blocks of the prompt's longest indexed prefix and the last one's hash. Only blocks
-        that end before the last prompt token count: that token always runs, to give logits."""
+    def _max_hit_blocks(self, prompt_ids: Sequence[int], use_prefix_cache: bool) -> int:
+        """Only blocks that end before the last prompt token can be found: that token always runs,
+        to give logits."""
         enabled = self.enable_prefix_caching and use_prefix_cache
-        max_num_blocks = (len(prompt_ids) - 1) // self.block_size if enabled else 0
-        return self.pool.match_prefix(prompt_ids, max_num_blocks)
+        return (len(prompt_ids) - 1) // self.block_size if enabled else 0
+
+    def _match_prefix(self, prompt_ids: Sequence[int], use_prefix_cache: bool) -> tuple[list[int], BlockHash]:
+        """Cached blocks of the prompt's longest indexed prefix and the last one's hash."""
+        return self.pool.match_prefix(prompt_ids, self._max_hit_blocks(prompt_ids, use_prefix_cache))
 
     def _num_blocks_to_allocate(self, num_prompt_tokens: int, hit_block_ids: list[int]) -> int:
         # A hit on a cached (unreferenced) block takes it out of the available pool too.

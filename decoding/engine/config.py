@@ -14,6 +14,7 @@ from .options import (
     check_options,
     float_above,
     int_between,
+    non_negative_float,
     one_of,
     option,
     or_auto,
@@ -45,6 +46,16 @@ class EngineConfig:
     enable_prefix_caching: bool = option(
         True, "do not reuse the KV blocks of earlier prompts' common prefixes (prefix caching is on by default)",
         doc_default="on")  # fmt: skip
+    prefix_cache_ram_mb: float | str = option(
+        "auto", "host memory (MiB) keeping the full KV blocks the KV cache evicts, so a prompt that shares "
+        "their prefix copies them back instead of computing them; `auto`: a quarter of the memory the weights, "
+        "the KV cache and the margin leave, at most 8192; 0: off", or_auto(non_negative_float))  # fmt: skip
+    prefix_cache_dir: str | None = option(
+        None, "a directory keeping KV blocks on disk across restarts (one file per block, shared safely by "
+        "servers of the same model): blocks leaving host memory go there, and every computed block is "
+        "written through in the background and on shutdown", or_none(str), doc_default="off")  # fmt: skip
+    prefix_cache_disk_mb: float = option(16384.0, "the bound of --prefix-cache-dir, least recently used "
+                                                  "blocks removed first", positive_float)  # fmt: skip
     max_queue: int = option(256, "requests admitted at once (running, waiting and being tokenized); more get 429",
                             positive_int)
     n_threads: int | None = option(None, "engine pool threads, at most the usable cores", or_none(positive_int),

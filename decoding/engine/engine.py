@@ -14,6 +14,7 @@ parks on a condition while there is nothing to do: an idle server burns no CPU.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import heapq
 import itertools
 import logging
@@ -21,9 +22,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from kvcache.manager import KVCacheManager
+from kvcache.prefix_tiers import PrefixTiers, TierSettings, file_fingerprint, namespace
 from kvcache.storage import KVCacheSpec, KVCacheStorage
 from threadpool import BrokenPool, SpinPool
 
@@ -67,12 +70,18 @@ class Engine:
                            block_size=cfg.block_size, dtype=resolve_kv_cache_dtype(cfg))
         weights_bytes = resident_weight_bytes(model.weights, fast=cfg.kernels == "fast")
         num_blocks = memory.num_kv_blocks(cfg, spec, weights_bytes, self.max_model_len)
+        prefix_ram_bytes = memory.prefix_ram_bytes(cfg, weights_bytes, num_blocks * spec.bytes_per_block)
         # Repacking holds one matrix's file pages beside its copy until the pages are released: done
         # before the KV cache is touched, that passing peak does not stack on the cache's.
         cache = weight_cache.cache_file(model.path) if cfg.weight_cache and model.path.is_file() else None
         weights = KernelWeights.build(mc, model.weights, fast=cfg.kernels == "fast", cache=cache)
         self.storage = KVCacheStorage.allocate(spec, num_blocks)
-        self.kv = KVCacheManager(num_blocks, cfg.block_size, self.max_model_len, cfg.enable_prefix_caching)
+        model_fingerprint = file_fingerprint(model.path) if model.path.exists() else bytes(16)
+        root_hash = namespace(model_fingerprint, spec.dtype, spec.block_size, cfg.kernels)
+        self.kv = KVCacheManager(num_blocks, cfg.block_size, self.max_model_len, cfg.enable_prefix_caching,
+                                 root_hash)
+        if cfg.enable_prefix_caching:
+            self._attach_prefix_tiers(prefix_ram_bytes, root_hash, model_fingerprint)
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_itl_stretch,
                                    cfg.speculative, cfg.speculative_max_tokens, cfg.priority_starvation_seconds)
         self.pool = SpinPool(cfg.n_threads, pin=cfg.pin_threads)
@@ -97,6 +106,18 @@ class Engine:
         self._is_idle = False  # the last step scheduled nothing (every running request's reader lags)
         self.failure: str | None = None  # why the engine thread ended, if it did on an error
         self._thread: threading.Thread | None = None
+
+    def _attach_prefix_tiers(self, ram_bytes: int, root_hash: bytes, model_fingerprint: bytes) -> None:
+        cfg = self.config
+        directory = Path(cfg.prefix_cache_dir).expanduser() if cfg.prefix_cache_dir else None
+        if directory is not None and not self.model.path.exists():
+            log.warning("no prefix cache on disk: the model has no file to name its blocks after")
+            directory = None
+        settings = TierSettings(ram_bytes, directory, int(cfg.prefix_cache_disk_mb * memory.MIB))
+        tiers = PrefixTiers(self.storage, settings, root_hash, model_fingerprint, cfg.kernels)
+        if tiers.is_enabled:
+            self.kv.attach_tiers(tiers)
+            log.info(tiers.describe())
 
     # ---- any thread -------------------------------------------------------------------------------
 
@@ -144,6 +165,17 @@ class Engine:
         with self._wakeup:
             self._inbox.append(("abort", request_id))
             self._wakeup.notify()
+
+    def clear_prefix_cache(self, timeout: float = 60.0) -> dict[str, int]:
+        """Forget every cached prefix (the KV pool's, host memory's and the disk's), between two steps;
+        returns the blocks each dropped."""
+        done: concurrent.futures.Future[dict[str, int]] = concurrent.futures.Future()
+        with self._wakeup:
+            if self._stopping or self.failure is not None:
+                raise EngineShuttingDown("the engine is not running")
+            self._inbox.append(("clear_prefix_cache", done))
+            self._wakeup.notify()
+        return done.result(timeout)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise `RequestTooLarge` or `InvalidParams` for what could never be served."""
@@ -226,6 +258,22 @@ class Engine:
         self._drain_inbox()
         for request in list(self.outputs.requests.values()):
             self._end_request(request, FinishReason.ABORT_SHUTDOWN)
+        self._close_prefix_tiers()
+
+    def _close_prefix_tiers(self) -> None:
+        """Write to disk what the disk tier still lacks, within its time bound (a graceful shutdown)."""
+        tiers = self.kv.tiers
+        if tiers is None or tiers.disk is None:
+            return
+        started = time.monotonic()
+        try:
+            complete = self.kv.flush_tiers()
+            tiers.close()
+        except Exception:  # noqa: BLE001 - the disk is a cache: a shutdown still ends
+            log.exception("could not write the prefix cache to disk")
+            return
+        log.info("prefix cache on disk: %d blocks in %s (%s in %.1f s)", tiers.disk.num_blocks, tiers.disk.directory,
+                 "all written" if complete else "the flush ran out of time", time.monotonic() - started)
 
     def step(self) -> None:
         """One turn: apply the inbox and the deadlines, then the step's stages."""
@@ -325,8 +373,13 @@ class Engine:
                     self._add_request(payload)
                 elif command == "abort" and payload in self.outputs.requests:
                     self._end_request(self.outputs.requests[payload], FinishReason.ABORT_CLIENT)
+                elif command == "clear_prefix_cache":
+                    payload.set_result(self.kv.clear_prefix_cache())
             except Exception as exc:  # it concerns this one request: end it, serve the others
                 log.exception("engine failed to apply %r", command)
+                if isinstance(payload, concurrent.futures.Future):
+                    payload.set_exception(exc)
+                    continue
                 request = payload if command == "add" else self.outputs.requests.get(payload)
                 error = f"internal error in the engine: {type(exc).__name__}"
                 if request is not None and request.request_id in self.outputs.requests:
@@ -358,6 +411,9 @@ class Engine:
             with self._wakeup:
                 pending, self._inbox = list(self._inbox), deque()
             requests += [payload for command, payload in pending if command == "add"]
+            for _, payload in pending:
+                if isinstance(payload, concurrent.futures.Future):
+                    payload.set_exception(EngineFailed(error))
         for request in requests:
             try:
                 self.outputs.end_stream(request, error)

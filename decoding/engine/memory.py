@@ -110,3 +110,18 @@ def num_kv_blocks(cfg: EngineConfig, spec: KVCacheSpec, weights_bytes: int, max_
         num_blocks = spec.num_blocks_for_mib(float(cfg.kv_cache_mb))
     check_fits(weights_bytes, num_blocks * spec.bytes_per_block, budget)
     return num_blocks
+
+
+# The host-memory prefix tier's `auto` size: a share of what the weights, the KV cache and the margin
+# leave, at most llama.cpp's default prompt cache in RAM (--cache-ram 8192).
+PREFIX_RAM_SHARE = 0.25
+PREFIX_RAM_MAX_BYTES = 8192 * MIB
+
+
+def prefix_ram_bytes(cfg: EngineConfig, weights_bytes: int, kv_bytes: int) -> int:
+    """The bound of the host-memory prefix tier (it fills only as the KV pool evicts blocks)."""
+    if cfg.prefix_cache_ram_mb != "auto":
+        return int(float(cfg.prefix_cache_ram_mb) * MIB)
+    budget = available_memory()
+    spare = budget.available - weights_bytes - kv_bytes - RUNTIME_MARGIN_BYTES
+    return max(0, min(int(spare * PREFIX_RAM_SHARE), PREFIX_RAM_MAX_BYTES))
