@@ -7,6 +7,7 @@ values take a short lock, nothing else); gauges are read from the engine when sc
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -17,10 +18,12 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from decoding.engine.engine import Engine
 from decoding.engine.outputs import FinishReason, RequestOutput
 from decoding.engine.sequence import Request
+from kvcache.prefix_tiers import TierCounters
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -46,6 +49,7 @@ class ServerMetrics:
             Gauge(name, doc, registry=registry).set_function(read)
         # process_resident_memory_bytes, process_open_fds, ...: leaks show up here in a soak
         ProcessCollector(registry=registry)
+        registry.register(PrefixTierCollector(lambda: self._engine))
         self.prompt_tokens = Counter("treadle_prompt_tokens", "Prompt tokens of finished requests.",
                                      registry=registry)
         self.generation_tokens = Counter("treadle_generation_tokens", "Generated tokens of finished requests.",
@@ -90,6 +94,58 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class PrefixTierCollector:
+    """The prefix cache per tier (`pool`, `ram`, `disk`), read from the engine when scraped."""
+
+    def __init__(self, engine: Callable[[], Engine | None]) -> None:
+        self._engine = engine
+
+    def describe(self) -> list[object]:
+        return []  # collected only when scraped: the engine may not exist yet
+
+    def collect(self) -> Iterator[object]:
+        engine = self._engine()
+        if engine is None:
+            return
+        kv = engine.kv
+        tiers = kv.tiers
+        block_bytes = engine.storage.spec.bytes_per_block
+        rows: list[tuple[str, int, int, int, TierCounters]] = [  # tier, blocks, bytes, capacity, counters
+            ("pool", kv.num_cached_blocks + kv.num_used_blocks, (kv.num_cached_blocks + kv.num_used_blocks)
+             * block_bytes, kv.num_total_blocks * block_bytes,
+             TierCounters(hits=kv.stats.num_pool_hit_blocks, evictions=kv.pool.num_evictions)),
+        ]
+        if tiers is not None:
+            rows.append(("ram", len(tiers.host), tiers.host.num_bytes, tiers.settings.ram_bytes, tiers.counters("ram")))
+            if tiers.disk is not None:
+                rows.append(("disk", tiers.disk.num_blocks, tiers.disk.num_bytes, tiers.disk.max_bytes,
+                             tiers.counters("disk")))
+        gauges = {
+            "blocks": ("Blocks held (the pool: used and cached).", 1),
+            "bytes": ("Bytes held.", 2),
+            "capacity_bytes": ("The tier's bound in bytes.", 3),
+        }
+        for name, (doc, column) in gauges.items():
+            family = GaugeMetricFamily(f"treadle_prefix_cache_tier_{name}", doc, labels=["tier"])
+            for row in rows:
+                family.add_metric([row[0]], row[column])
+            yield family
+        counters = {
+            "hits": "Blocks a prompt found in the tier (and did not compute).",
+            "misses": "Lookups that reached the tier and found nothing.",
+            "evictions": "Blocks pushed out of the tier for room.",
+            "read_bytes": "Bytes copied out of the tier into the KV pool.",
+            "written_bytes": "Bytes copied into the tier.",
+            "copy_seconds": "Time spent copying blocks into and out of the tier (disk: reads and writes).",
+        }
+        fields = {"read_bytes": "bytes_read", "written_bytes": "bytes_written"}
+        for name, doc in counters.items():
+            family = CounterMetricFamily(f"treadle_prefix_cache_tier_{name}", doc, labels=["tier"])
+            for tier, _, _, _, values in rows:
+                family.add_metric([tier], getattr(values, fields.get(name, name)))
+            yield family
 
 
 class EngineMetricsObserver:

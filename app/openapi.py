@@ -30,6 +30,11 @@ _GENERATION_SUMMARIES = {
     "/tokenize": "Token ids of a prompt or of messages rendered with the chat template (vLLM)",
     "/detokenize": "Text of token ids (vLLM)",
 }
+_BODILESS_POSTS = {
+    "/v1/cache/clear": "Forget every cached prefix: the KV pool's, host memory's and the disk's",
+    "/v1/chat/completions/{id}/cancel": "End a chat stream's generation now",
+    "/v1/completions/{id}/cancel": "End a completion stream's generation now",
+}
 _GETS = {
     "/v1/models": ("The served model (OpenAI)", "application/json"),
     "/health": ("200 once the model is loaded and warm, 503 before", "application/json"),
@@ -66,6 +71,10 @@ def openapi_schema(model_name: str) -> dict[str, Any]:
             "responses": {"200": {"description": "OK", "content": content},
                           **_errors(400, 401, 404, 413, *((429, 503) if is_generation else ()))},
         }}
+    for path, summary in _BODILESS_POSTS.items():
+        paths[path] = {"post": {"summary": summary, "responses": {
+            "200": {"description": "OK", "content": {"application/json": {"schema": _OBJECT}}},
+            **_errors(400, 401, 404, 503)}}}
     for path, (summary, media_type) in _GETS.items():
         paths[path] = {"get": {"summary": summary, "responses": {
             "200": {"description": "OK", "content": {media_type: {"schema": _OBJECT if "json" in media_type

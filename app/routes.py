@@ -1,5 +1,5 @@
 """HTTP routes: OpenAI's /v1/chat/completions, /v1/completions and /v1/models; vLLM's /tokenize and
-/detokenize; /health, /metrics and /openapi.json.
+/detokenize; /v1/cache/clear; /health, /metrics and /openapi.json.
 
 A generation request goes: admission (429 when full) → body → prompt ids → sampling parameters →
 `engine.submit` → respond (streaming.py).
@@ -15,6 +15,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from decoding import TemplateError
+from decoding.engine.errors import EngineShuttingDown
 
 from .body import read_body
 from .errors import APIError, encoded_response
@@ -136,6 +137,22 @@ async def metrics(request: Request) -> Response:
     return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
 
+async def clear_cache(request: Request) -> Response:
+    """POST /v1/cache/clear: forget every cached prefix — the KV pool's, host memory's and the disk's
+    (vLLM's /reset_prefix_cache). Running requests keep their KV; nothing new is shared with them."""
+    state = serving(request)
+    body = await request.body()
+    if body.strip() not in (b"", b"{}"):
+        raise APIError(400, "this endpoint takes no parameters: send no body or {}", code="invalid_request")
+    if not state.is_ready or state.is_draining or state.engine.is_failed:
+        raise APIError(503, "the server is not serving: there is no cache to clear now", code="unavailable")
+    try:
+        cleared = await anyio.to_thread.run_sync(state.engine.clear_prefix_cache)
+    except EngineShuttingDown:
+        raise APIError(503, "the server is shutting down", code="unavailable") from None
+    return encoded_response(request, {"object": "cache.clear", "cleared_blocks": cleared})
+
+
 async def chat_page(request: Request) -> Response:
     if not CHAT_PAGE.is_file():  # an install without the repository's examples/
         raise APIError(404, f"the chat page is not installed ({CHAT_PAGE} is missing)", code="not_found")
@@ -154,6 +171,7 @@ ROUTES = [
     Route("/v1/completions/{id}/stream", resume_stream("cmpl-"), methods=["GET"]),
     Route("/v1/completions/{id}/cancel", cancel_stream("cmpl-"), methods=["POST"]),
     Route("/v1/models", models, methods=["GET"]),
+    Route("/v1/cache/clear", clear_cache, methods=["POST"]),
     Route("/tokenize", tokenize, methods=["POST"]),
     Route("/detokenize", detokenize, methods=["POST"]),
     Route("/health", health, methods=["GET"]),

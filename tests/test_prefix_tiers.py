@@ -383,3 +383,66 @@ def test_a_directory_that_fails_costs_the_cache_not_the_server(tmp_path, caplog)
     kv.pool.forget_prefixes()
     assert fill(kv, storage, 2, [*system, 2]) == 0
     tiers.close()
+
+
+# ---- through the engine, on a real model -------------------------------------------------------------
+
+SYSTEM_TEXT = ("You are a careful assistant for a weaving cooperative. You answer questions about looms, yarn, "
+               "dyes, patterns and the history of the craft, briefly and accurately, and you say so when you do "
+               "not know. ") * 3
+FLOOD_TEXT = "Numbers, colours and the names of rivers: " + ", ".join(f"river {i} is blue" for i in range(60))
+
+
+@pytest.mark.parametrize(("kernels", "kv_dtype"), [("fast", "auto"), ("exact", "auto"), ("fast", "int8"),
+                                                   ("exact", "int8")])
+def test_a_prefix_from_any_tier_gives_the_tokens_a_cold_computation_gives(default_model, tmp_path, kernels,
+                                                                          kv_dtype):
+    from decoding.engine.engine import Engine, EngineConfig
+    from decoding.engine.params import SamplingParams
+
+    tok = default_model.tokenizer
+    prompt = tok.encode(SYSTEM_TEXT + "Question: what is a heddle?")
+    flood = tok.encode(FLOOD_TEXT)
+    assert len(prompt) > 8 * 16 and len(flood) > 20 * 16
+    requests = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+                SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)]
+    config = EngineConfig(num_kv_blocks=28, kernels=kernels, kv_cache_dtype=kv_dtype, prefix_cache_ram_mb=64,
+                          prefix_cache_dir=str(tmp_path), max_num_seqs=2)
+
+    def answers(engine: Engine) -> list[tuple[list[int], int]]:
+        """Each request's tokens and how many prompt tokens it found computed."""
+        results = []
+        for params in requests:
+            (out,) = engine.generate(prompt, params)
+            results.append((out.token_ids, out.usage.cached_tokens))
+        return results
+
+    cold = Engine(default_model, EngineConfig(num_kv_blocks=28, kernels=kernels, kv_cache_dtype=kv_dtype,
+                                              enable_prefix_caching=False)).start()
+    try:
+        expected = [tokens for tokens, _ in answers(cold)]
+    finally:
+        cold.shutdown()
+
+    engine = Engine(default_model, config).start()
+    try:
+        tiers = engine.kv.tiers
+        assert tiers is not None and tiers.disk is not None
+        first = answers(engine)  # the first computes the prompt, the second finds it in the pool
+        assert [tokens for tokens, _ in first] == expected
+        assert first[0][1] == 0 and first[1][1] > 0
+        engine.generate(flood, SamplingParams(max_tokens=1))  # evicts the prompt's blocks to host memory
+        assert tiers.counters("ram").hits == 0
+        from_ram = answers(engine)
+        assert [tokens for tokens, _ in from_ram] == expected
+        assert tiers.counters("ram").hits > 0 and from_ram[0][1] >= len(prompt) - 32
+    finally:
+        engine.shutdown()  # writes to disk what it lacks
+
+    restarted = Engine(default_model, config).start()
+    try:
+        from_disk = answers(restarted)
+        assert [tokens for tokens, _ in from_disk] == expected
+        assert restarted.kv.tiers.counters("disk").hits > 0 and from_disk[0][1] >= len(prompt) - 32
+    finally:
+        restarted.shutdown()
