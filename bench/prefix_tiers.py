@@ -117,6 +117,8 @@ def single_prompt(model: Path, threads: int, system_tokens: int, vocab: int) -> 
     try:
         result["command"] = server.command
         result["cold_ms"] = server.ttft_ms(system + ids(USER_TOKENS))
+        result["cold_copy_seconds"] = sum(server.metric(f'treadle_prefix_cache_tier_copy_seconds_total{{tier="{t}"}}')
+                                          for t in ("ram", "disk"))  # the write-through, on both threads
         result["pool_ms"] = server.ttft_ms(system + ids(USER_TOKENS))
         server.ttft_ms(ids(num_blocks * BLOCK_SIZE - 8))  # another agent's prompt: the pool evicts ours
         hits_before = server.metric('treadle_prefix_cache_tier_hits_total{tier="ram"}')

@@ -123,9 +123,6 @@ class PrefixTiers:
 
     # ---- the pool's hooks --------------------------------------------------------------------------
 
-    def contains(self, block_hash: BlockHash) -> bool:
-        return block_hash in self.host or (self.disk is not None and self.disk.contains(block_hash))
-
     def spill(self, block_hash: BlockHash, block_id: int) -> None:
         """The pool evicts this block: keep a copy (before anything overwrites it)."""
         has_ram = self.settings.ram_bytes >= self.block_bytes

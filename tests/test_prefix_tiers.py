@@ -446,3 +446,29 @@ def test_a_prefix_from_any_tier_gives_the_tokens_a_cold_computation_gives(defaul
         assert restarted.kv.tiers.counters("disk").hits > 0 and from_disk[0][1] >= len(prompt) - 32
     finally:
         restarted.shutdown()
+
+
+def test_a_failed_step_publishes_nothing_into_any_tier(default_model, tmp_path):
+    from decoding.engine.engine import Engine, EngineConfig
+    from decoding.engine.params import SamplingParams
+
+    prompt = default_model.tokenizer.encode(SYSTEM_TEXT)
+    engine = Engine(default_model, EngineConfig(num_kv_blocks=28, kernels="exact", prefix_cache_ram_mb=64,
+                                                prefix_cache_dir=str(tmp_path))).start()
+    try:
+        def fail(scheduled):
+            raise RuntimeError("injected fault")
+
+        engine.fault_hook = fail
+        (failed,) = engine.generate(prompt, SamplingParams(max_tokens=4))
+        assert failed.finish_reason == "error"
+        engine.fault_hook = None
+        assert engine.kv.flush_tiers()
+        assert not list(tmp_path.glob(f"*{SUFFIX}")) and len(engine.kv.tiers.host) == 0
+        assert engine.kv.pool.hashed_blocks() == []
+        (served,) = engine.generate(prompt, SamplingParams(max_tokens=4))
+        assert served.finish_reason == "length" and served.usage.cached_tokens == 0
+        assert engine.kv.flush_tiers()
+        assert len(list(tmp_path.glob(f"*{SUFFIX}"))) == (len(prompt) + 3) // 16  # the answer so far too
+    finally:
+        engine.shutdown()
