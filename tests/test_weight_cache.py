@@ -57,6 +57,19 @@ def test_a_changed_model_file_misses_and_its_older_cache_is_removed(quantized_fi
     assert second.is_file() and not first.exists()
 
 
+def test_models_whose_names_share_a_dotted_prefix_keep_their_own_caches(tmp_path):
+    """qwen2.5-1.5b and qwen2.5-7b are two models, not two versions of "qwen2": building one's cache
+    must not remove the other's."""
+    other_model = tmp_path / "qwen2.5-1.5b-q4_k_m.0123456789abcdef.packed"
+    weight_cache.build(other_model, [16], lambda i: np.zeros(16, np.uint8))
+    older_version = tmp_path / "qwen2.5-7b-q4_k_m.fedcba9876543210.packed"
+    weight_cache.build(older_version, [16], lambda i: np.zeros(16, np.uint8))
+    weight_cache.build(tmp_path / "qwen2.5-7b-q4_k_m.00112233445566ff.packed", [16],
+                       lambda i: np.zeros(16, np.uint8))
+    assert other_model.is_file(), "another model's cache was removed"
+    assert not older_version.exists(), "the same model's older cache stays"
+
+
 @pytest.mark.parametrize("damage", ["truncated", "foreign", "garbage"])
 def test_a_damaged_or_foreign_file_is_ignored_and_rewritten(quantized_file, tmp_path, damage, caplog):
     cache = weight_cache.cache_file(quantized_file, tmp_path)

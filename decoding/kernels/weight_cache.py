@@ -19,6 +19,7 @@ Layout: a 4 KiB header (MAGIC, format version, offset and length of a JSON index
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import logging
@@ -101,9 +102,9 @@ def load(path: Path, sizes: Sequence[int]) -> list[np.ndarray] | None:
 
 def _remove_older_versions(path: Path) -> None:
     """Files of the same model name under other keys: made from an older file or layout."""
-    stem = path.name.split(".")[0]
-    for other in path.parent.glob(f"{stem}.*.packed"):
-        if other != path and other.name.split(".")[0] == stem:
+    stem = path.name.rsplit(".", 2)[0]  # `<model stem>.<key>.packed`; the stem may hold dots (qwen2.5-7b)
+    for other in path.parent.glob(f"{glob.escape(stem)}.*.packed"):
+        if other != path and other.name.rsplit(".", 2)[0] == stem:
             log.info("removing %s, the weight cache of an older version of the model", other)
             other.unlink(missing_ok=True)
 
