@@ -53,13 +53,15 @@ def assert_healthy(server: TreadleServer) -> None:
 
 def test_schemathesis_cases_from_the_openapi_schema_never_get_a_5xx(server):
     schema = schemathesis.openapi.from_url(f"{server.base_url}/openapi.json")
+    paths = httpx.get(f"{server.base_url}/openapi.json", timeout=30).json()["paths"]
     statuses: Counter[tuple[str, str, int]] = Counter()
     failures: list[str] = []
     for result in schema.get_all_operations():
         operation = result.ok()
+        takes_a_body = "requestBody" in paths[operation.path][operation.method.lower()]
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-            if mode == GenerationMode.NEGATIVE and operation.method.upper() == "GET":
-                continue  # no parameters, so nothing can be outside the schema
+            if mode == GenerationMode.NEGATIVE and not takes_a_body:
+                continue  # no body and no declared parameters: nothing can be outside the schema
             fuzz_operation(server, operation, mode, statuses, failures)
     print(f"\nschemathesis: {sum(statuses.values())} cases")
     for (label, mode_name, status), count in sorted(statuses.items()):
