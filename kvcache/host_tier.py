@@ -1,10 +1,10 @@
 """The prefix cache's host-memory tier: copies of full KV blocks evicted from the pool, by block hash.
 
 A bounded least-recently-used map from a block's chain hash to its K and V on every layer (one
-array, `BlockCopy`). It is a victim cache: a block enters when the pool evicts it and leaves when a
-prompt takes it back into the pool (it then lives there again), when `clear` empties it, or as the
-least recently used when room is needed, handed to `on_evict` (the disk tier, where there is one).
-Engine thread only.
+array of shape (2, n_layers, elements per layer)). It is a victim cache: a block enters when the
+pool evicts it and leaves when a prompt takes it back into the pool (it then lives there again),
+when `clear` empties it, or as the least recently used when room is needed, handed to `on_evict`
+(the disk tier, where there is one). Engine thread only.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ class HostTier:
         self.max_bytes = max_bytes
         self.on_evict = on_evict
         self.num_bytes = 0
-        self.num_evictions = 0
         self._blocks: OrderedDict[BlockHash, np.ndarray] = OrderedDict()  # least recently used first
 
     def __len__(self) -> int:
@@ -62,6 +61,5 @@ class HostTier:
         self.num_bytes = 0
 
     def _hand_on(self, block_hash: BlockHash, block: np.ndarray) -> None:
-        self.num_evictions += 1
         if self.on_evict is not None:
             self.on_evict(block_hash, block)

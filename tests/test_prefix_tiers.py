@@ -257,16 +257,22 @@ def test_a_graceful_shutdown_writes_what_the_disk_lacks(tmp_path):
     tiers2.close()
 
 
-@pytest.mark.parametrize("other", ["model", "dtype", "block size", "kernels", "code"])
-def test_files_of_another_configuration_are_ignored_removed_and_logged_once(tmp_path, caplog, other):
-    kv, storage, tiers = new_cache(tmp_path, ram_blocks=0)
+def system_prompt_on_disk(directory: Path) -> tuple[KVCacheManager, list[int]]:
+    """A server computed a 6-block system prompt, wrote it to `directory` and stopped; its manager
+    (its pool still indexes the blocks) and the prompt."""
+    kv, storage, tiers = new_cache(directory, ram_blocks=0)
     system = list(range(100, 124))
     fill(kv, storage, 1, [*system, 1])
     kv.free(1)
     assert kv.flush_tiers()
     tiers.close()
-    files = sorted(tmp_path.glob(f"*{SUFFIX}"))
-    assert len(files) == 6
+    return kv, system
+
+
+@pytest.mark.parametrize("other", ["model", "dtype", "block size", "kernels", "code"])
+def test_files_of_another_configuration_are_ignored_removed_and_logged_once(tmp_path, caplog, other):
+    system_prompt_on_disk(tmp_path)
+    assert len(list(tmp_path.glob(f"*{SUFFIX}"))) == 6
     model, dtype, block_size, kernels = MODEL, "float32", BLOCK_SIZE, "exact"
     if other == "model":
         model = b"another model...."[:16]
@@ -289,12 +295,7 @@ def test_files_of_another_configuration_are_ignored_removed_and_logged_once(tmp_
 
 
 def test_a_corrupt_file_found_at_lookup_is_a_miss_and_is_removed(tmp_path, caplog):
-    kv, storage, tiers = new_cache(tmp_path, ram_blocks=0)
-    system = list(range(100, 124))
-    fill(kv, storage, 1, [*system, 1])
-    kv.free(1)
-    assert kv.flush_tiers()
-    tiers.close()
+    kv, system = system_prompt_on_disk(tmp_path)
     kv2, storage2, tiers2 = new_cache(tmp_path, ram_blocks=0)  # the scan reads headers only
     hashes = [h for h, _ in kv.pool.hashed_blocks()]
     third = tmp_path / f"{hashes[2].hex()}{SUFFIX}"
