@@ -7,7 +7,9 @@ request here, so that a prompt, a limit or a refusal reads the same whatever the
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass, replace
+from typing import Any
 
 from starlette.requests import Request
 
@@ -17,6 +19,7 @@ from decoding.engine.params import InvalidParams, SamplingParams
 
 from .errors import APIError
 from .metrics import TokenGapTimer
+from .reasoning import template_reads, thinking_budget
 from .runs import Formatter, Generation
 from .schemas import ChatCompletionRequest, CompletionRequest, SchedulingFields
 from .server import ServingState
@@ -60,9 +63,32 @@ def with_tools(state: ServingState, body: ChatCompletionRequest, params: Samplin
     return replace(params, skip_special_tokens=False)
 
 
-def chat_prompt_ids(state: ServingState, body: ChatCompletionRequest) -> list[int]:
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    ids: list[int]
+    text: str  # as the template rendered it: where it leaves a thinking model (opened or closed its thinking)
+
+
+def template_variables(state: ServingState, body: ChatCompletionRequest) -> dict[str, Any]:
+    """What the template gets beside the messages: the server's and the request's chat_template_kwargs,
+    `reasoning_effort` where the template reads it (or `enable_thinking: false` for "none" where it reads
+    that instead), and the tools."""
     tokenizer = state.model.tokenizer
-    extra = {"tools": body.tools_for_template()} if body.calls_tools else {}
+    defaults = state.settings.default_chat_template_kwargs
+    variables: dict[str, Any] = {**(json.loads(defaults) if defaults else {}), **(body.chat_template_kwargs or {})}
+    effort = body.reasoning_effort
+    if effort is not None and template_reads(tokenizer, "reasoning_effort"):
+        variables.setdefault("reasoning_effort", effort)
+    elif effort == "none" and template_reads(tokenizer, "enable_thinking"):
+        variables.setdefault("enable_thinking", False)
+    if body.calls_tools:
+        variables["tools"] = body.tools_for_template()
+    return variables
+
+
+def chat_prompt(state: ServingState, body: ChatCompletionRequest) -> ChatPrompt:
+    tokenizer = state.model.tokenizer
+    extra = template_variables(state, body)
     try:
         text = tokenizer.apply_chat_template(body.template_input(), True, **extra)
     except TemplateError as exc:
@@ -74,7 +100,17 @@ def chat_prompt_ids(state: ServingState, body: ChatCompletionRequest) -> list[in
     ids = tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens it wants
     if not ids:
         raise APIError(400, "messages is empty", "messages", code="empty_prompt")
-    return ids
+    return ChatPrompt(ids, text)
+
+
+def with_reasoning(state: ServingState, body: ChatCompletionRequest, params: SamplingParams,
+                   prompt: ChatPrompt) -> SamplingParams:  # fmt: skip
+    """A thinking model's request: its markers, the phase its prompt leaves it in, and its budget."""
+    budget = thinking_budget(state.reasoning, state.model.tokenizer, body.thinking_token_budget,
+                             body.reasoning_effort, state.settings.default_thinking_budget)  # fmt: skip
+    if state.reasoning is None:
+        return params
+    return replace(params, reasoning=state.reasoning.params(prompt.text, budget))
 
 
 def checked_token_ids(state: ServingState, token_ids: list[int], param: str) -> list[int]:

@@ -61,7 +61,8 @@ def usage_body(usage: Usage | None) -> dict[str, Any] | None:
     if usage is None:
         return None
     body = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+            "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens}}
     if usage.draft_tokens:  # treadle's extension, only where speculation ran
         body["speculative"] = {"drafted": usage.draft_tokens, "accepted": usage.accepted_draft_tokens}
     return body
@@ -102,12 +103,20 @@ def request_usage(outputs: list[RequestOutput]) -> Usage | None:
     return next((o.usage for o in outputs if o.usage is not None), None)
 
 
+def reasoning_fields(text: str | None) -> dict[str, str | None]:
+    """The thinking under both names clients read: `reasoning_content` (vLLM's and DeepSeek's, LiteLLM's)
+    and `reasoning` (vLLM's newer one)."""
+    return {"reasoning_content": text, "reasoning": text}
+
+
 class ChatFormatter:
     object_name = "chat.completion"
 
     def __init__(self, header: ResponseHeader, tokens: TokenText, n: int, include_usage: bool,
-                 tool_syntax: HermesToolCalls | None = None) -> None:  # fmt: skip
+                 tool_syntax: HermesToolCalls | None = None, is_reasoning: bool = False) -> None:  # fmt: skip
+        """`is_reasoning`: a reasoning parser splits the thinking off (`reasoning_content`)."""
         self.header = header
+        self.is_reasoning = is_reasoning
         self.tokens = tokens
         self.n = n
         self.include_usage = include_usage
@@ -129,9 +138,13 @@ class ChatFormatter:
     def chunks(self, output: RequestOutput) -> list[Chunk]:
         if is_failure(output):
             return [error_event(output)]
-        if self.tool_syntax is not None:
-            return self._tool_chunks(output)
         chunks = []
+        if output.reasoning:  # before the answer's text, with the logprobs of every token the delta holds
+            chunks.append(self._chunk([{"index": output.index, "delta": reasoning_fields(output.reasoning),
+                                        "logprobs": self.logprobs(output.logprobs), "finish_reason": None}]))
+            output.logprobs = []
+        if self.tool_syntax is not None:
+            return chunks + self._tool_chunks(output)
         logprobs = self.logprobs(output.logprobs)
         if output.text or logprobs:
             chunks.append(self._chunk([{"index": output.index, "delta": {"content": output.text},
@@ -183,10 +196,13 @@ class ChatFormatter:
                 "usage": usage_body(request_usage(outputs))}
 
     def _message(self, output: RequestOutput) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": output.text}
+        if self.is_reasoning:
+            message.update(reasoning_fields(output.reasoning or None))
         if self.tool_syntax is None or not FinishReason(output.finish_reason or "stop").is_complete:
-            return {"role": "assistant", "content": output.text}
+            return message
         content, calls = split_calls(self.tool_syntax, output.text)
-        message: dict[str, Any] = {"role": "assistant", "content": content if content.strip() or not calls else None}
+        message["content"] = content if content.strip() or not calls else None
         if calls:
             message["tool_calls"] = [call.as_openai() for call in calls]
         return message

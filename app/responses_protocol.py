@@ -29,7 +29,6 @@ from .tools import HermesToolCalls, ToolCallStream
 
 # Fields that would change the output and are not implemented, with the values that change nothing.
 RESPONSES_NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
-    "reasoning": (None, {}, {"effort": None}),
     "include": (None, []),
     "max_tool_calls": (None,),
     "top_logprobs": (None, 0),
@@ -80,9 +79,29 @@ class FunctionCallOutputItem(StrictBody):
     status: str | None = None
 
 
-InputItem = Annotated[InputMessage | FunctionCallItem | FunctionCallOutputItem,
-                      one_of("must be a message {role, content}, a function_call or a function_call_output "
-                              "(other input items are not supported)")]  # fmt: skip
+class ReasoningText(StrictBody):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ReasoningItem(StrictBody):
+    """A thinking model's reasoning from an earlier response, given back: it goes to the template with the
+    assistant turn after it (which keeps or drops it, as the model's template does)."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[dict[str, Any]] = Field(default_factory=list)
+    content: list[ReasoningText] | None = None
+    encrypted_content: None = None  # treadle makes none, so none can come back
+    status: str | None = None
+
+    def text(self) -> str:
+        return "".join(part.text for part in self.content or [])
+
+
+InputItem = Annotated[InputMessage | FunctionCallItem | FunctionCallOutputItem | ReasoningItem,
+                      one_of("must be a message {role, content}, a function_call, a function_call_output or a "
+                              "reasoning item (other input items are not supported)")]  # fmt: skip
 
 
 class FunctionTool(StrictBody):
@@ -122,6 +141,11 @@ class TextOptions(StrictBody):
     verbosity: Literal["low", "medium", "high"] | None = None  # only medium (the default) changes nothing
 
 
+class ReasoningOptions(StrictBody):
+    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    summary: None = None  # treadle writes no summaries of the thinking: its text is given whole
+
+
 class ResponsesRequest(SchedulingFields):
     model: str | None = None
     input: Annotated[str | Annotated[list[InputItem], Field(min_length=1)],
@@ -141,6 +165,7 @@ class ResponsesRequest(SchedulingFields):
     metadata: dict[str, str] | None = None
     user: str | None = None
     seed: int | None = None  # vLLM accepts it here too
+    reasoning: ReasoningOptions | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -171,19 +196,26 @@ class ResponsesRequest(SchedulingFields):
         if isinstance(self.input, str):
             return [{"role": "user", "content": self.input}]
         messages: list[dict[str, Any]] = []
+        thinking: str | None = None  # a reasoning item's text, for the assistant turn that follows it
         for item in self.input:
+            if isinstance(item, ReasoningItem):
+                thinking = (thinking or "") + item.text()
+                continue
             if isinstance(item, InputMessage):
                 messages.append({"role": item.role, "content": item.text()})
             elif isinstance(item, FunctionCallItem):
                 call = {"id": item.call_id, "type": "function",
                         "function": {"name": item.name, "arguments": item.arguments}}
                 last = messages[-1] if messages else None
-                if last is not None and last["role"] == "assistant":
+                if last is not None and last["role"] == "assistant" and thinking is None:
                     last.setdefault("tool_calls", []).append(call)
                 else:
                     messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
             else:
                 messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+            if thinking is not None and messages[-1]["role"] == "assistant":
+                messages[-1]["reasoning_content"] = thinking
+            thinking = None
         return messages
 
     def chat_request(self, history: list[dict[str, Any]]) -> ChatCompletionRequest:
@@ -194,6 +226,7 @@ class ResponsesRequest(SchedulingFields):
             "max_completion_tokens": self.max_output_tokens, "temperature": self.temperature, "top_p": self.top_p,
             "seed": self.seed, "parallel_tool_calls": self.parallel_tool_calls, "priority": self.priority,
             "timeout": self.timeout,
+            "reasoning_effort": self.reasoning.effort if self.reasoning is not None else None,
         }
         if self.tools:
             body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
@@ -224,7 +257,8 @@ def usage_of(usage: Usage | None) -> dict[str, Any] | None:
     if usage is None:
         return None
     return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": usage.cached_tokens},
-            "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": usage.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
             "total_tokens": usage.total_tokens}
 
 
@@ -293,7 +327,7 @@ class ResponsesFormatter:
                 self._event("response.in_progress", response=snapshot)]
 
     def chunks(self, output: RequestOutput) -> list[Chunk]:
-        events: list[Chunk] = []
+        events: list[Chunk] = self._text_delta(output.reasoning, "reasoning") if output.reasoning else []
         pieces: list[str | dict[str, Any]] = [output.text] if output.text else []
         if self.tool_stream is not None:
             pieces = self.tool_stream.feed(output.text)
@@ -323,18 +357,27 @@ class ResponsesFormatter:
         self.state.output.append(item)
         return [self._event("response.output_item.added", output_index=len(self.state.output) - 1, item=dict(item))]
 
-    def _text_delta(self, text: str) -> list[Chunk]:
+    def _text_delta(self, text: str, kind: str = "message") -> list[Chunk]:
+        """Text of the answer (`message`) or of the thinking (`reasoning`), in an item of that kind."""
         events = []
-        if self._open is None or self._open["type"] != "message":
+        if self._open is None or self._open["type"] != kind:
             events += self._close_item()
-            events += self._open_item({"id": new_id("msg"), "type": "message", "status": "in_progress",
-                                       "role": "assistant", "content": []})
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            if kind == "message":
+                events += self._open_item({"id": new_id("msg"), "type": "message", "status": "in_progress",
+                                           "role": "assistant", "content": []})
+                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            else:
+                events += self._open_item({"id": new_id("rs"), "type": "reasoning", "status": "in_progress",
+                                           "summary": [], "content": []})
+                part = {"type": "reasoning_text", "text": ""}
             self._open["content"].append(part)
             events.append(self._event("response.content_part.added", **self._where(), part=dict(part)))
         self._text += text
         self._open["content"][0]["text"] = self._text
-        events.append(self._event("response.output_text.delta", **self._where(), delta=text, logprobs=[]))
+        if kind == "message":
+            events.append(self._event("response.output_text.delta", **self._where(), delta=text, logprobs=[]))
+        else:
+            events.append(self._event("response.reasoning_text.delta", **self._where(), delta=text))
         return events
 
     def _arguments_delta(self, fragment: str) -> list[Chunk]:
@@ -353,12 +396,13 @@ class ResponsesFormatter:
             return []
         item["status"] = "completed"
         index = len(self.state.output) - 1
-        if item["type"] == "message":
+        if item["type"] in ("message", "reasoning"):
             part, text = item["content"][0], self._text
             self._text = ""
             where = {"item_id": item["id"], "output_index": index, "content_index": 0}
-            events = [self._event("response.output_text.done", **where, text=text, logprobs=[]),
-                      self._event("response.content_part.done", **where, part=dict(part))]
+            done = (self._event("response.output_text.done", **where, text=text, logprobs=[])
+                    if item["type"] == "message" else self._event("response.reasoning_text.done", **where, text=text))
+            events = [done, self._event("response.content_part.done", **where, part=dict(part))]
         else:
             events = [self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                                   name=item["name"], arguments=item["arguments"])]
@@ -391,7 +435,9 @@ class ResponsesFormatter:
             if answer is None:
                 answer = {"role": "assistant", "content": None}
                 history.append(answer)
-            if item["type"] == "message":
+            if item["type"] == "reasoning":
+                answer["reasoning_content"] = item["content"][0]["text"]
+            elif item["type"] == "message":
                 answer["content"] = (answer["content"] or "") + item["content"][0]["text"]
             else:
                 answer.setdefault("tool_calls", []).append(

@@ -20,11 +20,12 @@ from .errors import APIError, encoded_response
 from .outcomes import error_for
 from .prompting import (
     DEFAULT_CHAT_MAX_TOKENS,
-    chat_prompt_ids,
+    chat_prompt,
     sampling_params,
     scheduling_of,
     submit,
     tool_syntax,
+    with_reasoning,
     with_tools,
 )
 from .response_store import StoredResponse
@@ -53,13 +54,13 @@ async def create_response(request: Request) -> Response:
             history = previous.state.conversation
         chat = body.chat_request(history)
         syntax = tool_syntax(state, chat)
-        prompt_ids = await anyio.to_thread.run_sync(chat_prompt_ids, state, chat)
-        params = sampling_params(engine, chat, len(prompt_ids), DEFAULT_CHAT_MAX_TOKENS, "input")
-        params = with_tools(state, chat, params, syntax)
+        prompt = await anyio.to_thread.run_sync(chat_prompt, state, chat)
+        params = sampling_params(engine, chat, len(prompt.ids), DEFAULT_CHAT_MAX_TOKENS, "input")
+        params = with_reasoning(state, chat, with_tools(state, chat, params, syntax), prompt)
         response_state = ResponseState(body, new_id("resp"), state.model_name)
         response_state.history = history
         formatter = ResponsesFormatter(response_state, syntax)
-        generation = submit(state, engine, prompt_ids, params, response_state.id, formatter,
+        generation = submit(state, engine, prompt.ids, params, response_state.id, formatter,
                              scheduling_of(state, request, body))
     run = new_run(generation, state.stream_settings, is_background=body.background)
     stored = StoredResponse(response_state, run)

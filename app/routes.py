@@ -23,13 +23,14 @@ from .openapi import openapi_schema
 from .prompting import (
     DEFAULT_CHAT_MAX_TOKENS,
     DEFAULT_COMPLETION_MAX_TOKENS,
-    chat_prompt_ids,
+    chat_prompt,
     checked_token_ids,
     encode_text,
     sampling_params,
     scheduling_of,
     submit,
     tool_syntax,
+    with_reasoning,
     with_tools,
 )
 from .protocol import ChatFormatter, CompletionFormatter, ResponseHeader
@@ -53,12 +54,13 @@ async def chat_completions(request: Request) -> Response:
         body = await read_body(request, ChatCompletionRequest, state.settings.max_body_bytes)
         state.check_model(body.model)
         syntax = tool_syntax(state, body)
-        prompt_ids = await anyio.to_thread.run_sync(chat_prompt_ids, state, body)
-        params = sampling_params(engine, body, len(prompt_ids), DEFAULT_CHAT_MAX_TOKENS, "messages")
-        params = with_tools(state, body, params, syntax)
+        prompt = await anyio.to_thread.run_sync(chat_prompt, state, body)
+        params = sampling_params(engine, body, len(prompt.ids), DEFAULT_CHAT_MAX_TOKENS, "messages")
+        params = with_reasoning(state, body, with_tools(state, body, params, syntax), prompt)
         header = ResponseHeader.new("chatcmpl", state.model_name, state.system_fingerprint)
-        formatter = ChatFormatter(header, state.tokens, params.n, body.include_usage, syntax)
-        generation = submit(state, engine, prompt_ids, params, header.id, formatter,
+        formatter = ChatFormatter(header, state.tokens, params.n, body.include_usage, syntax,
+                                  is_reasoning=params.reasoning is not None)
+        generation = submit(state, engine, prompt.ids, params, header.id, formatter,
                             scheduling_of(state, request, body))
     return await respond(request, generation, body.stream, state.stream_settings, state.runs)
 

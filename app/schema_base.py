@@ -58,10 +58,12 @@ CHAT_NOT_IMPLEMENTED = {
     "continue_final_message": (None, False),
     "add_special_tokens": (None, False),
     "chat_template": (None,),
-    "chat_template_kwargs": (None, {}),
     "documents": (None, []),
 }
-COMPLETION_NOT_IMPLEMENTED = {**NOT_IMPLEMENTED, "suffix": (None, ""), "add_special_tokens": (None, True)}
+COMPLETION_NOT_IMPLEMENTED = {**NOT_IMPLEMENTED, "suffix": (None, ""), "add_special_tokens": (None, True),
+                              # a prompt's text is raw: there is no template and no thinking to split or cap
+                              "chat_template_kwargs": (None,), "reasoning_effort": (None,),
+                              "thinking_token_budget": (None,)}
 MESSAGE_NOT_IMPLEMENTED = {"function_call": (None,)}  # an assistant's, in the history (the old API)
 
 

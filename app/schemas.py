@@ -24,6 +24,7 @@ from decoding.engine.params import MAX_N, MAX_TOP_LOGPROBS, SamplingParams
 from decoding.engine.structured import Constraint
 
 from .errors import APIError
+from .reasoning import check_template_kwargs
 from .schema_base import (
     CHAT_NOT_IMPLEMENTED,
     COMPLETION_NOT_IMPLEMENTED,
@@ -63,6 +64,8 @@ class ChatMessage(StrictBody):
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant's calls, in the history
     tool_call_id: str | None = None  # a tool message: the call it answers
+    reasoning_content: str | None = None  # an assistant's thinking, in the history (vLLM's and DeepSeek's name)
+    reasoning: str | None = None  # the same (vLLM's newer name)
 
     @field_validator("content")
     @classmethod
@@ -87,6 +90,9 @@ class ChatMessage(StrictBody):
                 for c in self.tool_calls]  # fmt: skip
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        thinking = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if thinking is not None and self.role == "assistant":  # under both names: templates read either
+            message["reasoning_content"] = message["reasoning"] = thinking
         return message
 
 
@@ -306,6 +312,15 @@ class ChatCompletionRequest(_SamplingBody):
     parallel_tool_calls: bool = True
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # thinking models: variables for the template (`enable_thinking`), the effort, the thinking's budget
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    thinking_token_budget: int | None = Field(None, ge=0)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _plain_template_variables(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return None if value is None else check_template_kwargs(value)
 
     @field_validator("top_logprobs")
     @classmethod

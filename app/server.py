@@ -23,6 +23,7 @@ from decoding.engine.params import SamplingParams
 from .errors import RETRY_AFTER_SECONDS, APIError, encoded_response, error_body
 from .metrics import ServerMetrics
 from .protocol import TokenText
+from .reasoning import resolve
 from .response_store import ResponseStore
 from .runs import RunRegistry
 from .settings import ServerSettings
@@ -64,6 +65,7 @@ class ServingState:
         self.model_name = self.served_model_names[0]
         self.system_fingerprint = system_fingerprint(engine)
         self.tokens = TokenText(engine.model.tokenizer)
+        self.reasoning = resolve(settings.reasoning_parser, settings.reasoning_config, engine.model.tokenizer)
         self.metrics = ServerMetrics()
         self.runs = RunRegistry()  # streams a client may reconnect to
         self.responses = ResponseStore(settings.responses_store_max, settings.responses_store_seconds,

@@ -17,6 +17,7 @@ from decoding.engine.options import (
     default_of,
     flag_of,
     non_negative_float,
+    non_negative_int,
     one_of,
     option,
     option_fields,
@@ -26,6 +27,8 @@ from decoding.engine.options import (
     positive_int,
     switch,
 )
+
+from .reasoning import PARSERS, reasoning_config, template_kwargs
 
 ENV_PREFIX = "TREADLE_"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -70,6 +73,25 @@ class ServerSettings:
                                       positive_int, doc_default="4 MiB")  # fmt: skip
     responses_store_seconds: float = option(3600.0, "how long a finished Responses API response created with "
                                                     "`store: true` stays retrievable", positive_float)  # fmt: skip
+    chat_template: str | None = option(
+        None, "a Jinja chat template file to use instead of the model's (vLLM's option), for a model whose file "
+        "lacks one or carries a wrong one; rendered once with a sample conversation at start, so a template that "
+        "fails stops the server there")  # fmt: skip
+    reasoning_parser: str = option(
+        "auto", "how chat answers separate a thinking model's reasoning (`reasoning_content`) from its answer: "
+        "`qwen3` (the model opens `<think>` itself), `deepseek_r1` (the template opens it: all up to `</think>` "
+        "is reasoning), `auto` (picked from the chat template and vocabulary, logged at start) or `none`",
+        one_of(PARSERS))  # fmt: skip
+    reasoning_config: str | None = option(
+        None, 'other markers for the reasoning parser: `{"reasoning_start_str": ..., "reasoning_end_str": ...}`',
+        or_none(reasoning_config))  # fmt: skip
+    default_chat_template_kwargs: str | None = option(
+        None, "a JSON object of variables every chat request passes to the template (a request's "
+        '`chat_template_kwargs` win), e.g. `{"enable_thinking": false}`', or_none(template_kwargs))  # fmt: skip
+    default_thinking_budget: int | None = option(
+        None, "the most thinking tokens of a chat answer whose request sets no `thinking_token_budget` or "
+        "`reasoning_effort`: past it the end of the thinking is forced and the answer follows",
+        or_none(non_negative_int), doc_default="no limit")  # fmt: skip
     responses_store_max: int = option(1000, "stored responses kept at most, in memory; the oldest finished ones go "
                                             "first", positive_int)  # fmt: skip
 

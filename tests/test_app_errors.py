@@ -196,7 +196,8 @@ UNSUPPORTED = [
     ("no generation prompt", CHAT, chat(add_generation_prompt=False), "add_generation_prompt"),
     ("continue_final_message", CHAT, chat(continue_final_message=True), "continue_final_message"),
     ("chat_template", CHAT, chat(chat_template="{{ messages }}"), "chat_template"),
-    ("chat_template_kwargs", CHAT, chat(chat_template_kwargs={"enable_thinking": True}), "chat_template_kwargs"),
+    ("thinking_token_budget on completions", COMPLETIONS, completion(thinking_token_budget=8),
+     "thinking_token_budget"),
     ("audio output", CHAT, chat(modalities=["text", "audio"], audio={"voice": "alloy", "format": "wav"}),
      "modalities"),
 ]
@@ -222,7 +223,7 @@ NEUTRAL = [
     ("vLLM defaults", CHAT, chat(add_generation_prompt=True, continue_final_message=False, echo=False,
                                  use_beam_search=False, modalities=["text"])),
     ("caller metadata", CHAT, chat(user="u", metadata={"a": "b"}, store=False, service_tier="auto",
-                                   reasoning_effort="low", prediction=None)),
+                                   prediction=None)),
     ("assistant without content", CHAT, chat(messages=[*USER, {"role": "assistant"}, *USER])),
     ("tool calls in the history", CHAT,
      chat(messages=[*USER, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",

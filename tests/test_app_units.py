@@ -134,7 +134,8 @@ def test_usage_chunk_only_when_asked_and_usage_null_before_it():
     [usage_chunk] = formatter.last_chunks()
     assert usage_chunk["choices"] == []
     assert usage_chunk["usage"] == {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6,
-                                    "prompt_tokens_details": {"cached_tokens": 4}}
+                                    "prompt_tokens_details": {"cached_tokens": 4},
+                                    "completion_tokens_details": {"reasoning_tokens": 0}}
 
 
 def test_a_failed_generation_streams_an_error_event():

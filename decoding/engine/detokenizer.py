@@ -57,6 +57,11 @@ class IncrementalDetokenizer:
         self.text += delta
         return delta
 
+    @property
+    def is_mid_character(self) -> bool:
+        """Tokens were added whose text is not out yet: a character they began is not complete."""
+        return self._read_offset < len(self._ids)
+
     def flush(self) -> str:
         """At the end of generation: whatever is held back (bytes that never formed a character)."""
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])

@@ -181,7 +181,9 @@ class Engine:
         """Raise `RequestTooLarge` or `InvalidParams` for what could never be served."""
         validate_request(prompt_ids, params, self.model.config.vocab_size, self.max_model_len,
                          self.config.max_num_seqs, self.kv)
-        for constraint in (params.constraint, params.call_trigger.arguments if params.call_trigger else None):
+        forced_end = params.reasoning.markers.end_constraint() if params.reasoning is not None else None
+        for constraint in (params.constraint, params.call_trigger.arguments if params.call_trigger else None,
+                           forced_end if params.reasoning and params.reasoning.budget is not None else None):
             if constraint is None:
                 continue
             try:

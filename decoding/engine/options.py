@@ -74,6 +74,13 @@ def positive_int(value: Any) -> int:
     return number
 
 
+def non_negative_int(value: Any) -> int:
+    number = int(value)
+    if number < 0:
+        raise ValueError(f"must be zero or more, got {number}")
+    return number
+
+
 def int_between(low: int, high: int) -> Parser:
     def parse(value: Any) -> int:
         number = int(value)

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from .detokenizer import IncrementalDetokenizer
 from .observers import EngineObserver, EngineStats, notify
 from .outputs import FinishReason, RequestOutput, Usage
+from .reasoning import Phase, ReasoningTracker
 from .sampling import TokenLogprobs
 from .sequence import Request, Sequence, find_stop, partial_stop_suffix, seed_generator
 from .step import ScheduledChunk, ScheduledStep, StepResult
@@ -42,6 +44,12 @@ class OutputProcessor:
         seq = Sequence(request, 0, IncrementalDetokenizer(self.tokenizer, request.prompt_ids,  # type: ignore[arg-type]
                                                           params.skip_special_tokens),
                        seed_generator(params.seed, 0))  # fmt: skip
+        if params.reasoning is not None:
+            reasoning = params.reasoning
+            if reasoning.initial is Phase.MAYBE and reasoning.markers.start_id is None and params.constraint:
+                # an opening spelled in text cannot be allowed beside the grammar: the answer is held to it at once
+                reasoning = replace(reasoning, initial=Phase.ANSWERING)
+            seq.reasoning = ReasoningTracker(reasoning)
         request.sequences.append(seq)
         return seq
 
@@ -62,16 +70,19 @@ class OutputProcessor:
 
     def _produce(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None, is_dead_end: bool) -> list[Sequence]:
         """A token drawn for the choice: its grammar (if any) takes it, then it is emitted."""
-        grammar, trigger = seq.grammar, seq.params.call_trigger
+        grammar, trigger, reasoning = seq.grammar, seq.params.call_trigger, seq.reasoning
         complete = False
-        if grammar is not None:
+        if grammar is not None and grammar.also_allowed == token:
+            seq.grammar = None  # the model opened its thinking: the answer's grammar waits for its end
+        elif grammar is not None:
             if is_dead_end or not grammar.consume(token, self.guide):
                 return self.end_request(seq.request, FinishReason.ERROR,
                                         f"structured output: the grammar allows no further token ({grammar.error})")
+            grammar.also_allowed = None
             complete = grammar.is_complete
-            if complete and seq.params.constraint is None:  # a call under auto is over: free text again
-                seq.grammar, complete = None, False
-        elif trigger is not None and token == trigger.token_id:
+            if complete and (grammar.ends_reasoning or seq.params.constraint is None):
+                seq.grammar, complete = None, False  # the thinking, or a call under auto, is over
+        elif trigger is not None and token == trigger.token_id and (reasoning is None or reasoning.is_answering):
             seq.grammar = GrammarState.start(self.guide, trigger.arguments, is_json=True)  # the call's arguments
         return self._publish(seq, self._append(seq, token, logprobs, complete))
 
@@ -86,9 +97,12 @@ class OutputProcessor:
         seq.output_ids.append(token)
         logprob_list = [logprobs] if logprobs is not None else []
 
+        reasoning = ""
+
         def ended(reason: FinishReason, stop_reason: str | int | None = None, flush: bool = True) -> RequestOutput:
             out = _finish_output(seq, reason, stop_reason, flush_text=flush)
             out.token_ids, out.logprobs = [token], logprob_list
+            out.reasoning = reasoning + out.reasoning
             return out
 
         # vLLM's min_tokens: no stop condition ends a choice before min_tokens tokens precede the one that
@@ -98,8 +112,11 @@ class OutputProcessor:
             return ended(FinishReason.STOP)
         if can_stop and token in params.stop_token_ids:
             return ended(FinishReason.STOP, token)
+        piece = seq.detokenizer.add(token)
+        if seq.reasoning is not None:  # the thinking's text bypasses the stop strings: they are the answer's
+            reasoning, piece = seq.reasoning.feed(token, piece)
         num_held = len(seq.held_text)
-        text = seq.held_text + seq.detokenizer.add(token)
+        text = seq.held_text + piece
         if params.stop:
             # A match must take in this token's text: held text never holds a whole stop string, unless one
             # that completed before min_tokens (and so does not count).
@@ -118,7 +135,8 @@ class OutputProcessor:
             out = ended(FinishReason.STOP if grammar_complete else FinishReason.LENGTH)
             out.text = text + out.text
             return out
-        return RequestOutput(request.request_id, seq.index, text=text, token_ids=[token], logprobs=logprob_list)
+        return RequestOutput(request.request_id, seq.index, text=text, reasoning=reasoning, token_ids=[token],
+                             logprobs=logprob_list)  # fmt: skip
 
     def _publish(self, seq: Sequence, output: RequestOutput) -> list[Sequence]:
         request = seq.request
@@ -179,10 +197,16 @@ class OutputProcessor:
 def _finish_output(seq: Sequence, reason: FinishReason, stop_reason: str | int | None = None,
                    error: str | None = None, flush_text: bool = True) -> RequestOutput:  # fmt: skip
     """The closing delta of a choice: whatever text was held back, and why it ended."""
-    text = seq.held_text + seq.detokenizer.flush() if flush_text else ""
+    reasoning = ""
+    text = seq.detokenizer.flush() if flush_text else ""
+    if seq.reasoning is not None and flush_text:
+        reasoning, text = seq.reasoning.feed(None, text)
+        held_reasoning, held_text = seq.reasoning.flush()
+        reasoning, text = reasoning + held_reasoning, text + held_text
+    text = seq.held_text + text if flush_text else ""
     seq.held_text = ""
     seq.finish_reason = reason
-    return RequestOutput(seq.request.request_id, seq.index, text=text, finish_reason=reason,
+    return RequestOutput(seq.request.request_id, seq.index, text=text, reasoning=reasoning, finish_reason=reason,
                          stop_reason=stop_reason, error=error)  # fmt: skip
 
 
@@ -196,4 +220,4 @@ def _record_prompt_logprobs(chunk: ScheduledChunk, entries: list[TokenLogprobs])
 
 def usage_of(request: Request) -> Usage:
     return Usage(len(request.prompt_ids), request.num_completion_tokens, request.num_cached_tokens,
-                 *request.draft_token_counts)
+                 *request.draft_token_counts, reasoning_tokens=request.num_reasoning_tokens)

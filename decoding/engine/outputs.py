@@ -36,6 +36,7 @@ class Usage:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     draft_tokens: int = 0  # speculative tokens verified
     accepted_draft_tokens: int = 0  # of which accepted
+    reasoning_tokens: int = 0  # of the completion tokens, those of the thinking (its markers included)
 
     @property
     def total_tokens(self) -> int:
@@ -48,7 +49,8 @@ class RequestOutput:
 
     request_id: str
     index: int  # choice index (0 .. n-1)
-    text: str = ""
+    text: str = ""  # the answer's text (all of it, unless a reasoning parser splits off the thinking)
+    reasoning: str = ""  # the thinking's text, its markers left out
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: FinishReason | None = None
@@ -60,10 +62,12 @@ class RequestOutput:
     @property
     def num_bytes(self) -> int:
         """About what this delta costs held in memory and written as JSON (logprobs dominate when asked)."""
-        return len(self.text) + 8 * len(self.token_ids) + sum(48 + 40 * len(lp.top) for lp in self.logprobs)
+        text_bytes = len(self.text) + len(self.reasoning)
+        return text_bytes + 8 * len(self.token_ids) + sum(48 + 40 * len(lp.top) for lp in self.logprobs)
 
     def merge(self, later: RequestOutput) -> None:
         self.text += later.text
+        self.reasoning += later.reasoning
         self.token_ids.extend(later.token_ids)
         self.logprobs.extend(later.logprobs)
         if later.prompt_logprobs is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from .reasoning import ReasoningParams
 from .structured import Constraint
 
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM has no cap. A bound keeps per-token stop checks cheap.
@@ -56,6 +57,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     constraint: Constraint | None = None  # structured output: what the text must match
     call_trigger: ToolCallTrigger | None = None  # tool calls under tool_choice auto
+    reasoning: ReasoningParams | None = None  # a thinking model's markers and budget (chat under a reasoning parser)
 
     def __post_init__(self) -> None:
         def check(ok: bool, param: str, message: str) -> None:
@@ -85,6 +87,8 @@ class SamplingParams:
         check(all(math.isfinite(b) and -100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias",
               "logit_bias values must be between -100 and 100")
         check(self.seed is None or -(2**63) <= self.seed < 2**64, "seed", "seed must fit in 64 bits")
+        budget = self.reasoning.budget if self.reasoning is not None else None
+        check(budget is None or budget >= 0, "thinking_token_budget", "thinking_token_budget must be at least 0")
         # min_tokens would forbid the end a grammar may already require: refused rather than half kept
         check(self.constraint is None or self.min_tokens == 0, "min_tokens",
               "min_tokens cannot be combined with structured output")

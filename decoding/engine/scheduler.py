@@ -198,6 +198,9 @@ class Scheduler:
         # the step also produces the token after the drafts: both must fit max_tokens and the context
         max_tokens = min(max_tokens, self.max_draft_tokens, params.max_tokens - len(seq.output_ids) - 1,
                          self.kv.max_model_len - seq.num_tokens - 1)  # fmt: skip
+        answer_constrained = params.constraint is not None
+        if seq.reasoning is not None and (room := seq.reasoning.draft_room(answer_constrained)) is not None:
+            max_tokens = min(max_tokens, room)  # the next token's grammar may change inside the thinking
         if max_tokens <= 0:
             return []
         if seq.drafter is None:
@@ -209,6 +212,8 @@ class Scheduler:
                 seq.drafter.shadow(max_tokens)  # learns what it would have accepted, at no cost
                 return []
         drafts = seq.drafter.propose(max_tokens)
+        if seq.reasoning is not None:
+            drafts = seq.reasoning.cut_drafts(drafts, answer_constrained)
         if drafts and not self.kv.can_append(seq.seq_id, 1 + len(drafts)):
             return []  # nobody is preempted for a draft
         return drafts

@@ -12,6 +12,7 @@ import numpy as np
 from .detokenizer import IncrementalDetokenizer
 from .outputs import FinishReason, RequestStream
 from .params import SamplingParams
+from .reasoning import ReasoningTracker
 from .sampling import TokenLogprobs
 from .speculative import NgramDrafter
 from .structured import GrammarState
@@ -58,6 +59,10 @@ class Request:
         return sum(len(s.output_ids) for s in self.sequences)
 
     @property
+    def num_reasoning_tokens(self) -> int:
+        return sum(s.reasoning.num_tokens for s in self.sequences if s.reasoning is not None)
+
+    @property
     def draft_token_counts(self) -> tuple[int, int]:
         """Speculative draft tokens verified for its choices, and how many of them were accepted."""
         drafters = [s.drafter for s in self.sequences if s.drafter is not None]
@@ -89,6 +94,7 @@ class Sequence:
     num_preemptions: int = 0
     grammar: GrammarState | None = None  # structured output (or a tool call under way): made at its first draw
     drafter: NgramDrafter | None = None  # speculative decoding: its n-gram index, made at its first decode
+    reasoning: ReasoningTracker | None = None  # a thinking model's choice: where its thinking stands
 
     @property
     def params(self) -> SamplingParams:
@@ -99,7 +105,8 @@ class Sequence:
         blocks are shared by the caller)."""
         assert not self.output_ids, "choices fork when their prompt is done, before any output"
         return Sequence(self.request, index, self.detokenizer.copy(), seed_generator(self.params.seed, index),
-                        num_computed_tokens=self.num_computed_tokens, status=self.status)
+                        num_computed_tokens=self.num_computed_tokens, status=self.status,
+                        reasoning=self.reasoning.copy() if self.reasoning is not None else None)
 
     @property
     def prompt_ids(self) -> list[int]:

@@ -62,8 +62,7 @@ def sample_step(step: ScheduledStep, logits: np.ndarray, first_rows: list[int], 
     if not rows:
         return StepResult(results)
     rows_logits = logits[rows]  # a copy: the masks change only it
-    constrained = [(d.first, _grammar(d.seq, guide), d.drafts) for d in draws
-                   if d.seq.params.constraint is not None or d.seq.grammar is not None]  # fmt: skip
+    constrained = [(d.first, grammar, d.drafts) for d in draws if (grammar := _grammar(d.seq, guide)) is not None]
     dead = set(apply_masks(rows_logits, constrained, guide))
     rows_logits[list(dead)] = 0.0  # drawn, then dropped: the sampler needs finite rows
     rng_states = [d.seq.rng.bit_generator.state if d.drafts and not d.seq.params.is_greedy else None for d in draws]
@@ -85,10 +84,22 @@ def sample_step(step: ScheduledStep, logits: np.ndarray, first_rows: list[int], 
     return StepResult(results)
 
 
-def _grammar(seq: Sequence, guide: Guide) -> GrammarState:
-    """The choice's grammar state, made at its first sampled row (a tool call's when its opening is drawn)."""
-    if seq.grammar is None:
-        seq.grammar = GrammarState.start(guide, seq.params.constraint)
+def _grammar(seq: Sequence, guide: Guide) -> GrammarState | None:
+    """What the choice's next token is held to, made when first needed: its constraint's grammar (a tool
+    call's from its opening on, made by the output stage); for a thinking model, nothing while it thinks,
+    the end marker once its budget is spent, and the constraint only once the thinking is over."""
+    if seq.grammar is not None:
+        return seq.grammar
+    reasoning, constraint = seq.reasoning, seq.params.constraint
+    if reasoning is not None and reasoning.budget_spent(seq.detokenizer.is_mid_character):
+        seq.grammar = GrammarState.start(guide, reasoning.markers.end_constraint(), is_json=False,
+                                         ends_reasoning=True)  # fmt: skip
+    elif constraint is None or (reasoning is not None and reasoning.is_thinking):
+        return None
+    elif reasoning is not None and reasoning.is_maybe:  # the model may open its thinking instead of answering
+        seq.grammar = GrammarState.start(guide, constraint, also_allowed=reasoning.markers.start_id)
+    else:
+        seq.grammar = GrammarState.start(guide, constraint)
     return seq.grammar
 
 

@@ -190,12 +190,15 @@ class GrammarState:
 
     matcher: Any  # llguidance.LLMatcher
     json_guard: JsonRunGuard | None = None
+    also_allowed: int | None = None  # a token allowed beside the grammar's next ones (a thinking model's opening)
+    ends_reasoning: bool = False  # it forces the end of a thinking: once complete, the answer's own rules apply
 
     @classmethod
-    def start(cls, guide: Guide, constraint: Constraint, is_json: bool | None = None) -> GrammarState:
+    def start(cls, guide: Guide, constraint: Constraint, is_json: bool | None = None,
+              also_allowed: int | None = None, ends_reasoning: bool = False) -> GrammarState:  # fmt: skip
         """`is_json`: whether to guard number runs (default: the constraint is a JSON one)."""
         is_json = constraint.kind in ("json", "json_object") if is_json is None else is_json
-        return cls(guide.matcher(constraint), JsonRunGuard() if is_json else None)
+        return cls(guide.matcher(constraint), JsonRunGuard() if is_json else None, also_allowed, ends_reasoning)
 
     def consume(self, token: int, guide: Guide) -> bool:
         """Advance by a drawn token; False where the grammar refuses it."""
@@ -244,6 +247,8 @@ def apply_masks(logits: np.ndarray, constrained: list[tuple[int, GrammarState, l
                 fill_next_token_bitmask(matcher, bitmask, i)
                 if guard is not None and guard.number_is_full:
                     _forbid_digits(bitmask[i], guide)
+                if j == 0 and state.also_allowed is not None:
+                    bitmask[i].view(np.uint32)[state.also_allowed // 32] |= np.uint32(1 << (state.also_allowed % 32))
                 if j < num_valid:
                     matcher.consume_token(drafts[j])
                     if guard is not None:

@@ -188,6 +188,19 @@ class Tokenizer:
     def chat_template_source(self) -> str | None:
         return self._chat_template_source
 
+    def use_chat_template(self, source: str) -> None:
+        """Replace the model's chat template with `source`, once it renders a sample conversation (with
+        a system turn, an answer and a question after it); TemplateError says why it does not."""
+        previous, previous_compiled = self._chat_template_source, self._chat_template
+        self._chat_template_source, self._chat_template = source, None
+        try:
+            self.apply_chat_template([{"role": "system", "content": "You are helpful."},
+                                      {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+                                      {"role": "user", "content": "2+2?"}])  # fmt: skip
+        except TemplateError:
+            self._chat_template_source, self._chat_template = previous, previous_compiled
+            raise
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             **extra: Any) -> str:
         """The conversation rendered by the model's own template, as transformers renders it."""
