@@ -327,3 +327,29 @@ def test_a_reply_cut_by_a_network_drop_resumes_where_it_left_off(server, browser
         screenshot(browser, "chat-page-resumed.png")
     finally:
         proxy.close()
+
+
+def test_a_thinking_models_reasoning_is_folded_above_its_answer(browser, tmp_path):
+    """The reasoning streams into a closed <details> above the answer, and both match what the API says."""
+    import httpx
+
+    from tests.thinking_models import qwen3_thinking_model
+
+    directory = qwen3_thinking_model(tmp_path, opens=True)
+    with running_server(["--model", str(directory), "--kv-cache-mb", "32", "--default-thinking-budget", "6"]) as server:
+        sampling = {"seed": 4, "temperature": 1.0}
+        open_page(browser, server, 30, sampling)
+        ask(browser, "What is 2 + 2?")
+        wait_for(lambda: (r := last_reply(browser)) and r["state"] == "done", what="the reply")
+        shown = browser.execute_script("""
+            const reply = document.querySelectorAll('.msg.assistant')[0];
+            const details = reply.querySelector('details.thinking');
+            return details && {first: reply.firstChild === details, open: details.open,
+                               summary: details.firstChild.textContent, thought: details.lastChild.textContent,
+                               answer: reply.querySelector('span').textContent};""")
+        sent = browser.execute_script("return window.__bodies[0]")
+        expected = httpx.post(server.base_url + "/v1/chat/completions", json={**sent, "stream": False},
+                              timeout=120).json()["choices"][0]["message"]  # the same request, whole
+        assert shown["first"] and not shown["open"] and shown["summary"] == "Thought"
+        assert (shown["thought"], shown["answer"]) == (expected["reasoning_content"], expected["content"])
+        screenshot(browser, "chat-thinking.png")

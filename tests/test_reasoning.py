@@ -386,3 +386,23 @@ def test_a_chat_template_file_replaces_the_models_and_a_broken_one_stops_the_sta
     failed = subprocess.run([sys.executable, "-m", "app.cli", "serve", "--model", str(directory), "--chat-template",
                              str(bad)], capture_output=True, text=True, timeout=120)  # fmt: skip
     assert failed.returncode == 2 and "--chat-template" in failed.stderr and "bad.jinja" in failed.stderr
+
+
+def test_each_choice_thinks_apart_and_calls_written_inside_the_thinking_are_not_calls(opening_server):
+    """n = 2: each choice has its own split (choice 0 as a request of its own with the seed); under
+    tool_choice auto a `<tool_call>` token inside the thinking is thinking, one after it a call."""
+    url = opening_server.base_url + "/v1/chat/completions"
+    base = {"messages": ASK, "max_tokens": 30, "temperature": 1.0, "seed": 7, "logit_bias": {str(END_THINK): 4.0}}
+    single = httpx.post(url, json=base, timeout=120).json()["choices"][0]["message"]
+    pair = httpx.post(url, json={**base, "n": 2, "logprobs": True}, timeout=120).json()
+    first = pair["choices"][0]
+    assert (first["message"]["reasoning_content"], first["message"]["content"]) == (
+        single["reasoning_content"], single["content"])
+    assert all(c["message"]["reasoning_content"] and c["logprobs"]["content"] for c in pair["choices"])
+    tool = {"type": "function", "function": {"name": "roll_die", "parameters": {"type": "object", "properties": {}}}}
+    calling = {**base, "tools": [tool], "tool_choice": "auto", "thinking_token_budget": 4, "max_tokens": 60,
+               "logit_bias": {"378": 100}}  # `<tool_call>` at every chance: inside the thinking and after it
+    choice = httpx.post(url, json=calling, timeout=120).json()["choices"][0]
+    assert choice["message"]["reasoning_content"].startswith("<tool_call>")
+    calls = choice["message"]["tool_calls"]  # the bias opens call after call until max_tokens
+    assert calls and all(c["function"] == {"name": "roll_die", "arguments": "{}"} for c in calls)
