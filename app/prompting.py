@@ -23,34 +23,37 @@ from .reasoning import template_reads, thinking_budget
 from .runs import Formatter, Generation
 from .schemas import ChatCompletionRequest, CompletionRequest, SchedulingFields
 from .server import ServingState
-from .tools import HermesToolCalls, syntax_for
+from .tool_syntaxes import syntax_for
+from .tools import ToolSyntax
 
 # Without max_tokens, chat may use the rest of the context (as vLLM), capped so that a forgotten
 # limit cannot hold a sequence for minutes; completions keep OpenAI's documented default of 16.
 DEFAULT_CHAT_MAX_TOKENS = 4096
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 
-def tool_syntax(state: ServingState, body: ChatCompletionRequest) -> HermesToolCalls | None:
+def tool_syntax(state: ServingState, body: ChatCompletionRequest) -> ToolSyntax | None:
     """The model's tool-call syntax when the request calls tools; a 400 if treadle cannot read it."""
     if not body.calls_tools:
         return None
     tokenizer = state.model.tokenizer
-    syntax = syntax_for(tokenizer.chat_template_source)
+    functions = [t.function.model_dump(exclude_none=True) for t in body.tools or []]
+    syntax = syntax_for(tokenizer.chat_template_source, state.settings.tool_call_parser, functions)
     if syntax is None:
         reason = "has no chat template" if not tokenizer.has_chat_template else \
-            "has a chat template without a tool-call syntax treadle reads (Hermes-style <tool_call>)"  # fmt: skip
+            ("has a chat template without a tool-call syntax treadle reads (Hermes <tool_call>, Llama 3 JSON, "
+             "Mistral [TOOL_CALLS], Qwen3-Coder <function=...>; --tool-call-parser names one)")  # fmt: skip
         raise APIError(400, f"tools cannot be used with this model: it {reason}", "tools")
     return syntax
 
 
 def with_tools(state: ServingState, body: ChatCompletionRequest, params: SamplingParams,
-               syntax: HermesToolCalls | None) -> SamplingParams:
+               syntax: ToolSyntax | None) -> SamplingParams:
     """The sampling parameters of a request that calls tools: a forced call's grammar, or (auto) the
     trigger that gives a call the model begins valid arguments."""
     if syntax is None:
         return params
     tag_ids = {tag: ids[0] if len(ids := state.model.tokenizer.encode(tag)) == 1 else None
-               for tag in (syntax.start, syntax.end)}  # fmt: skip
+               for tag in syntax.tags}  # fmt: skip
     if body.forces_a_call:
         if params.constraint is not None:
             raise APIError(400, f"tool_choice {body.tool_choice!r} and {params.constraint.field} both "

@@ -19,7 +19,7 @@ from decoding.engine.sampling import TokenLogprobs
 from decoding.model.tokenizer import Tokenizer
 
 from .outcomes import error_event, finish_reason_of, is_failure
-from .tools import HermesToolCalls, ToolCallStream, split_calls
+from .tools import ToolSyntax, split_calls
 
 Chunk = dict[str, Any]
 
@@ -113,7 +113,7 @@ class ChatFormatter:
     object_name = "chat.completion"
 
     def __init__(self, header: ResponseHeader, tokens: TokenText, n: int, include_usage: bool,
-                 tool_syntax: HermesToolCalls | None = None, is_reasoning: bool = False) -> None:  # fmt: skip
+                 tool_syntax: ToolSyntax | None = None, is_reasoning: bool = False) -> None:  # fmt: skip
         """`is_reasoning`: a reasoning parser splits the thinking off (`reasoning_content`)."""
         self.header = header
         self.is_reasoning = is_reasoning
@@ -122,7 +122,7 @@ class ChatFormatter:
         self.include_usage = include_usage
         self.usage: Usage | None = None
         self.tool_syntax = tool_syntax  # the request calls tools: answers are split into content and calls
-        self.tool_streams = [ToolCallStream(tool_syntax) for _ in range(n)] if tool_syntax else []
+        self.tool_streams = [tool_syntax.stream() for _ in range(n)] if tool_syntax else []
         self.held_logprobs: list[list[TokenLogprobs]] = [[] for _ in range(n)]  # tokens whose text is held back
 
     def _chunk(self, choices: list[dict[str, Any]]) -> Chunk:

@@ -25,7 +25,7 @@ from .outcomes import failure_message, is_failure, outcome_of
 from .protocol import Chunk
 from .schema_base import StrictBody, one_of, refuse_not_implemented
 from .schemas import ChatCompletionRequest, SchedulingFields
-from .tools import HermesToolCalls, ToolCallStream
+from .tools import ToolSyntax
 
 # Fields that would change the output and are not implemented, with the values that change nothing.
 RESPONSES_NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
@@ -308,9 +308,9 @@ class ResponseState:
 class ResponsesFormatter:
     """Engine outputs → the Responses API's stream events, each with its `sequence_number`."""
 
-    def __init__(self, state: ResponseState, tool_syntax: HermesToolCalls | None) -> None:
+    def __init__(self, state: ResponseState, tool_syntax: ToolSyntax | None) -> None:
         self.state = state
-        self.tool_stream = ToolCallStream(tool_syntax) if tool_syntax is not None else None
+        self.tool_stream = tool_syntax.stream() if tool_syntax is not None else None
         self.num_events = 0
         self._open: dict[str, Any] | None = None  # the output item being written
         self._text = ""  # the open message's text so far

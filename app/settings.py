@@ -29,6 +29,7 @@ from decoding.engine.options import (
 )
 
 from .reasoning import PARSERS, reasoning_config, template_kwargs
+from .tool_syntaxes import TOOL_CALL_PARSERS
 
 ENV_PREFIX = "TREADLE_"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -77,6 +78,10 @@ class ServerSettings:
         None, "a Jinja chat template file to use instead of the model's (vLLM's option), for a model whose file "
         "lacks one or carries a wrong one; rendered once with a sample conversation at start, so a template that "
         "fails stops the server there")  # fmt: skip
+    tool_call_parser: str = option(
+        "auto", "the tool-call syntax of the model (vLLM's names): `hermes` (`<tool_call>` JSON, Qwen2.5), "
+        "`llama3_json` (Llama 3.1-3.3), `mistral` (`[TOOL_CALLS]`), `qwen3_coder` (`<function=...>` XML), or "
+        "`auto`: read from the chat template", one_of(TOOL_CALL_PARSERS))  # fmt: skip
     reasoning_parser: str = option(
         "auto", "how chat answers separate a thinking model's reasoning (`reasoning_content`) from its answer: "
         "`qwen3` (the model opens `<think>` itself), `deepseek_r1` (the template opens it: all up to `</think>` "

@@ -1,6 +1,7 @@
 """Tool calling: the model's tool-call syntax, read from its chat template, as a parser and a grammar.
 
-One class per syntax. `HermesToolCalls` is the one Qwen2.5 (and Hermes, and many fine-tunes) use:
+One class per syntax (`ToolSyntax`; the others are in tool_syntaxes.py, with the registry that picks
+one from the template). `HermesToolCalls` is the one Qwen2.5 (and Hermes, and many fine-tunes) use:
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
@@ -19,7 +20,7 @@ import json
 import re
 import secrets
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 from decoding.engine.params import ToolCallTrigger
 from decoding.engine.structured import JSON_LAYOUT, Constraint
@@ -41,14 +42,64 @@ def new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
 
 
-class HermesToolCalls:
+class CallStream(Protocol):
+    """One choice's text, fed as it streams, as OpenAI's deltas (see ToolCallStream)."""
+
+    num_calls: int
+
+    def feed(self, text: str) -> list[str | dict[str, Any]]: ...
+    def finish(self) -> list[str | dict[str, Any]]: ...
+
+
+class ToolSyntax:
+    """How one family of models writes tool calls: read back from the text (`stream`), and as grammars
+    for a forced call (`constraint`) and for a call the model begins under `auto` (`call_trigger`).
+    An instance is bound to a request's functions."""
+
+    name: ClassVar[str]  # vLLM's --tool-call-parser name
+    tags: ClassVar[tuple[str, ...]] = ()  # texts that may be tokens of their own (grammars name them by id)
+
+    def __init__(self, functions: list[dict[str, Any]] | None = None) -> None:
+        self.functions = functions or []
+
+    @classmethod
+    def matches(cls, chat_template: str) -> bool:
+        raise NotImplementedError
+
+    def constraint(self, functions: list[dict[str, Any]], parallel: bool,
+                   tag_token_ids: dict[str, int | None]) -> Constraint:  # fmt: skip
+        raise NotImplementedError
+
+    def call_trigger(self, functions: list[dict[str, Any]],
+                     tag_token_ids: dict[str, int | None]) -> ToolCallTrigger | None:  # fmt: skip
+        return None
+
+    def stream(self) -> CallStream:
+        raise NotImplementedError
+
+    def new_call_id(self) -> str:
+        return new_call_id()
+
+    @staticmethod
+    def _tag(tag: str, tag_token_ids: dict[str, int | None]) -> str:
+        """A tag in a Lark grammar: by its token id where it is one token (the tokenizer does not match a
+        special token by its text), else as text."""
+        return f"<[{tag_token_ids[tag]}]>" if tag_token_ids.get(tag) is not None else json.dumps(tag)
+
+
+class HermesToolCalls(ToolSyntax):
     """`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block per call."""
 
+    name = "hermes"
     start, end = "<tool_call>", "</tool_call>"
+    tags = (start, end)
 
     @classmethod
     def matches(cls, chat_template: str) -> bool:
         return cls.start in chat_template
+
+    def stream(self) -> ToolCallStream:
+        return ToolCallStream(self)
 
     def constraint(self, functions: list[dict[str, Any]], parallel: bool,
                    tag_token_ids: dict[str, int | None]) -> Constraint:  # fmt: skip
@@ -74,16 +125,8 @@ class HermesToolCalls:
         return ToolCallTrigger(opening, Constraint("grammar", lark, "tools"))
 
     @staticmethod
-    def _tag(tag: str, tag_token_ids: dict[str, int | None]) -> str:
-        return f"<[{tag_token_ids[tag]}]>" if tag_token_ids.get(tag) is not None else json.dumps(tag)
-
-    @staticmethod
     def _body_schema(functions: list[dict[str, Any]]) -> dict[str, Any]:
-        bodies = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                   "properties": {"name": {"const": f["name"]},
-                                  "arguments": f.get("parameters") or EMPTY_PARAMETERS}}
-                  for f in functions]  # fmt: skip
-        return {"x-guidance": JSON_LAYOUT, "anyOf": bodies}
+        return call_body_schema(functions, "arguments")
 
     def parse_call(self, body: str) -> ToolCall | None:
         """A call's text between the tags, or None if it is not a call."""
@@ -95,18 +138,15 @@ class HermesToolCalls:
             return None
         arguments = call.get("arguments", call.get("parameters", {}))
         text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-        return ToolCall(call["name"], text, new_call_id())
+        return ToolCall(call["name"], text, self.new_call_id())
 
 
-SYNTAXES = (HermesToolCalls,)
-
-
-def syntax_for(chat_template: str | None) -> HermesToolCalls | None:
-    """The tool-call syntax a chat template uses, if treadle knows it."""
-    for syntax in SYNTAXES:
-        if chat_template and syntax.matches(chat_template):
-            return syntax()
-    return None
+def call_body_schema(functions: list[dict[str, Any]], arguments_key: str) -> dict[str, Any]:
+    """The JSON schema of one call `{"name": ..., arguments_key: {...}}` of any of `functions`."""
+    bodies = [{"type": "object", "additionalProperties": False, "required": ["name", arguments_key],
+               "properties": {"name": {"const": f["name"]}, arguments_key: f.get("parameters") or EMPTY_PARAMETERS}}
+              for f in functions]  # fmt: skip
+    return {"x-guidance": JSON_LAYOUT, "anyOf": bodies}
 
 
 _CALL_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\{)')
@@ -125,6 +165,7 @@ class ToolCallStream:
 
     def __init__(self, syntax: HermesToolCalls) -> None:
         self.syntax = syntax
+        self.new_call_id = syntax.new_call_id
         self.pending = ""  # text that may be (the start of) a call
         self.num_calls = 0  # calls begun (the next call's delta index)
         self.after_call = False  # the newlines that separate calls are not content
@@ -157,7 +198,7 @@ class ToolCallStream:
             header = _CALL_HEADER.match(self.pending, len(start))
             close = self.pending.find(end)
             if header is not None and (close < 0 or header.end() < close):
-                events.append({"index": self.num_calls, "id": new_call_id(), "type": "function",
+                events.append({"index": self.num_calls, "id": self.new_call_id(), "type": "function",
                                "function": {"name": json.loads(f'"{header.group(1)}"'), "arguments": ""}})  # fmt: skip
                 self._arguments = _JsonValueScanner()
                 self.pending = self.pending[header.end() :]
@@ -248,10 +289,10 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def split_calls(syntax: HermesToolCalls, text: str) -> tuple[str, list[ToolCall]]:
+def split_calls(syntax: ToolSyntax, text: str) -> tuple[str, list[ToolCall]]:
     """A whole answer: its content (the text outside calls) and its calls — what its stream's deltas
     add up to, so that streamed and whole answers agree."""
-    stream = ToolCallStream(syntax)
+    stream = syntax.stream()
     content: list[str] = []
     calls: dict[int, dict[str, str]] = {}
     for event in stream.feed(text) + stream.finish():
