@@ -56,7 +56,12 @@ async def create_response(request: Request) -> Response:
         syntax = tool_syntax(state, chat)
         prompt = await anyio.to_thread.run_sync(chat_prompt, state, chat)
         params = sampling_params(engine, chat, len(prompt.ids), DEFAULT_CHAT_MAX_TOKENS, "input")
-        params = with_reasoning(state, chat, with_tools(state, chat, params, syntax), prompt)
+        try:
+            params = with_reasoning(state, chat, with_tools(state, chat, params, syntax), prompt)
+        except APIError as exc:  # named after the Responses field
+            param = "reasoning.effort" if exc.param == "reasoning_effort" else exc.param
+            raise APIError(exc.status, exc.message.replace("reasoning_effort", "reasoning.effort"), param,
+                           exc.code) from None
         response_state = ResponseState(body, new_id("resp"), state.model_name)
         response_state.history = history
         formatter = ResponsesFormatter(response_state, syntax)

@@ -338,9 +338,13 @@ def test_reasoning_fields_that_cannot_be_honoured_are_400s(qwen3_server, fields,
 
 
 def test_a_model_that_does_not_think_refuses_a_thinking_budget():
-    response = httpx.post(shared_server("main").base_url + "/v1/chat/completions",
+    base = shared_server("main").base_url
+    response = httpx.post(base + "/v1/chat/completions",
                           json={"messages": ASK, "max_tokens": 2, "thinking_token_budget": 5}, timeout=30)
     assert response.status_code == 400 and "reasoning parser" in response.json()["error"]["message"]
+    response = httpx.post(base + "/v1/responses", json={"input": "Hi", "max_output_tokens": 2,
+                                                         "reasoning": {"effort": "low"}}, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "reasoning.effort", response.text
 
 
 # ---- DeepSeek-R1's shape: the prompt opens the thinking, the markers are text ---------------------------
