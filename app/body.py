@@ -17,12 +17,21 @@ MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vn
 
 
 async def read_body(request: Request, schema: type[Body], max_bytes: int) -> Body:
+    return validated(schema, await read_object(request, max_bytes))
+
+
+async def read_object(request: Request, max_bytes: int) -> dict[str, Any]:
+    """The body as a JSON (or msgpack) object, not yet validated."""
     raw = await _read_limited(request, max_bytes)
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     # Anything that is not msgpack is read as JSON, so `curl -d '{...}'` without a Content-Type works.
     data = _decode_msgpack(raw) if content_type in MSGPACK_TYPES else _decode_json(raw)
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be an object", code="invalid_body")
+    return data
+
+
+def validated(schema: type[Body], data: dict[str, Any]) -> Body:
     try:
         return schema.model_validate(data)
     except ValidationError as exc:

@@ -25,12 +25,16 @@ class Outcome:
     code: str | None = None  # the error's code
     message: str = ""  # the error's message when the engine gave none
     retry: bool = False  # worth retrying as it is: answered with Retry-After
+    anthropic_stop_reason: str | None = None  # the Messages API's stop_reason (a stop string: stop_sequence)
+    ollama_done_reason: str | None = None  # Ollama's done_reason
 
 
 OUTCOMES: dict[FinishReason, Outcome] = {
-    FinishReason.STOP: Outcome("stop", "completed"),
-    FinishReason.LENGTH: Outcome("length", "incomplete"),
-    FinishReason.TOOL_CALLS: Outcome("tool_calls", "completed"),
+    FinishReason.STOP: Outcome("stop", "completed", anthropic_stop_reason="end_turn", ollama_done_reason="stop"),
+    FinishReason.LENGTH: Outcome("length", "incomplete", anthropic_stop_reason="max_tokens",
+                                 ollama_done_reason="length"),
+    FinishReason.TOOL_CALLS: Outcome("tool_calls", "completed", anthropic_stop_reason="tool_use",
+                                     ollama_done_reason="stop"),
     FinishReason.ABORT_CLIENT: Outcome("abort", "cancelled", 499, "cancelled", "the request was cancelled"),
     FinishReason.ABORT_SHUTDOWN: Outcome(None, "failed", 503, "shutting_down", "the server is shutting down: this "
                                          "generation was ended before it finished", retry=True),  # fmt: skip

@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from decoding.engine.engine import Engine, resolve_kv_cache_dtype
 from decoding.engine.params import SamplingParams
 
-from .errors import RETRY_AFTER_SECONDS, APIError, encoded_response, error_body
+from .errors import RETRY_AFTER_SECONDS, APIError, encoded_response, error_for_path
 from .metrics import ServerMetrics
 from .protocol import TokenText
 from .reasoning import resolve
@@ -178,10 +178,11 @@ def serving(request: Request) -> ServingState:
 
 
 class APIKeyMiddleware:
-    """`Authorization: Bearer KEY` on the API routes; /health, /metrics and /openapi.json stay open
-    for probes and scrapers (as in vLLM). CORS preflights pass: CORSMiddleware sits outside."""
+    """`Authorization: Bearer KEY` (or Anthropic's `x-api-key: KEY`) on the API routes; /health, /metrics
+    and /openapi.json stay open for probes and scrapers (as in vLLM). CORS preflights pass:
+    CORSMiddleware sits outside."""
 
-    PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+    PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/api/")
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -193,11 +194,13 @@ class APIKeyMiddleware:
         return scheme.lower() == b"bearer" and hmac.compare_digest(key.lstrip(b" "), self._expected)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = dict(scope["headers"]) if scope["type"] == "http" else {}
         if (scope["type"] == "http" and scope["path"].startswith(self.PROTECTED_PREFIXES)
-                and not self._is_authorized(dict(scope["headers"]).get(b"authorization", b""))):
-            message = "a valid API key is required: Authorization: Bearer KEY"
-            response = encoded_response(Request(scope), error_body(401, message, code="invalid_api_key"), 401,
-                                        {"WWW-Authenticate": "Bearer"})
+                and not self._is_authorized(headers.get(b"authorization", b""))
+                and not hmac.compare_digest(headers.get(b"x-api-key", b""), self._expected)):
+            message = "a valid API key is required: Authorization: Bearer KEY (or x-api-key: KEY)"
+            body = error_for_path(scope["path"], 401, message, code="invalid_api_key")
+            response = encoded_response(Request(scope), body, 401, {"WWW-Authenticate": "Bearer"})
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
