@@ -15,6 +15,7 @@ from decoding.engine.engine import Engine
 
 from .anthropic_routes import ANTHROPIC_ROUTES
 from .errors import EXCEPTION_HANDLERS
+from .ollama_routes import OLLAMA_ROUTES
 from .responses_routes import RESPONSES_ROUTES
 from .routes import CHAT_PAGE_ROUTE, ROUTES
 from .server import APIKeyMiddleware, ServingState
@@ -41,7 +42,8 @@ def build_app(settings: ServerSettings, engine: Engine,
                                      expose_headers=["Retry-After"]))
     if settings.api_key:
         middleware.append(Middleware(APIKeyMiddleware, api_key=settings.api_key))
-    routes = [*ROUTES, *RESPONSES_ROUTES, *ANTHROPIC_ROUTES, *([CHAT_PAGE_ROUTE] if settings.chat_page else [])]
+    routes = [*ROUTES, *RESPONSES_ROUTES, *ANTHROPIC_ROUTES, *OLLAMA_ROUTES,
+              *([CHAT_PAGE_ROUTE] if settings.chat_page else [])]
     app = Starlette(routes=routes, middleware=middleware, exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
     app.state.serving = state
     return app

@@ -65,6 +65,9 @@ def _typed_sse_event(event: Event) -> bytes:
 SSE_FRAMING = Framing(_sse_event, b"data: [DONE]\n\n")
 TYPED_SSE_FRAMING = Framing(_typed_sse_event, b"")  # a Responses stream ends after response.completed
 MSGPACK_FRAMING = Framing(lambda event: msgpack.packb(event.chunk), msgpack.packb({"done": True}))
+NDJSON = "application/x-ndjson"
+# Ollama's streams: one JSON object per line; the last says "done": true itself
+NDJSON_FRAMING = Framing(lambda event: json.dumps(event.chunk, ensure_ascii=False).encode() + b"\n", b"")
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +103,12 @@ def stream_run(request: Request, run: Run, after: int, settings: StreamSettings,
     return SSEResponse(run, lambda response: _relay(run, after, framing, response), sep="\n",
                        ping=settings.ping_seconds, ping_message_factory=PingComment,
                        send_timeout=settings.send_timeout_seconds)
+
+
+def ndjson_run(run: Run, settings: StreamSettings) -> Response:
+    """A run's events as NDJSON lines (Ollama's streams): no ids, no pings, so no resuming."""
+    return MsgpackStreamResponse(run, lambda response: _relay(run, -1, NDJSON_FRAMING, response), media_type=NDJSON,
+                                 send_timeout_seconds=settings.send_timeout_seconds)
 
 
 class PingComment(ServerSentEvent):
@@ -209,7 +218,8 @@ class SSEResponse(EventSourceResponse):
 
 
 class MsgpackStreamResponse(StreamingResponse):
-    """Starlette's StreamingResponse stops watching `http.disconnect` on ASGI ≥ 2.4 servers and then
+    """A run's events in a plain body (msgpack maps, NDJSON lines). Starlette's StreamingResponse stops
+    watching `http.disconnect` on ASGI ≥ 2.4 servers and then
     notices a vanished client only when a send fails — never while a request waits in the queue.
     This one always races the body against the disconnect, and detaches from its run on every way out."""
 

@@ -219,5 +219,9 @@ def _record_prompt_logprobs(chunk: ScheduledChunk, entries: list[TokenLogprobs])
 
 
 def usage_of(request: Request) -> Usage:
+    first = request.first_token_time
+    last = request.last_token_time or first
     return Usage(len(request.prompt_ids), request.num_completion_tokens, request.num_cached_tokens,
-                 *request.draft_token_counts, reasoning_tokens=request.num_reasoning_tokens)
+                 *request.draft_token_counts, reasoning_tokens=request.num_reasoning_tokens,
+                 prompt_seconds=first - request.arrival_time if first else 0.0,
+                 decode_seconds=last - first if first and last else 0.0)

@@ -37,6 +37,8 @@ class Usage:
     draft_tokens: int = 0  # speculative tokens verified
     accepted_draft_tokens: int = 0  # of which accepted
     reasoning_tokens: int = 0  # of the completion tokens, those of the thinking (its markers included)
+    prompt_seconds: float = 0.0  # from its arrival to its first token (queueing and the prompt)
+    decode_seconds: float = 0.0  # from its first token to its last
 
     @property
     def total_tokens(self) -> int:
