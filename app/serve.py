@@ -21,16 +21,15 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import uvicorn
 
-from decoding import ModelLoadError, TemplateError, load_model
+from decoding import ModelLoadError
 from decoding.engine.engine import Engine
-from decoding.model.tokenizer import Tokenizer
 
 from .application import build_app
 from .faults import install_from_env
+from .model_loading import load_served_model
 from .server import ServingState
 from .settings import ServerSettings, parse_serve_args
 
@@ -94,20 +93,6 @@ def _exit_now(sig: int, frame: object) -> None:
     raise SystemExit(0)
 
 
-def use_chat_template_file(tokenizer: Tokenizer, path: str) -> None:
-    """--chat-template: the file's template replaces the model's, or ModelLoadError says why it cannot."""
-    try:
-        source = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ModelLoadError(f"--chat-template {path}: cannot read it ({exc})") from None
-    try:
-        tokenizer.use_chat_template(source)
-    except TemplateError as exc:
-        raise ModelLoadError(f"--chat-template {path}: the template does not render a sample conversation: "
-                             f"{exc}") from None
-    logging.getLogger("treadle").info("chat template: %s (--chat-template)", path)
-
-
 def main(argv: list[str]) -> int:
     settings, ray = parse_serve_args(argv)
     if ray is not None:  # replicas behind Ray Serve (the `ray` extra, imported only then; docs/scaling.md)
@@ -121,10 +106,7 @@ def main(argv: list[str]) -> int:
     log.info("loading %s ...", settings.model)
     started = time.perf_counter()
     try:
-        model = load_model(settings.model)
-        if settings.chat_template is not None:
-            use_chat_template_file(model.tokenizer, settings.chat_template)
-        engine = Engine(model, settings.engine)
+        engine = Engine(load_served_model(settings), settings.engine)
     except ModelLoadError as exc:
         print(f"treadle: error: {exc}", file=sys.stderr)
         return 2

@@ -146,21 +146,17 @@ def _pin_to_own_cores(local_rank: int, n_threads: int) -> list[int] | None:
 @serve.deployment(health_check_period_s=2, health_check_timeout_s=10, graceful_shutdown_timeout_s=5)
 class TreadleReplica:
     def __init__(self, settings: ServerSettings) -> None:
-        from decoding import load_model
         from decoding.engine.engine import Engine
 
         from ..application import build_app
-        from ..serve import use_chat_template_file
+        from ..model_loading import load_served_model
 
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.to_full_id_str()  # the replica actor's name, namespace "serve"
         n_threads = settings.engine.n_threads or 1
         self.cores = _pin_to_own_cores(context.rank.local_rank, n_threads)
         config = replace(settings.engine, n_threads=n_threads, pin_threads=self.cores is not None)
-        model = load_model(settings.model)
-        if settings.chat_template is not None:
-            use_chat_template_file(model.tokenizer, settings.chat_template)
-        self.engine = Engine(model, config)
+        self.engine = Engine(load_served_model(settings), config)
         self.app = build_app(settings, self.engine)
         self.state = self.app.state.serving
         self.state.warm_up()  # before Ray marks this replica running: no request meets a cold engine
