@@ -72,6 +72,8 @@ class ServerMetrics:
                                        ["finish_reason"], registry=registry)
         self.requests_rejected = Counter("treadle_requests_rejected", "Requests refused with 429 (queue full).",
                                          registry=registry)
+        self.requests_by_route = Counter("treadle_route_requests", "Generation requests submitted, by route (the "
+                                         "OpenAI, Anthropic and Ollama APIs' paths).", ["route"], registry=registry)
         self.time_to_first_token = Histogram("treadle_time_to_first_token_seconds", "Arrival to first token.",
                                              buckets=_LATENCY_BUCKETS, registry=registry)
         self.inter_token_latency = Histogram("treadle_inter_token_latency_seconds",

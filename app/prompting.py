@@ -162,6 +162,7 @@ def _max_tokens(engine: Engine, num_prompt_tokens: int, requested: int | None, d
 class Scheduling:
     priority: int = 0
     queue_timeout: float | None = None
+    route: str = ""  # the path the request came to (its metrics' label)
 
 
 def scheduling_of(state: ServingState, request: Request, body: SchedulingFields) -> Scheduling:
@@ -177,7 +178,7 @@ def scheduling_of(state: ServingState, request: Request, body: SchedulingFields)
         if not -(2**31) <= priority < 2**31:
             raise APIError(400, f"the {header} header is out of range", header, code="invalid_value")
     timeout = body.timeout if body.timeout is not None else state.settings.queue_timeout_seconds
-    return Scheduling(priority, timeout)
+    return Scheduling(priority, timeout, request.url.path)
 
 
 def submit(state: ServingState, engine: Engine, prompt_ids: list[int], params: SamplingParams, request_id: str,
@@ -195,4 +196,6 @@ def submit(state: ServingState, engine: Engine, prompt_ids: list[int], params: S
         raise APIError(503, str(exc), code="shutting_down") from None
     except EngineFailed as exc:
         raise APIError(503, str(exc), code="engine_failed") from None
+    if scheduling.route:
+        state.metrics.requests_by_route.labels(scheduling.route).inc()
     return Generation(engine, stream, formatter, TokenGapTimer(state.metrics.inter_token_latency))

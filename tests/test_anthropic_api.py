@@ -162,3 +162,31 @@ def test_langchain_chat_anthropic_invokes_streams_and_binds_tools(thinking):
     called = bound.invoke("Weather in Paris?")
     assert called.tool_calls and called.tool_calls[0]["name"] == "get_weather"
     jsonschema.validate(called.tool_calls[0]["args"], WEATHER["input_schema"])
+
+
+def test_the_sdks_own_types_take_every_field_we_send(main):
+    """Each whole message and each stream event parses into the SDK's types with no field left over
+    (a field the SDK does not know is one a client never reads); the route is counted in the metrics."""
+    import pydantic
+    from anthropic.types import Message, RawMessageStreamEvent
+
+    server, _, model = main
+
+    def leftovers(value) -> list[str]:
+        if isinstance(value, pydantic.BaseModel):
+            extra = [f"{type(value).__name__}.{k}" for k in (value.model_extra or {})]
+            return extra + [x for field in type(value).model_fields for x in leftovers(getattr(value, field))]
+        if isinstance(value, list):
+            return [x for item in value for x in leftovers(item)]
+        return []
+
+    body = {"model": model, "max_tokens": 6, "messages": HELLO, "temperature": 0}
+    before = server.metrics().get('treadle_route_requests_total{route="/v1/messages"}', 0)
+    whole = httpx.post(server.base_url + "/v1/messages", json=body, timeout=120).json()
+    assert leftovers(Message.model_validate(whole)) == []
+    with httpx.stream("POST", server.base_url + "/v1/messages", json={**body, "stream": True}, timeout=120) as response:
+        decoder = SSEDecoder()
+        events = [json.loads(d) for chunk in response.iter_raw() for d in decoder.feed(chunk)]
+    adapter = pydantic.TypeAdapter(RawMessageStreamEvent)
+    assert [x for e in events if e["type"] != "ping" for x in leftovers(adapter.validate_python(e))] == []
+    assert server.metrics()['treadle_route_requests_total{route="/v1/messages"}'] == before + 2

@@ -178,3 +178,21 @@ def test_langchain_chat_ollama_invokes_streams_and_structures_output(main):
     structured = ChatOllama(base_url=server.base_url, model=MODEL, temperature=0, num_predict=40)
     colour = structured.with_structured_output(Colour, method="json_schema").invoke("Name a colour.")
     assert isinstance(colour, Colour)
+
+
+def test_the_clients_own_types_take_every_field_we_send(main):
+    """Whole answers and every NDJSON line parse into the `ollama` package's types with no field left over."""
+    server, _ = main
+    body = {"model": MODEL, "messages": HELLO, "options": {"num_predict": 4}}
+    whole = httpx.post(server.base_url + "/api/chat", json={**body, "stream": False}, timeout=120).json()
+    with httpx.stream("POST", server.base_url + "/api/chat", json=body, timeout=120) as response:
+        lines = [json.loads(line) for line in response.iter_lines() if line]
+    generated = httpx.post(server.base_url + "/api/generate", timeout=120, json={
+        "model": MODEL, "prompt": "Hi", "stream": False, "options": {"num_predict": 2}}).json()  # fmt: skip
+    for value, kind in [(whole, ollama.ChatResponse), *((line, ollama.ChatResponse) for line in lines),
+                        (generated, ollama.GenerateResponse)]:  # fmt: skip
+        parsed = kind.model_validate(value)
+        assert set(value) <= set(type(parsed).model_fields), set(value) - set(type(parsed).model_fields)
+    tags = httpx.get(server.base_url + "/api/tags", timeout=30).json()
+    listed = ollama.ListResponse.model_validate(tags).models[0]
+    assert set(tags["models"][0]) <= set(type(listed).model_fields) | {"name"}

@@ -185,3 +185,44 @@ def test_qwen_coder_calls_tools_through_the_openai_client(tmp_path):
             json.loads(c.function.arguments) for c in choice.message.tool_calls]
         auto = client.chat.completions.create(**args).choices[0]
         assert auto.message.content or auto.message.tool_calls
+
+
+def test_qwen_coder_calls_tools_through_the_anthropic_and_ollama_clients(tmp_path):
+    """The same model through the other two APIs: Anthropic's `tool_choice: any` is a valid tool_use
+    block (whole and streamed, and its tool_result goes back); Ollama's tools are `auto` only, which the
+    0.5B model answers with a call or with text, parsed either way."""
+    import anthropic
+    import ollama
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}}, "required": ["city"],
+              "additionalProperties": False}  # fmt: skip
+    ask = [{"role": "user", "content": "What is the weather in Paris? Use the tool."}]
+    path = qwen25_coder_05b(tmp_path)
+    with running_server(["--model", str(path)]) as server:
+        client = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0, timeout=300)
+        name = httpx_models(server)
+        tool = {"name": "get_weather", "description": "Current weather in a city", "input_schema": schema}
+        args = {"model": name, "max_tokens": 120, "messages": ask, "tools": [tool], "extra_body": {"temperature": 0},
+                "tool_choice": {"type": "any", "disable_parallel_tool_use": True}}  # fmt: skip
+        message = client.messages.create(**args)
+        assert message.stop_reason == "tool_use" and message.content[-1].input["city"] == "Paris"
+        with client.messages.stream(**args) as stream:
+            assert stream.get_final_message().content[-1].input == message.content[-1].input
+        answer = client.messages.create(model=name, max_tokens=30, tools=[tool], messages=[
+            *ask, {"role": "assistant", "content": message.content},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": message.content[-1].id,
+                                          "content": "Sunny, 21 C"}]}], extra_body={"temperature": 0})  # fmt: skip
+        assert answer.content[0].type == "text" and answer.content[0].text
+
+        local = ollama.Client(host=server.base_url, timeout=300)
+        reply = local.chat(model=name, messages=ask, stream=False, options={"temperature": 0, "num_predict": 120},
+                           tools=[{"type": "function", "function": {"name": "get_weather", "parameters": schema}}])
+        assert reply.message.tool_calls or reply.message.content
+        for call in reply.message.tool_calls or []:
+            assert call.function.name == "get_weather" and isinstance(call.function.arguments["city"], str)
+
+
+def httpx_models(server) -> str:
+    import httpx
+
+    return httpx.get(server.base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
