@@ -162,6 +162,16 @@ def test_langchain_chat_anthropic_invokes_streams_and_binds_tools(thinking):
     called = bound.invoke("Weather in Paris?")
     assert called.tool_calls and called.tool_calls[0]["name"] == "get_weather"
     jsonschema.validate(called.tool_calls[0]["args"], WEATHER["input_schema"])
+    import pydantic
+
+    class City(pydantic.BaseModel):
+        """A city."""
+
+        name: str = pydantic.Field(max_length=12)
+
+    structured = ChatAnthropic(base_url=server.base_url, api_key="unused", model="qwen3-thinking-2507",
+                               max_tokens=200, max_retries=0).with_structured_output(City)  # fmt: skip
+    assert isinstance(structured.invoke("Name a city."), City)
 
 
 def test_the_sdks_own_types_take_every_field_we_send(main):

@@ -161,6 +161,10 @@ def test_thinking_and_tools_on_a_thinking_model(thinking):
     rendered = httpx.post(server.base_url + "/tokenize", timeout=30, json={
         "messages": HELLO}).json()["count"]  # fmt: skip
     assert answer.prompt_eval_count > rendered  # the tools' descriptions are in the prompt
+    from langchain_ollama import ChatOllama
+
+    bound = ChatOllama(base_url=server.base_url, model=model, num_predict=10).bind_tools([get_weather])
+    assert bound.invoke("What is the weather in Paris?").response_metadata["done"]
 
 
 def test_langchain_chat_ollama_invokes_streams_and_structures_output(main):
@@ -178,6 +182,14 @@ def test_langchain_chat_ollama_invokes_streams_and_structures_output(main):
     structured = ChatOllama(base_url=server.base_url, model=MODEL, temperature=0, num_predict=40)
     colour = structured.with_structured_output(Colour, method="json_schema").invoke("Name a colour.")
     assert isinstance(colour, Colour)
+
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return "sunny"
+
+    with pytest.raises(ollama.ResponseError) as refused:  # its template has no tool-call syntax: said, not ignored
+        chat.bind_tools([get_weather]).invoke("What is the weather in Paris?")
+    assert refused.value.status_code == 400 and "tool-call syntax" in refused.value.error
 
 
 def test_the_clients_own_types_take_every_field_we_send(main):
