@@ -210,8 +210,9 @@ class MessagesRequest(SchedulingFields):
         return messages
 
     def chat_request(self, thinking_model: bool) -> ChatCompletionRequest:
-        """The chat request that answers this one. `thinking_model`: the server runs a reasoning parser
-        (`thinking: disabled` closes the thinking there; elsewhere it changes nothing)."""
+        """The chat request that answers this one. `thinking_model`: the server runs a reasoning parser.
+        Elsewhere `thinking` and `output_config.effort` are kept trivially — a model that does not
+        think stays within any budget — so a client that always sends them (Claude Code) is served."""
         body: dict[str, Any] = {
             "messages": self.chat_messages(), "max_tokens": self.max_tokens, "stream": self.stream,
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "stop": self.stop_sequences,
@@ -226,12 +227,12 @@ class MessagesRequest(SchedulingFields):
             body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type) or {
                 "type": "function", "function": {"name": choice.name}}
             body["parallel_tool_calls"] = not choice.disable_parallel_tool_use
-        if self.thinking is not None and self.thinking.type == "enabled":
+        if self.thinking is not None and self.thinking.type == "enabled" and thinking_model:
             body["thinking_token_budget"] = self.thinking.budget_tokens
         elif self.thinking is not None and self.thinking.type == "disabled" and thinking_model:
             body["reasoning_effort"] = "none"
         config = self.output_config
-        if config is not None and config.effort is not None and "reasoning_effort" not in body:
+        if config is not None and config.effort is not None and "reasoning_effort" not in body and thinking_model:
             body["reasoning_effort"] = EFFORTS[config.effort]
         if config is not None and config.format is not None:
             body["response_format"] = {"type": "json_schema",

@@ -59,6 +59,14 @@ def test_the_stream_is_anthropics_typed_events_each_with_its_event_line(main):
     assert set(types[3:-3]) == {"content_block_delta"}
 
 
+def test_thinking_on_a_model_that_does_not_think_is_kept_trivially(main):
+    """Claude Code sends `thinking` whatever the model: a model that does not think is within any budget."""
+    _, client, model = main
+    message = client.messages.create(model=model, max_tokens=6, messages=HELLO, output_config={"effort": "low"},
+                                     thinking={"type": "enabled", "budget_tokens": 1024})  # fmt: skip
+    assert [b.type for b in message.content] == ["text"]
+
+
 def test_stop_sequences_and_count_tokens(main):
     server, client, model = main
     whole = client.messages.create(model=model, max_tokens=40, messages=HELLO, extra_body={"temperature": 0})
