@@ -34,11 +34,11 @@ from decoding.engine.structured import Constraint
 from .tools import (
     EMPTY_PARAMETERS,
     HermesToolCalls,
+    JsonValueScanner,
     ToolCall,
     ToolSyntax,
-    _JsonValueScanner,
-    _partial_suffix,
     call_body_schema,
+    partial_suffix,
 )
 
 _HEADER = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=[{\[])')
@@ -61,7 +61,7 @@ class JsonCallStream:
         self.num_calls = 0
         self.in_calls = False
         self.at_start = True  # nothing but whitespace seen yet
-        self._arguments: _JsonValueScanner | None = None
+        self._arguments: JsonValueScanner | None = None
         self._closing = False  # the arguments are complete: the body's `}` is next
 
     def feed(self, text: str) -> list[str | dict[str, Any]]:
@@ -79,7 +79,7 @@ class JsonCallStream:
             return self._between_calls(events)
         opening, at = self._find_opening()
         if at < 0:
-            keep = max([_partial_suffix(self.pending, o) for o in self.openings] + [0])
+            keep = max([partial_suffix(self.pending, o) for o in self.openings] + [0])
             if self.bare_start and self.at_start and not self.pending.strip():
                 keep = len(self.pending)  # only whitespace so far: a bare call may still begin the answer
             events.append(self.pending[: len(self.pending) - keep])
@@ -125,10 +125,10 @@ class JsonCallStream:
         if header is not None:
             events.append({"index": self.num_calls, "id": self.syntax.new_call_id(), "type": "function",
                            "function": {"name": json.loads(f'"{header.group(1)}"'), "arguments": ""}})  # fmt: skip
-            self._arguments = _JsonValueScanner()
+            self._arguments = JsonValueScanner()
             self.pending = self.pending[header.end() :]
             return True
-        scanner = _JsonValueScanner()
+        scanner = JsonValueScanner()
         taken = scanner.feed(self.pending)
         if not scanner.is_complete:
             return False  # a body in another form: sent whole once it ends
@@ -356,7 +356,7 @@ class XmlCallStream:
             self._after_call = False
         at = self.pending.find(start)
         if at < 0:
-            keep = _partial_suffix(self.pending, start)
+            keep = partial_suffix(self.pending, start)
             events.append(self.pending[: len(self.pending) - keep])
             self.pending = self.pending[len(self.pending) - keep :]
             return False

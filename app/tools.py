@@ -169,7 +169,7 @@ class ToolCallStream:
         self.pending = ""  # text that may be (the start of) a call
         self.num_calls = 0  # calls begun (the next call's delta index)
         self.after_call = False  # the newlines that separate calls are not content
-        self._arguments: _JsonValueScanner | None = None  # the streamed call's arguments, once its name is sent
+        self._arguments: JsonValueScanner | None = None  # the streamed call's arguments, once its name is sent
 
     def feed(self, text: str) -> list[str | dict[str, Any]]:
         self.pending += text
@@ -187,7 +187,7 @@ class ToolCallStream:
                 self.after_call = False
             at = self.pending.find(start)
             if at < 0:  # no call begins here: all but a possible start of one is content
-                keep = _partial_suffix(self.pending, start)
+                keep = partial_suffix(self.pending, start)
                 if len(self.pending) > keep:
                     events.append(self.pending[: len(self.pending) - keep])
                     self.pending = self.pending[len(self.pending) - keep :]
@@ -200,7 +200,7 @@ class ToolCallStream:
             if header is not None and (close < 0 or header.end() < close):
                 events.append({"index": self.num_calls, "id": self.new_call_id(), "type": "function",
                                "function": {"name": json.loads(f'"{header.group(1)}"'), "arguments": ""}})  # fmt: skip
-                self._arguments = _JsonValueScanner()
+                self._arguments = JsonValueScanner()
                 self.pending = self.pending[header.end() :]
                 continue
             if close < 0:
@@ -248,7 +248,7 @@ class ToolCallStream:
         return [rest] if rest else []
 
 
-class _JsonValueScanner:
+class JsonValueScanner:
     """Where a JSON object or array that is being streamed ends (strings and escapes respected)."""
 
     __slots__ = ("depth", "escaped", "in_string", "is_complete")
@@ -281,7 +281,7 @@ class _JsonValueScanner:
         return len(text)
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest end of `text` that is a proper start of `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):
