@@ -139,9 +139,8 @@ class OllamaGenerateRequest(_OllamaBody):
     images: list[str] | None = None
 
     def refuse_unsupported(self) -> None:
-        for name in ("suffix", "template"):
-            if getattr(self, name):
-                raise APIError(400, f"{name} is not supported (treadle renders the model's own template)", name)
+        if self.template:
+            raise APIError(400, "template is not supported (treadle renders the model's own template)", "template")
         if self.context:
             raise APIError(400, "context is not supported: send the conversation to /api/chat instead", "context")
         if self.images:
@@ -154,6 +153,7 @@ class OllamaGenerateRequest(_OllamaBody):
         return _validated(ChatCompletionRequest, body)
 
     def completion_request(self, warnings: list[str]) -> CompletionRequest:
+        """The raw prompt (or, with a suffix, the middle between the prompt and the suffix) completed."""
         return _validated(CompletionRequest, {"prompt": self.prompt, **self.common_fields(warnings)})
 
 

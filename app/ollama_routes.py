@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.metadata
+from dataclasses import replace
 from typing import Any
 
 import anyio
@@ -30,6 +31,7 @@ from .prompting import (
     DEFAULT_CHAT_MAX_TOKENS,
     chat_prompt,
     encode_text,
+    fim_prompt,
     sampling_params,
     scheduling_of,
     submit,
@@ -104,7 +106,13 @@ async def generate(request: Request) -> Response:
         _check_context(state, body.num_ctx)
         syntax = None
         try:
-            if body.raw:  # the prompt as it is, no template
+            if body.suffix:  # fill in the middle (Continue's autocomplete): the model's FIM tokens, no template
+                completion = body.completion_request(ignored)
+                fim = await anyio.to_thread.run_sync(fim_prompt, state, body.prompt, body.suffix, "suffix")
+                ids = fim.ids
+                params = sampling_params(engine, completion, len(ids), DEFAULT_CHAT_MAX_TOKENS, "prompt")
+                params = replace(params, stop_token_ids=params.stop_token_ids + fim.stop_token_ids)
+            elif body.raw:  # the prompt as it is, no template
                 completion = body.completion_request(ignored)
                 ids = await anyio.to_thread.run_sync(encode_text, state, body.prompt, True, "prompt")
                 params = sampling_params(engine, completion, len(ids), DEFAULT_CHAT_MAX_TOKENS, "prompt")

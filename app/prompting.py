@@ -116,6 +116,39 @@ def with_reasoning(state: ServingState, body: ChatCompletionRequest, params: Sam
     return replace(params, reasoning=state.reasoning.params(prompt.text, budget))
 
 
+# Fill-in-the-middle: the spellings of the three tokens of code models trained for it (Qwen2.5-Coder's,
+# StarCoder's), in prefix-suffix-middle order; and the tokens that end a middle (or begin something else).
+FIM_TOKENS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"), ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"))
+FIM_ENDS = ("<|endoftext|>", "<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<|fim_prefix|>", "<|fim_suffix|>",
+            "<|fim_middle|>", "<fim_pad>", "<file_sep>", "<fim_prefix>", "<fim_suffix>", "<fim_middle>")
+
+
+@dataclass(frozen=True, slots=True)
+class FimPrompt:
+    ids: list[int]
+    stop_token_ids: tuple[int, ...]  # what ends the middle, beside the model's EOS
+
+
+def fim_prompt(state: ServingState, prefix: str, suffix: str, param: str) -> FimPrompt:
+    """The prompt that asks a code model for the text between `prefix` and `suffix`, or a 400 naming
+    `param` where the model was not trained to fill in the middle."""
+    tokenizer = state.model.tokenizer
+
+    def single(text: str) -> int | None:
+        ids = tokenizer.encode(text)
+        return ids[0] if len(ids) == 1 and tokenizer.is_special(ids[0]) else None
+
+    for spelling in FIM_TOKENS:
+        begin, hole, middle = (single(t) for t in spelling)
+        if begin is not None and hole is not None and middle is not None:
+            ids = [begin, *tokenizer.encode(prefix), hole, *tokenizer.encode(suffix), middle]
+            ends = tuple(dict.fromkeys(i for t in FIM_ENDS if (i := single(t)) is not None))
+            return FimPrompt(ids, ends)
+    raise APIError(400, f"{param} needs a model trained to fill in the middle: this model's vocabulary has no "
+                        "<|fim_prefix|>, <|fim_suffix|> and <|fim_middle|> tokens", param,
+                   code="unsupported_parameter")  # fmt: skip
+
+
 def checked_token_ids(state: ServingState, token_ids: list[int], param: str) -> list[int]:
     """Token ids from the client, within the vocabulary (the tokenizer overflows on ids past 32 bits)."""
     vocab_size = state.model.config.vocab_size

@@ -7,6 +7,7 @@ A generation request goes: admission (429 when full) → body → prompt ids →
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import anyio
@@ -26,6 +27,7 @@ from .prompting import (
     chat_prompt,
     checked_token_ids,
     encode_text,
+    fim_prompt,
     sampling_params,
     scheduling_of,
     submit,
@@ -70,11 +72,17 @@ async def completions(request: Request) -> Response:
     with state.admission() as engine:
         body = await read_body(request, CompletionRequest, state.settings.max_body_bytes)
         state.check_model(body.model)
-        if isinstance(body.prompt, str):
+        fim = None
+        if body.suffix and isinstance(body.prompt, str):
+            fim = await anyio.to_thread.run_sync(fim_prompt, state, body.prompt, body.suffix, "suffix")
+            prompt_ids = fim.ids
+        elif isinstance(body.prompt, str):
             prompt_ids = await anyio.to_thread.run_sync(encode_text, state, body.prompt, True, "prompt")
         else:
             prompt_ids = checked_token_ids(state, body.prompt, "prompt")  # before `echo` decodes them
         params = sampling_params(engine, body, len(prompt_ids), DEFAULT_COMPLETION_MAX_TOKENS, "prompt")
+        if fim is not None:
+            params = replace(params, stop_token_ids=params.stop_token_ids + fim.stop_token_ids)
         echo_text = None
         if body.echo:
             echo_text = body.prompt if isinstance(body.prompt, str) else state.model.tokenizer.decode(prompt_ids)

@@ -60,7 +60,7 @@ CHAT_NOT_IMPLEMENTED = {
     "chat_template": (None,),
     "documents": (None, []),
 }
-COMPLETION_NOT_IMPLEMENTED = {**NOT_IMPLEMENTED, "suffix": (None, ""), "add_special_tokens": (None, True),
+COMPLETION_NOT_IMPLEMENTED = {**NOT_IMPLEMENTED, "add_special_tokens": (None, True),
                               # a prompt's text is raw: there is no template and no thinking to split or cap
                               "chat_template_kwargs": (None,), "reasoning_effort": (None,),
                               "thinking_token_budget": (None,)}

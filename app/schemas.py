@@ -385,8 +385,17 @@ class CompletionRequest(_SamplingBody):
     not_implemented = COMPLETION_NOT_IMPLEMENTED
 
     prompt: Prompt  # one prompt: text, or token ids
+    suffix: str | None = None  # fill in the middle: the text after the completion (code models trained for it)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # the top k alternatives per token
+
+    @model_validator(mode="after")
+    def _suffix_with_text(self) -> CompletionRequest:
+        if self.suffix and not isinstance(self.prompt, str):
+            raise APIError(400, "suffix needs a text prompt (not token ids)", "suffix")
+        if self.suffix and self.echo:
+            raise APIError(400, "suffix cannot be combined with echo", "suffix")
+        return self
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         # `echo` with `logprobs` reports the prompt's tokens too, as OpenAI's legacy completions did.

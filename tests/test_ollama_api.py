@@ -208,3 +208,35 @@ def test_the_clients_own_types_take_every_field_we_send(main):
     tags = httpx.get(server.base_url + "/api/tags", timeout=30).json()
     listed = ollama.ListResponse.model_validate(tags).models[0]
     assert set(tags["models"][0]) <= set(type(listed).model_fields) | {"name"}
+
+
+def test_a_suffix_fills_in_the_middle_with_the_models_fim_tokens(tmp_path):
+    """Continue's autocomplete: /api/generate with a suffix (and /v1/completions' `suffix`) asks a code
+    model for the middle, `<|fim_prefix|>` prefix `<|fim_suffix|>` suffix `<|fim_middle|>`, ended by its
+    FIM end tokens; a model without them is a 400. The real Qwen2.5-Coder fills code in
+    tests/test_real_architectures.py."""
+    import shutil
+
+    from tests.test_architectures import GOLDEN
+
+    directory = tmp_path / "qwen2-fim"
+    shutil.copytree(GOLDEN / "qwen2", directory)
+    tokenizer = json.loads((directory / "tokenizer.json").read_text())
+    tags = ("<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>")
+    tokenizer["added_tokens"] += [{"id": 376 + i, "content": tag, "single_word": False, "lstrip": False,
+                                   "rstrip": False, "normalized": False, "special": True}
+                                  for i, tag in enumerate(tags)]  # fmt: skip
+    (directory / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with running_server(["--model", str(directory), "--kv-cache-mb", "16"]) as server:
+        prefix, suffix = "def add(a, b):\n    return ", "\n\nprint(add(1, 2))"
+        ids = httpx.post(server.base_url + "/tokenize", json={"prompt": prefix}, timeout=30).json()["tokens"]
+        suffix_ids = httpx.post(server.base_url + "/tokenize", json={"prompt": suffix}, timeout=30).json()["tokens"]
+        client = ollama.Client(host=server.base_url, timeout=120)
+        answer = client.generate(model="qwen2-fim", prompt=prefix, suffix=suffix, options={"num_predict": 4})
+        assert answer.done and answer.prompt_eval_count == len(ids) + len(suffix_ids) + 3
+        ended = httpx.post(server.base_url + "/v1/completions", timeout=120, json={
+            "prompt": prefix, "suffix": suffix, "max_tokens": 8, "logit_bias": {"379": 100}}).json()  # <|fim_pad|>
+        assert ended["choices"][0]["finish_reason"] == "stop" and ended["choices"][0]["stop_reason"] == 379
+    main = shared_server("main")  # a model not trained to fill in the middle
+    refused = httpx.post(main.base_url + "/v1/completions", json={"prompt": "a", "suffix": "b"}, timeout=30)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "suffix"

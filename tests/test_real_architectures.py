@@ -226,3 +226,13 @@ def httpx_models(server) -> str:
     import httpx
 
     return httpx.get(server.base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+def test_qwen_coder_fills_in_the_middle(tmp_path):
+    import httpx
+
+    with running_server(["--model", str(qwen25_coder_05b(tmp_path))]) as server:
+        response = httpx.post(server.base_url + "/api/generate", timeout=300, json={
+            "model": httpx_models(server), "prompt": "def add(a, b):\n    return ", "suffix": "\n\nprint(add(1, 2))\n",
+            "stream": False, "options": {"temperature": 0, "num_predict": 16}}).json()  # fmt: skip
+        assert "a + b" in response["response"] and response["done_reason"] == "stop"
