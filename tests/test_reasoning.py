@@ -113,10 +113,11 @@ def opening_model(tmp_path_factory):
     return load_model(qwen3_thinking_model(tmp_path_factory.mktemp("opening"), opens=True))
 
 
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.7, "seed": 11}], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("constrained", [False, True], ids=["free", "json"])
-def test_speculation_changes_nothing_across_the_end_of_the_thinking(opening_model, constrained):
-    """Greedy with n-gram drafts and without: the same tokens, the same split, through a natural end
-    (a bias on `</think>`), a forced one (the budget) and the answer's grammar."""
+def test_speculation_changes_nothing_across_the_end_of_the_thinking(opening_model, constrained, sampling):
+    """With n-gram drafts and without, greedy or seeded: the same tokens, the same split, through a
+    natural end (a bias on `</think>`), a forced one (the budget) and the answer's grammar."""
     tokenizer = opening_model.tokenizer
     prompt = tokenizer.encode(tokenizer.apply_chat_template(ASK))
     constraint = Constraint("json", json.dumps(SCHEMA)) if constrained else None
@@ -126,7 +127,7 @@ def test_speculation_changes_nothing_across_the_end_of_the_thinking(opening_mode
         try:
             runs = []
             for bias, budget in (({END_THINK: 2.5}, None), ({}, 9)):
-                params = SamplingParams(max_tokens=120, temperature=0, logit_bias=bias, constraint=constraint,
+                params = SamplingParams(max_tokens=120, logit_bias=bias, constraint=constraint, **sampling,
                                         reasoning=ReasoningParams(TOKEN_MARKERS, Phase.THINKING, budget))
                 out = engine.generate(prompt, params)[0]
                 runs.append((out.token_ids, out.reasoning, out.text, out.usage.reasoning_tokens))
@@ -137,14 +138,16 @@ def test_speculation_changes_nothing_across_the_end_of_the_thinking(opening_mode
             engine.shutdown()
     assert outputs["ngram"] == outputs["off"]
     natural, forced = outputs["off"]
-    assert END_THINK in natural[0] and natural[2], "the bias should end the thinking by itself"
+    if sampling["temperature"] == 0:  # greedy: the bias is known to end the thinking within the 120 tokens
+        assert END_THINK in natural[0] and natural[2], "the bias should end the thinking by itself"
     # the budget's 9 tokens, a few more where the 9th cut a character, then the end marker
     ended_at = forced[0].index(END_THINK)
     assert 9 <= ended_at <= 9 + 4 and forced[3] == ended_at + 1
     if constrained:
+        assert forced[2], "the answer follows the forced end"
         for _, _, text, _ in outputs["off"]:
-            assert text.startswith("{"), text
-            jsonschema.validate(json.loads(text), SCHEMA)
+            if text:  # a seeded natural run may think to the end of its tokens
+                jsonschema.validate(json.loads(text), SCHEMA)
 
 
 # ---- a real server ------------------------------------------------------------------------------------
