@@ -15,6 +15,7 @@ import datetime
 import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError
@@ -219,9 +220,9 @@ class ModelCard:
         if weights.lm_head is not weights.token_embedding:
             matrices.append(weights.lm_head)
         modified = max(f.stat().st_mtime for f in files)
+        quantization = (None if path.is_dir() else _gguf_file_type(path)) or next(iter(weights.storage_types()), "F32")
         return cls(name, sum(f.stat().st_size for f in files), digest, "safetensors" if path.is_dir() else "gguf",
-                   model.config.architecture, sum(m.n_rows * m.n_cols for m in matrices),
-                   next(iter(weights.storage_types()), "F32"), context_length,
+                   model.config.architecture, sum(m.n_rows * m.n_cols for m in matrices), quantization, context_length,
                    datetime.datetime.fromtimestamp(modified, datetime.UTC).isoformat().replace("+00:00", "Z"))
 
     @property
@@ -236,6 +237,17 @@ class ModelCard:
     def listing(self) -> dict[str, Any]:
         return {"name": self.name, "model": self.name, "modified_at": self.modified_at, "size": self.size,
                 "digest": self.digest, "details": self.details()}
+
+
+def _gguf_file_type(path: Path) -> str | None:
+    """The file's type as llama.cpp names it (`Q4_K_M`), from its `general.file_type`; None if it has none."""
+    import gguf
+
+    try:
+        field = gguf.GGUFReader(path).fields.get("general.file_type")
+        return gguf.LlamaFileType(int(field.parts[field.data[0]][0])).name.removeprefix("MOSTLY_") if field else None
+    except (ValueError, OSError, IndexError):
+        return None
 
 
 # ---- answers --------------------------------------------------------------------------------------------

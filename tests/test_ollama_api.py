@@ -66,7 +66,7 @@ def test_list_show_ps_and_version_describe_the_served_model(main):
     (listed,) = client.list().models
     assert listed.model == MODEL and listed.size > 50_000_000 and listed.details.format == "gguf"
     assert listed.details.family == "llama" and listed.details.parameter_size.endswith("M")
-    assert listed.details.quantization_level
+    assert listed.details.quantization_level == "Q4_1"  # the file's own type (SmolLM2-135M-Instruct.Q4_1.gguf)
     shown = client.show(MODEL + ":latest")
     assert "completion" in shown.capabilities and "<|im_start|>" in shown.template
     assert shown.modelinfo["llama.context_length"] > 0
