@@ -35,10 +35,10 @@ from .tools import (
     EMPTY_PARAMETERS,
     HermesToolCalls,
     JsonValueScanner,
-    ToolCall,
     ToolSyntax,
     call_body_schema,
     partial_suffix,
+    take_arguments,
 )
 
 _HEADER = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=[{\[])')
@@ -133,7 +133,7 @@ class JsonCallStream:
         if not scanner.is_complete:
             return False  # a body in another form: sent whole once it ends
         body, self.pending = self.pending[:taken], self.pending[taken:]
-        call = _parse_call(body, self.syntax)
+        call = self.syntax.parse_call(body)
         if call is None:
             events.append(body)
             self.in_calls = False
@@ -146,10 +146,7 @@ class JsonCallStream:
         scanner = self._arguments
         assert scanner is not None
         if not scanner.is_complete:
-            taken = scanner.feed(self.pending)
-            if taken:
-                events.append({"index": self.num_calls, "function": {"arguments": self.pending[:taken]}})
-                self.pending = self.pending[taken:]
+            self.pending = take_arguments(scanner, self.pending, self.num_calls, events)
             if not scanner.is_complete:
                 return False
         close = self.pending.find("}")
@@ -169,18 +166,6 @@ class JsonCallStream:
         if self.in_calls and all(not rest.strip() or rest.strip() in g for g in self.glue):
             return []
         return [rest] if rest else []
-
-
-def _parse_call(body: str, syntax: ToolSyntax) -> ToolCall | None:
-    try:
-        call = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-        return None
-    arguments = call.get("arguments", call.get("parameters", {}))
-    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return ToolCall(call["name"], text, syntax.new_call_id())
 
 
 class Llama3JsonToolCalls(ToolSyntax):

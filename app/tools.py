@@ -80,6 +80,18 @@ class ToolSyntax:
     def new_call_id(self) -> str:
         return new_call_id()
 
+    def parse_call(self, body: str) -> ToolCall | None:
+        """A call written as JSON `{"name": ..., "arguments" | "parameters": ...}`, or None if it is not one."""
+        try:
+            call = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return None
+        arguments = call.get("arguments", call.get("parameters", {}))
+        text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        return ToolCall(call["name"], text, self.new_call_id())
+
     @staticmethod
     def _tag(tag: str, tag_token_ids: dict[str, int | None]) -> str:
         """A tag in a Lark grammar: by its token id where it is one token (the tokenizer does not match a
@@ -127,18 +139,6 @@ class HermesToolCalls(ToolSyntax):
     @staticmethod
     def _body_schema(functions: list[dict[str, Any]]) -> dict[str, Any]:
         return call_body_schema(functions, "arguments")
-
-    def parse_call(self, body: str) -> ToolCall | None:
-        """A call's text between the tags, or None if it is not a call."""
-        try:
-            call = json.loads(body)
-        except ValueError:
-            return None
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return None
-        arguments = call.get("arguments", call.get("parameters", {}))
-        text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-        return ToolCall(call["name"], text, self.new_call_id())
 
 
 def call_body_schema(functions: list[dict[str, Any]], arguments_key: str) -> dict[str, Any]:
@@ -221,10 +221,7 @@ class ToolCallStream:
         scanner = self._arguments
         assert scanner is not None
         if not scanner.is_complete:
-            taken = scanner.feed(self.pending)
-            if taken:
-                events.append({"index": self.num_calls, "function": {"arguments": self.pending[:taken]}})
-                self.pending = self.pending[taken:]
+            self.pending = take_arguments(scanner, self.pending, self.num_calls, events)
             if not scanner.is_complete:
                 return False
         close = self.pending.find(self.syntax.end)
@@ -246,6 +243,15 @@ class ToolCallStream:
             self.num_calls += 1
             return []
         return [rest] if rest else []
+
+
+def take_arguments(scanner: JsonValueScanner, text: str, index: int, events: list[str | dict[str, Any]]) -> str:
+    """Feed `text` to a call's arguments, sending the part that belongs to them as a fragment of call
+    `index`; returns the rest."""
+    taken = scanner.feed(text)
+    if taken:
+        events.append({"index": index, "function": {"arguments": text[:taken]}})
+    return text[taken:]
 
 
 class JsonValueScanner:

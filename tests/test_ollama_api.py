@@ -16,6 +16,7 @@ from app.tools import HermesToolCalls
 from decoding.engine.outputs import FinishReason, RequestOutput, Usage
 from tests.conftest_server import API_KEY, shared_server
 from tests.reliability import running_server
+from tests.template_models import chat_model
 from tests.thinking_models import qwen3_thinking_model
 
 MODEL = "smollm2-135m-instruct"
@@ -215,18 +216,8 @@ def test_a_suffix_fills_in_the_middle_with_the_models_fim_tokens(tmp_path):
     model for the middle, `<|fim_prefix|>` prefix `<|fim_suffix|>` suffix `<|fim_middle|>`, ended by its
     FIM end tokens; a model without them is a 400. The real Qwen2.5-Coder fills code in
     tests/test_real_architectures.py."""
-    import shutil
-
-    from tests.test_architectures import GOLDEN
-
-    directory = tmp_path / "qwen2-fim"
-    shutil.copytree(GOLDEN / "qwen2", directory)
-    tokenizer = json.loads((directory / "tokenizer.json").read_text())
-    tags = ("<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>")
-    tokenizer["added_tokens"] += [{"id": 376 + i, "content": tag, "single_word": False, "lstrip": False,
-                                   "rstrip": False, "normalized": False, "special": True}
-                                  for i, tag in enumerate(tags)]  # fmt: skip
-    (directory / "tokenizer.json").write_text(json.dumps(tokenizer))
+    tags = ("<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>")  # 376-379
+    directory = chat_model("qwen2", tmp_path / "qwen2-fim", None, tags, special=True)
     with running_server(["--model", str(directory), "--kv-cache-mb", "16"]) as server:
         prefix, suffix = "def add(a, b):\n    return ", "\n\nprint(add(1, 2))"
         ids = httpx.post(server.base_url + "/tokenize", json={"prompt": prefix}, timeout=30).json()["tokens"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import shutil
 from pathlib import Path
 
 import jsonschema
@@ -20,7 +19,7 @@ import pytest
 from app.tool_syntaxes import Llama3JsonToolCalls, MistralToolCalls, Qwen3CoderToolCalls, syntax_for
 from app.tools import HermesToolCalls, split_calls
 from tests.reliability import running_server
-from tests.test_architectures import GOLDEN
+from tests.template_models import chat_model
 from tests.test_tools import ASK, SCHEMAS, TOOLS
 
 LLAMA3_TEMPLATE = """{{- bos_token }}{%- if tools %}<|start_header_id|>system<|end_header_id|>
@@ -113,19 +112,7 @@ FUNCTIONS = [t["function"] for t in TOOLS]
 
 def family_model(parent: Path, family: str) -> Path:
     template, tags, _ = FAMILIES[family]
-    directory = parent / f"qwen2-{family}"
-    shutil.copytree(GOLDEN / "qwen2", directory)
-    tokenizer = json.loads((directory / "tokenizer.json").read_text())
-    first = len(tokenizer["model"]["vocab"])
-    tokenizer["added_tokens"] += [{"id": first + i, "content": tag, "single_word": False, "lstrip": False,
-                                   "rstrip": False, "normalized": False, "special": True}
-                                  for i, tag in enumerate(tags)]  # fmt: skip
-    (directory / "tokenizer.json").write_text(json.dumps(tokenizer))
-    config = json.loads((directory / "tokenizer_config.json").read_text())
-    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
-    model_config = json.loads((directory / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps({**model_config, "max_position_embeddings": 4096}))
-    return directory
+    return chat_model("qwen2", parent / f"qwen2-{family}", template, tags, special=True)
 
 
 # ---- the parsers ----------------------------------------------------------------------------------------

@@ -10,7 +10,6 @@ arguments valid against each function's schema — plus the parser on text a mod
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import httpx
@@ -20,7 +19,7 @@ import pytest
 
 from app.tools import HermesToolCalls, ToolCallStream, split_calls
 from tests.reliability import running_server
-from tests.test_architectures import GOLDEN
+from tests.template_models import ARCHITECTURES, chat_model
 
 # Qwen2.5's template, shortened: tools in the system turn, calls and responses in its tags
 HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
@@ -72,19 +71,7 @@ def hermes_model(parent: Path, tag_tokens: bool = False) -> Path:
     """The tiny random qwen2 model with HERMES_TEMPLATE and room in its context for the tools; with
     `tag_tokens`, `<tool_call>` and `</tool_call>` are tokens of their own (as in Qwen2.5)."""
     directory = parent / ("qwen2-hermes-tags" if tag_tokens else "qwen2-hermes")
-    shutil.copytree(GOLDEN / "qwen2", directory)
-    if tag_tokens:
-        tokenizer = json.loads((directory / "tokenizer.json").read_text())
-        first = len(tokenizer["model"]["vocab"])
-        tokenizer["added_tokens"] += [{"id": first + i, "content": tag, "single_word": False, "lstrip": False,
-                                       "rstrip": False, "normalized": False, "special": False}
-                                      for i, tag in enumerate(("<tool_call>", "</tool_call>"))]  # fmt: skip
-        (directory / "tokenizer.json").write_text(json.dumps(tokenizer))
-    config = json.loads((directory / "tokenizer_config.json").read_text())
-    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": HERMES_TEMPLATE}))
-    model_config = json.loads((directory / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps({**model_config, "max_position_embeddings": 4096}))
-    return directory
+    return chat_model("qwen2", directory, HERMES_TEMPLATE, ("<tool_call>", "</tool_call>") if tag_tokens else ())
 
 
 @pytest.fixture(scope="module")
@@ -272,7 +259,7 @@ def test_tool_requests_that_cannot_be_served_are_400s(server, fields, param, why
 
 
 def test_a_model_whose_template_has_no_tool_syntax_refuses_tools():
-    with running_server(["--model", str(GOLDEN / "qwen2"), "--kv-cache-mb", "16"]) as server:
+    with running_server(["--model", str(ARCHITECTURES / "qwen2"), "--kv-cache-mb", "16"]) as server:
         response = httpx.post(server.base_url + "/v1/chat/completions", timeout=60,
                               json={"messages": ASK, "tools": TOOLS, "max_tokens": 4})  # fmt: skip
         assert response.status_code == 400 and response.json()["error"]["param"] == "tools", response.text

@@ -7,11 +7,9 @@ the tokenizer spells in several tokens, earlier turns' thinking dropped).
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
-from tests.test_architectures import GOLDEN
+from tests.template_models import chat_model
 
 QWEN3_TEMPLATE = """{%- if tools %}<|im_start|>system
 You may call these functions:
@@ -65,21 +63,6 @@ DEEPSEEK_R1_TEMPLATE = """{%- for message in messages %}
 {% endif %}"""
 
 
-def _copy(source: str, directory: Path, template: str, added: tuple[str, ...] = ()) -> Path:
-    shutil.copytree(GOLDEN / source, directory)
-    tokenizer = json.loads((directory / "tokenizer.json").read_text())
-    first = len(tokenizer["model"]["vocab"])
-    tokenizer["added_tokens"] += [{"id": first + i, "content": tag, "single_word": False, "lstrip": False,
-                                   "rstrip": False, "normalized": False, "special": False}
-                                  for i, tag in enumerate(added)]  # fmt: skip
-    (directory / "tokenizer.json").write_text(json.dumps(tokenizer))
-    config = json.loads((directory / "tokenizer_config.json").read_text())
-    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
-    model_config = json.loads((directory / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps({**model_config, "max_position_embeddings": 4096}))
-    return directory
-
-
 # Qwen3-Thinking-2507's shape: the prompt opens the thinking itself
 QWEN3_OPENING_TEMPLATE = QWEN3_TEMPLATE.replace("{% endif %}{% endif %}", "{% else %}<think>\n{% endif %}{% endif %}")
 
@@ -87,13 +70,13 @@ QWEN3_OPENING_TEMPLATE = QWEN3_TEMPLATE.replace("{% endif %}{% endif %}", "{% el
 def qwen3_thinking_model(parent: Path, opens: bool = False) -> Path:
     """`<think>` is token 376, `</think>` 377, `<tool_call>` 378, `</tool_call>` 379; with `opens`, the
     template opens the thinking (Qwen3-Thinking-2507), else the model does (Qwen3)."""
-    return _copy("qwen3", parent / ("qwen3-thinking-2507" if opens else "qwen3-thinking"),
+    return chat_model("qwen3", parent / ("qwen3-thinking-2507" if opens else "qwen3-thinking"),
                  QWEN3_OPENING_TEMPLATE if opens else QWEN3_TEMPLATE,
                  ("<think>", "</think>", "<tool_call>", "</tool_call>"))
 
 
 def deepseek_r1_model(parent: Path) -> Path:
-    return _copy("qwen2", parent / "r1-distill", DEEPSEEK_R1_TEMPLATE)
+    return chat_model("qwen2", parent / "r1-distill", DEEPSEEK_R1_TEMPLATE)
 
 
 THINK, END_THINK = 376, 377
