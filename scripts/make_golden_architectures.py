@@ -7,7 +7,8 @@ Two kinds of case, both written under tests/golden/architectures/:
 
 * A tiny, randomly initialised transformers model of each architecture treadle runs (llama with
   llama3 rope scaling and an untied head, mistral with a sliding window, qwen2 with Q/K/V biases,
-  qwen3 with head norms, gemma3 with sliding and global layers and 256-wide heads), saved with
+  qwen3 with head norms, gemma3 with sliding and global layers and 256-wide heads, and the mixtures
+  of experts qwen3moe with 16 experts, 4 per token, and mixtral with 8, 2 per token), saved with
   `save_pretrained` as bf16 safetensors beside a small byte-level BPE tokenizer: `<arch>/` is a
   Hugging Face directory treadle loads as is (a few hundred KB each). `<arch>/golden.json` holds
   the prompts' token ids and a greedy continuation with each step's top-1/top-2 margin;
@@ -89,7 +90,8 @@ def tiny_tokenizer(directory: Path, add_bos: bool, chat_template: str | None) ->
 
 
 def tiny_configs() -> dict:
-    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config,
+                              Qwen3MoeConfig)  # fmt: skip
 
     common = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=BOS, eos_token_id=EOS,
@@ -106,6 +108,11 @@ def tiny_configs() -> dict:
                                    num_hidden_layers=3, sliding_window=10, query_pre_attn_scalar=128,
                                    layer_types=["sliding_attention", "sliding_attention",
                                                 "full_attention"]),  # fmt: skip
+        "qwen3moe": Qwen3MoeConfig(**common, num_hidden_layers=2, head_dim=32, moe_intermediate_size=32,
+                                   num_experts=16, num_experts_per_tok=4, norm_topk_prob=True,
+                                   tie_word_embeddings=False),  # fmt: skip
+        "mixtral": MixtralConfig(**{**common, "intermediate_size": 64}, num_hidden_layers=2, num_local_experts=8,
+                                 num_experts_per_tok=2, rope_theta=1e6, tie_word_embeddings=False),  # fmt: skip
     }
 
 
@@ -206,8 +213,12 @@ def real_case(arch: str, path: Path) -> None:
 
 
 def main() -> int:
+    chosen = sys.argv[1:]  # architectures to remake (default: every one, and the real files)
     for seed, (arch, config) in enumerate(tiny_configs().items(), start=1):
-        tiny_case(arch, config, seed)
+        if not chosen or arch in chosen:
+            tiny_case(arch, config, seed)
+    if chosen:
+        return 0
     scratch = Path("/tmp/treadle-golden-real")
     scratch.mkdir(exist_ok=True)
     for arch, function in {"qwen2": "qwen25_coder_05b", "gemma3": "gemma3_270m"}.items():

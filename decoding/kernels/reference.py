@@ -99,11 +99,43 @@ def _layer(x: np.ndarray, w: LayerWeights, model: Model, index: int, positions: 
     attn = causal_attention(q, k, v, cfg.query_scale, cfg.layer_window(index)).reshape(n, cfg.q_dim)
     out = attn @ dense(w.wo).T
     x = x + (rmsnorm(out, w.post_attn_norm, cfg.rms_eps) if cfg.post_norms else out)
-    # feed-forward block: a gated linear unit (SwiGLU, GeGLU)
+    # feed-forward block: a gated linear unit (SwiGLU, GeGLU), or a routed mixture of them
     h = rmsnorm(x, w.ffn_norm, cfg.rms_eps)
-    gated = gate_activation(h @ dense(w.w_gate).T, cfg.activation) * (h @ dense(w.w_up).T)
-    out = gated @ dense(w.w_down).T
+    out = _experts(h, w, model) if cfg.is_moe else _gated_unit(h, dense(w.w_gate), dense(w.w_up), dense(w.w_down),
+                                                                cfg.activation)  # fmt: skip
     return x + (rmsnorm(out, w.post_ffn_norm, cfg.rms_eps) if cfg.post_norms else out)
+
+
+def _gated_unit(h: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray, activation: str) -> np.ndarray:
+    return (gate_activation(h @ gate.T, activation) * (h @ up.T)) @ down.T
+
+
+def route(h: np.ndarray, router: np.ndarray, n_used: int, normalise: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's chosen experts, best first, and their weights: the softmax over every expert's score,
+    its `n_used` largest (the lower index first on a tie), renormalised to sum to one if `normalise`."""
+    scores = h @ router.T
+    probs = np.exp(scores - scores.max(axis=1, keepdims=True))
+    probs /= probs.sum(axis=1, keepdims=True)
+    chosen = np.argsort(-probs, axis=1, kind="stable")[:, :n_used]
+    weights = np.take_along_axis(probs, chosen, axis=1)
+    if normalise:
+        weights /= weights.sum(axis=1, keepdims=True)
+    return chosen, weights.astype(np.float32)
+
+
+def _experts(h: np.ndarray, w: LayerWeights, model: Model) -> np.ndarray:
+    """A mixture of experts: each row through its chosen experts' gated units, summed by weight."""
+    cfg = model.config
+    e, rows = cfg.n_experts, cfg.hidden_dim
+    gate = model.dense_weight(w.w_gate).reshape(e, rows, cfg.dim)
+    up = model.dense_weight(w.w_up).reshape(e, rows, cfg.dim)
+    down = model.dense_weight(w.w_down).reshape(e, cfg.dim, rows)
+    chosen, weights = route(h, w.router, cfg.n_experts_used, cfg.norm_topk_prob)
+    out = np.zeros_like(h)
+    for t in range(h.shape[0]):
+        for expert, weight in zip(chosen[t], weights[t], strict=True):
+            out[t] += weight * _gated_unit(h[t : t + 1], gate[expert], up[expert], down[expert], cfg.activation)[0]
+    return out
 
 
 def forward_hidden(model: Model, ids: Sequence[int]) -> np.ndarray:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3moe", "mixtral")
 ACTIVATIONS = ("silu", "gelu_tanh")  # the gate's activation in the gated feed-forward (SwiGLU, GeGLU)
 
 
@@ -18,7 +18,7 @@ class ModelConfig:
     architecture: str  # one of ARCHITECTURES
     n_layers: int
     dim: int  # residual stream width
-    hidden_dim: int  # feed-forward width
+    hidden_dim: int  # feed-forward width (of one expert, in a mixture of experts)
     n_heads: int  # query heads
     n_kv_heads: int  # key/value heads (grouped-query attention when < n_heads)
     head_dim: int
@@ -48,6 +48,11 @@ class ModelConfig:
         bool, ...
     ] = ()  # per layer: does it use the window (empty: every layer, if windowed)
     rope_theta_local: float = 0.0  # rotary base of the sliding layers; 0 = rope_theta
+    # a mixture of experts (qwen3moe, Mixtral): every layer's feed-forward is `n_experts` gated units
+    # of width hidden_dim, of which a router picks `n_experts_used` per token
+    n_experts: int = 0  # 0: a dense feed-forward
+    n_experts_used: int = 0
+    norm_topk_prob: bool = True  # the chosen experts' router probabilities renormalised to sum to one
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:
@@ -58,6 +63,8 @@ class ModelConfig:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         if self.sliding_layers and len(self.sliding_layers) != self.n_layers:
             raise ValueError(f"sliding_layers names {len(self.sliding_layers)} layers of {self.n_layers}")
+        if self.n_experts and not 0 < self.n_experts_used <= self.n_experts:
+            raise ValueError(f"{self.n_experts_used} experts used per token of {self.n_experts}")
         if self.rope_freq_factors and len(self.rope_freq_factors) != self.head_dim // 2:
             raise ValueError(f"{len(self.rope_freq_factors)} rope frequency factors for head_dim {self.head_dim}")
 
@@ -68,6 +75,10 @@ class ModelConfig:
     @property
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
 
     @property
     def query_scale(self) -> float:

@@ -22,7 +22,8 @@ from .weights import LayerWeights, ModelWeights, WeightMatrix
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")  # as GGUF names them (mistral is "llama")
+# as GGUF names them: mistral and Mixtral are "llama" (Mixtral with expert tensors)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3")
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +76,7 @@ def _architecture_switches(reader: Any, arch: str, n_layers: int, dim: int, n_he
         raise ModelLoadError(f"rope scaling {scaling_type!r} is not supported (treadle runs linear and llama3)")
     if arch == "qwen2":
         switches["qkv_bias"] = True
-    elif arch == "qwen3":
+    elif arch in ("qwen3", "qwen3moe"):
         switches["qk_norm"] = True
     elif arch == "gemma3":
         window = int(_require(reader, f"{arch}.attention.sliding_window"))
@@ -95,6 +96,28 @@ def _architecture_switches(reader: Any, arch: str, n_layers: int, dim: int, n_he
         switches["attention_scale"] = float(scale)
     if "rope_freqs.weight" in tensors:  # llama 3.1+ scaling, as per-pair frequency divisors
         switches["rope_freq_factors"] = tuple(float(f) for f in _rope_freq_factors(reader))
+    switches.update(_experts(reader, arch, tensors))
+    return switches
+
+
+def _experts(reader: Any, arch: str, tensors: set[str]) -> dict[str, Any]:
+    """A mixture of experts' switches (none for a dense file). llama.cpp renormalises the chosen
+    experts' weights for both architectures here (its `norm_w` for llama and qwen3moe)."""
+    n_experts = int(_field(reader, f"{arch}.expert_count", 0) or 0)
+    if not n_experts:
+        if arch == "qwen3moe":
+            raise ModelLoadError("a qwen3moe file without qwen3moe.expert_count")
+        return {}
+    if _field(reader, f"{arch}.expert_shared_count"):
+        raise ModelLoadError("shared experts are not supported (treadle runs qwen3moe and Mixtral-style experts)")
+    if "blk.0.ffn_gate_exps.weight" not in tensors:
+        raise ModelLoadError("experts stored one tensor each (an old Mixtral conversion) are not supported: "
+                             "convert again with llama.cpp's convert_hf_to_gguf.py, which stacks them")
+    used = int(_require(reader, f"{arch}.expert_used_count"))
+    switches: dict[str, Any] = {"n_experts": n_experts, "n_experts_used": used}
+    width = _field(reader, f"{arch}.expert_feed_forward_length")
+    if width:  # qwen3moe's feed_forward_length is its dense width, unused
+        switches["hidden_dim"] = int(width)
     return switches
 
 
@@ -121,12 +144,13 @@ def _read_config(reader: Any, name: str) -> ModelConfig:
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     eot = _field(reader, "tokenizer.ggml.eot_token_id")
     eos_ids = tuple(dict.fromkeys(int(t) for t in (eos, eot) if t is not None))
+    switches = _architecture_switches(reader, arch, n_layers, dim, n_heads, head_dim, tensor_names)
+    switches.setdefault("hidden_dim", int(_require(reader, f"{arch}.feed_forward_length")))
     try:
         return ModelConfig(
             architecture=arch,
             n_layers=n_layers,
             dim=dim,
-            hidden_dim=int(_require(reader, f"{arch}.feed_forward_length")),
             n_heads=n_heads,
             n_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", n_heads)),
             head_dim=head_dim,
@@ -139,7 +163,7 @@ def _read_config(reader: Any, name: str) -> ModelConfig:
             eos_token_ids=eos_ids,
             add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", True)),
             name=str(_field(reader, "general.name", name)),
-            **_architecture_switches(reader, arch, n_layers, dim, n_heads, head_dim, tensor_names),
+            **switches,
         )
     except ValueError as exc:
         raise ModelLoadError(f"inconsistent hyperparameters: {exc}") from None
@@ -188,6 +212,34 @@ def _to_matrix(tensor: Any, expected_shape: tuple[int, int]) -> WeightMatrix:
     return WeightMatrix(QType.F32, n_rows, n_cols, dense)
 
 
+def _to_expert_matrix(tensor: Any, n_experts: int, expected_shape: tuple[int, int]) -> WeightMatrix:
+    """A 3-D expert tensor (ggml: ne0 = columns, ne1 = rows, ne2 = experts) as one stacked matrix of
+    n_experts · rows rows: a view of the file, the experts back to back as stored."""
+    n_cols, n_rows, experts = (int(d) for d in tensor.shape[:3]) if len(tensor.shape) >= 3 else (0, 0, 0)
+    if (experts, n_rows, n_cols) != (n_experts, *expected_shape):
+        raise ModelLoadError(f"tensor {tensor.name} has shape {tuple(int(d) for d in tensor.shape)[::-1]}, "
+                             f"expected {(n_experts, *expected_shape)}")
+    raw_type = int(tensor.tensor_type)
+    if raw_type not in set(QType):
+        raise ModelLoadError(f"{tensor.name} is stored as {tensor.tensor_type.name}, which treadle's kernels do not "
+                             "run (experts are kept as stored)")
+    qtype, data = QType(raw_type), tensor.data
+    rows = n_experts * n_rows
+    if qtype in BLOCK_SHAPES:
+        data = data.reshape(rows, -1)
+    elif qtype == QType.BF16:
+        data = data.view(np.uint16).reshape(rows, n_cols)
+    else:
+        data = data.reshape(rows, n_cols)
+    return WeightMatrix(qtype, rows, n_cols, data)
+
+
+def _to_router(tensor: Any, n_experts: int, dim: int) -> np.ndarray:
+    """The router's (n_experts, dim) scores as float32 (F32 in llama.cpp's files; any stored type read)."""
+    matrix = _to_matrix(tensor, (n_experts, dim))
+    return np.ascontiguousarray(matrix.dequantize() if matrix.qtype != QType.F32 else matrix.data, dtype=np.float32)
+
+
 def _to_vector(tensor: Any, length: int) -> np.ndarray:
     if int(tensor.tensor_type) != QType.F32 or tensor.data.size != length:
         raise ModelLoadError(f"tensor {tensor.name} should be F32 of {length} values")
@@ -206,6 +258,18 @@ def _read_weights(reader: Any, cfg: ModelConfig) -> ModelWeights:
         return _to_vector(get(name), length) if present else None
 
     d, q, kv, h, hd = cfg.dim, cfg.q_dim, cfg.kv_dim, cfg.hidden_dim, cfg.head_dim
+    e = cfg.n_experts
+
+    def feed_forward(p: str) -> dict[str, Any]:
+        if not e:
+            return dict(w_gate=_to_matrix(get(p + "ffn_gate.weight"), (h, d)),
+                        w_up=_to_matrix(get(p + "ffn_up.weight"), (h, d)),
+                        w_down=_to_matrix(get(p + "ffn_down.weight"), (d, h)))  # fmt: skip
+        return dict(w_gate=_to_expert_matrix(get(p + "ffn_gate_exps.weight"), e, (h, d)),
+                    w_up=_to_expert_matrix(get(p + "ffn_up_exps.weight"), e, (h, d)),
+                    w_down=_to_expert_matrix(get(p + "ffn_down_exps.weight"), e, (d, h)),
+                    router=_to_router(get(p + "ffn_gate_inp.weight"), e, d))  # fmt: skip
+
     layers = []
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
@@ -217,9 +281,7 @@ def _read_weights(reader: Any, cfg: ModelConfig) -> ModelWeights:
                 wv=_to_matrix(get(p + "attn_v.weight"), (kv, d)),
                 wo=_to_matrix(get(p + "attn_output.weight"), (d, q)),
                 ffn_norm=_to_vector(get(p + "ffn_norm.weight"), d),
-                w_gate=_to_matrix(get(p + "ffn_gate.weight"), (h, d)),
-                w_up=_to_matrix(get(p + "ffn_up.weight"), (h, d)),
-                w_down=_to_matrix(get(p + "ffn_down.weight"), (d, h)),
+                **feed_forward(p),
                 q_bias=optional_vector(p + "attn_q.bias", q, cfg.qkv_bias),
                 k_bias=optional_vector(p + "attn_k.bias", kv, cfg.qkv_bias),
                 v_bias=optional_vector(p + "attn_v.bias", kv, cfg.qkv_bias),

@@ -1,6 +1,8 @@
 """Load a Hugging Face checkpoint (config.json, *.safetensors, tokenizer.json) into treadle's form.
 
-Architectures (config.json's model_type): llama, mistral, qwen2, qwen3, gemma3_text.
+Architectures (config.json's model_type): llama, mistral, qwen2, qwen3, gemma3_text, and the mixtures of
+experts qwen3_moe and mixtral (experts one tensor each, as their checkpoints ship, or stacked as
+transformers 5 holds them in memory).
 
 safetensors is an 8-byte little-endian header length, a JSON header (name → dtype, shape, byte
 offsets), then raw tensor bytes. We map each tensor straight out of the file (np.memmap), so float
@@ -59,7 +61,8 @@ def _map_file(path: Path) -> dict[str, tuple[np.ndarray, QType]]:
     return tensors
 
 
-HF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+HF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "mixtral")
+_TREADLE_NAMES = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe"}
 
 
 def _rope(cfg: dict[str, Any], layer_type: str = "full_attention") -> dict[str, Any]:
@@ -115,8 +118,10 @@ def _switches(cfg: dict[str, Any], arch: str, n_layers: int, head_dim: int) -> d
         )
     elif window:
         switches["sliding_window"] = int(window)
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_moe"):
         switches["qk_norm"] = True
+    if arch in ("qwen3_moe", "mixtral"):
+        switches.update(_experts(cfg, arch, n_layers))
     if arch == "gemma3_text":
         if not layer_types:
             pattern = int(cfg.get("sliding_window_pattern", 6))
@@ -131,6 +136,24 @@ def _switches(cfg: dict[str, Any], arch: str, n_layers: int, head_dim: int) -> d
     elif cfg.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"hidden_act {cfg['hidden_act']!r} is not supported for {arch}")
     return switches
+
+
+def _experts(cfg: dict[str, Any], arch: str, n_layers: int) -> dict[str, Any]:
+    """A mixture of experts' switches: every layer sparse (Qwen3-MoE's dense layers are refused)."""
+    if arch == "qwen3_moe":
+        sparse = [i for i in range(n_layers) if i not in cfg.get("mlp_only_layers", [])
+                  and (i + 1) % int(cfg.get("decoder_sparse_step", 1)) == 0]  # fmt: skip
+        if len(sparse) != n_layers:
+            raise ModelLoadError("layers with a dense feed-forward inside a mixture of experts are not supported")
+        if cfg.get("shared_expert_intermediate_size"):
+            raise ModelLoadError("shared experts are not supported (treadle runs qwen3moe and Mixtral-style experts)")
+    return {
+        # Qwen3-MoE checkpoints say num_experts; transformers 5 writes num_local_experts for both
+        "n_experts": int(cfg["num_local_experts"] if "num_local_experts" in cfg else cfg["num_experts"]),
+        "n_experts_used": int(cfg["num_experts_per_tok"]),
+        "hidden_dim": int(cfg["moe_intermediate_size"] if arch == "qwen3_moe" else cfg["intermediate_size"]),
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)) if arch == "qwen3_moe" else True,
+    }
 
 
 def read_config(directory: Path) -> ModelConfig:
@@ -149,11 +172,12 @@ def read_config(directory: Path) -> ModelConfig:
         head_dim = int(cfg.get("head_dim") or dim // n_heads)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None)
+        switches = _switches(cfg, arch, n_layers, head_dim)
+        switches.setdefault("hidden_dim", int(cfg["intermediate_size"]))
         return ModelConfig(
-            architecture="gemma3" if arch == "gemma3_text" else arch,
+            architecture=_TREADLE_NAMES.get(arch, arch),
             n_layers=n_layers,
             dim=dim,
-            hidden_dim=int(cfg["intermediate_size"]),
             n_heads=n_heads,
             n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
             head_dim=head_dim,
@@ -165,7 +189,7 @@ def read_config(directory: Path) -> ModelConfig:
             eos_token_ids=eos_ids,
             add_bos_token=False,
             name=directory.name,
-            **_switches(cfg, arch, n_layers, head_dim),
+            **switches,
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelLoadError(f"{directory / 'config.json'}: missing or invalid field ({exc})") from None
@@ -203,6 +227,34 @@ def load_safetensors_directory(directory: Path, cfg: ModelConfig) -> ModelWeight
     def norm(name: str, length: int = cfg.dim) -> np.ndarray:
         return vector(name, length, norm_offset)
 
+    def stacked(parts: list[np.ndarray], qtype: QType, shape: tuple[int, int]) -> WeightMatrix:
+        """Experts back to back as one matrix (a copy: checkpoints keep each expert apart)."""
+        data = np.concatenate([np.asarray(part).reshape(shape) for part in parts])
+        return WeightMatrix(qtype, data.shape[0], shape[1], data)
+
+    def feed_forward(p: str) -> dict[str, Any]:
+        if not cfg.is_moe:
+            return dict(w_gate=matrix(p + "mlp.gate_proj.weight", (h, d)),
+                        w_up=matrix(p + "mlp.up_proj.weight", (h, d)),
+                        w_down=matrix(p + "mlp.down_proj.weight", (d, h)))  # fmt: skip
+        e = cfg.n_experts
+        block = p + ("block_sparse_moe." if p + "block_sparse_moe.gate.weight" in tensors else "mlp.")
+        router = matrix(block + "gate.weight", (e, d)).dequantize()
+        if block + "experts.gate_up_proj" in tensors:  # transformers 5's stacked form
+            gate_up, qtype = get(block + "experts.gate_up_proj")
+            down, _ = get(block + "experts.down_proj")
+            if gate_up.shape != (e, 2 * h, d) or down.shape != (e, d, h):
+                raise ModelLoadError(f"{block}experts has shapes {gate_up.shape} and {down.shape}")
+            return dict(w_gate=stacked([gate_up[:, :h]], qtype, (e * h, d)),
+                        w_up=stacked([gate_up[:, h:]], qtype, (e * h, d)),
+                        w_down=stacked([down], qtype, (e * d, h)), router=router)  # fmt: skip
+        names = ("w1", "w3", "w2") if "block_sparse_moe" in block else ("gate_proj", "up_proj", "down_proj")
+        out: dict[str, Any] = {"router": router}
+        for field_name, name, shape in zip(("w_gate", "w_up", "w_down"), names, ((h, d), (h, d), (d, h)), strict=True):
+            parts = [matrix(f"{block}experts.{i}.{name}.weight", shape) for i in range(e)]
+            out[field_name] = stacked([m.data for m in parts], parts[0].qtype, shape)
+        return out
+
     def optional(name: str, length: int, present: bool, as_norm: bool = False) -> np.ndarray | None:
         if not present:
             return None
@@ -223,9 +275,7 @@ def load_safetensors_directory(directory: Path, cfg: ModelConfig) -> ModelWeight
                 ffn_norm=norm(
                     p + ("pre_feedforward_layernorm.weight" if gemma else "post_attention_layernorm.weight")
                 ),
-                w_gate=matrix(p + "mlp.gate_proj.weight", (h, d)),
-                w_up=matrix(p + "mlp.up_proj.weight", (h, d)),
-                w_down=matrix(p + "mlp.down_proj.weight", (d, h)),
+                **feed_forward(p),
                 q_bias=optional(p + "self_attn.q_proj.bias", q, cfg.qkv_bias),
                 k_bias=optional(p + "self_attn.k_proj.bias", kv, cfg.qkv_bias),
                 v_bias=optional(p + "self_attn.v_proj.bias", kv, cfg.qkv_bias),

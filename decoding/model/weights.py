@@ -6,7 +6,9 @@ Conventions shared by every loader and kernel:
   dimensions (2i, 2i+1) for RoPE, every other source pairs (i, i + head_dim/2)
   (`ModelConfig.rope_neox` says which);
 - RMSNorm weights are what multiplies the normalised row: Gemma's (1 + w) is folded in at load,
-  as llama.cpp's converter does.
+  as llama.cpp's converter does;
+- a mixture of experts keeps each projection's experts as one matrix of n_experts · rows rows,
+  expert e's rows e·rows .. (e+1)·rows − 1, as a GGUF file stores its 3-D expert tensors.
 """
 
 from __future__ import annotations
@@ -57,9 +59,9 @@ class LayerWeights:
     wv: WeightMatrix  # (n_kv_heads·head_dim, dim)
     wo: WeightMatrix  # (dim, n_heads·head_dim)
     ffn_norm: np.ndarray  # (dim,) float32
-    w_gate: WeightMatrix  # (hidden_dim, dim)
-    w_up: WeightMatrix  # (hidden_dim, dim)
-    w_down: WeightMatrix  # (dim, hidden_dim)
+    w_gate: WeightMatrix  # (hidden_dim, dim); stacked (n_experts · hidden_dim, dim) in a mixture of experts
+    w_up: WeightMatrix  # (hidden_dim, dim); stacked likewise
+    w_down: WeightMatrix  # (dim, hidden_dim); stacked (n_experts · dim, hidden_dim)
     # present only where the architecture has them (see ModelConfig's switches)
     q_bias: np.ndarray | None = None  # (n_heads·head_dim,) float32
     k_bias: np.ndarray | None = None  # (n_kv_heads·head_dim,)
@@ -68,6 +70,7 @@ class LayerWeights:
     k_norm: np.ndarray | None = None  # (head_dim,)
     post_attn_norm: np.ndarray | None = None  # (dim,) on the attention output, before the residual add
     post_ffn_norm: np.ndarray | None = None  # (dim,) on the feed-forward output, before the residual add
+    router: np.ndarray | None = None  # (n_experts, dim) float32: each expert's score row, in a mixture of experts
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,9 +82,22 @@ class ModelWeights:
 
     @property
     def nbytes(self) -> int:
-        """Bytes read per decode step: every layer matrix plus the LM head once."""
+        """Bytes of every layer matrix plus the LM head: what a dense model reads per decode step."""
         mats = [self.lm_head] + [m for layer in self.layers for m in _matrices(layer)]
         return sum(m.nbytes for m in mats)
+
+    def bytes_per_token(self, n_experts: int = 0, n_experts_used: int = 0) -> int:
+        """Bytes one token's decode step reads: every matrix and the LM head of a dense model; in a
+        mixture of experts, the attention, the routers, the head and `n_experts_used` of the
+        `n_experts` experts of each projection (expert matrices of one type have one size)."""
+        if not n_experts:
+            return self.nbytes
+        total = self.lm_head.nbytes
+        for layer in self.layers:
+            total += sum(m.nbytes for m in (layer.wq, layer.wk, layer.wv, layer.wo))
+            total += sum(m.nbytes for m in (layer.w_gate, layer.w_up, layer.w_down)) * n_experts_used // n_experts
+            total += 0 if layer.router is None else layer.router.nbytes
+        return total
 
     def storage_types(self) -> dict[str, int]:
         """How many matrices are held in each storage type (the embedding and an untied head count
