@@ -1,7 +1,8 @@
 """The tiny Hugging Face models of tests/golden/architectures as GGUF files, written the way llama.cpp's
 convert_hf_to_gguf.py writes each architecture: its tensor names and metadata keys, llama's Q/K
 rows permuted for adjacent-pair RoPE, llama 3's rope scaling as a `rope_freqs` tensor, Gemma's norm
-weights stored as 1 + w. The same weights then load through treadle's GGUF path and must give the
+weights stored as 1 + w, a mixture's experts stacked into one 3-D tensor per projection beside its
+router (`ffn_gate_inp`). The same weights then load through treadle's GGUF path and must give the
 transformers logits the directory's golden holds."""
 
 from __future__ import annotations
@@ -13,11 +14,16 @@ import gguf
 import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
+from decoding.model.quant import QType, quantize
 from decoding.model.safetensors_loader import _map_file, llama3_frequency_factors
 from decoding.model.weights import WeightMatrix
 from tests.tinymodel import permute_for_ggml_rope
 
-GGUF_ARCHITECTURE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
+GGUF_ARCHITECTURE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
+                     "qwen3_moe": "qwen3moe", "mixtral": "llama"}
+# a mixture's projections: (GGUF name, Qwen3-MoE's expert tensor, Mixtral's)
+_EXPERT_NAMES = (("ffn_gate_exps", "gate_proj", "w1"), ("ffn_up_exps", "up_proj", "w3"),
+                 ("ffn_down_exps", "down_proj", "w2"))
 _LAYER_NAMES = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
@@ -28,7 +34,9 @@ _GEMMA_NORM_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_fee
                      "post_feedforward_layernorm": "post_ffw_norm"}  # fmt: skip
 
 
-def convert(directory: Path, out: Path) -> Path:
+def convert(directory: Path, out: Path, qtype: QType = QType.F32) -> Path:
+    """`qtype`: how the layers' matrices (and experts) are stored, as llama-quantize would store them;
+    the embedding, head, norms and routers stay F32."""
     cfg = json.loads((directory / "config.json").read_text())
     model_type = cfg["model_type"]
     arch = GGUF_ARCHITECTURE[model_type]
@@ -49,6 +57,12 @@ def convert(directory: Path, out: Path) -> Path:
     writer.add_rope_freq_base((rope["full_attention"] if gemma else rope)["rope_theta"])
     if cfg.get("sliding_window"):
         writer.add_sliding_window(cfg["sliding_window"])
+    n_experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+    if n_experts:
+        writer.add_expert_count(n_experts)
+        writer.add_expert_used_count(cfg["num_experts_per_tok"])
+        if model_type == "qwen3_moe":
+            writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     if gemma:
         pattern = cfg["layer_types"].index("full_attention") + 1
         writer.add_uint32(f"{arch}.attention.sliding_window_pattern", pattern)
@@ -83,8 +97,13 @@ def convert(directory: Path, out: Path) -> Path:
         shape = data.shape if data.ndim == 2 else (1, data.shape[0])
         return WeightMatrix(qtype, *shape, data.reshape(shape)).dequantize().reshape(data.shape)
 
-    def add(name: str, array: np.ndarray) -> None:
-        writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+    def add(name: str, array: np.ndarray, stored: QType = QType.F32) -> None:
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        if stored == QType.F32:
+            writer.add_tensor(name, array)
+            return
+        blocks = quantize(array.reshape(-1, array.shape[-1]), stored)
+        writer.add_tensor(name, blocks.reshape(*array.shape[:-1], -1), raw_dtype=gguf.GGMLQuantizationType(int(stored)))
 
     def norm(name: str) -> np.ndarray:
         return dense(name) + np.float32(1.0) if gemma else dense(name)
@@ -105,7 +124,14 @@ def convert(directory: Path, out: Path) -> Path:
                 array = norm(name) if hf.endswith("norm") else dense(name)
                 if arch == "llama" and hf in ("self_attn.q_proj", "self_attn.k_proj"):
                     array = permute_for_ggml_rope(array, n_heads if hf == "self_attn.q_proj" else n_kv_heads)
-                add(f"blk.{i}.{gg}.{kind}", array)
+                add(f"blk.{i}.{gg}.{kind}", array, qtype if array.ndim == 2 else QType.F32)
+        if n_experts:
+            block = f"model.layers.{i}." + ("block_sparse_moe." if model_type == "mixtral" else "mlp.")
+            add(f"blk.{i}.ffn_gate_inp.weight", dense(block + "gate.weight"))
+            for gguf_name, *hf_names in _EXPERT_NAMES:
+                name = hf_names[model_type == "mixtral"]
+                add(f"blk.{i}.{gguf_name}.weight",
+                    np.stack([dense(f"{block}experts.{e}.{name}.weight") for e in range(n_experts)]), qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

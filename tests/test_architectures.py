@@ -25,7 +25,7 @@ from tests.reliability import running_server
 from tests.test_forward_step import StepDriver
 
 GOLDEN = Path(__file__).parent / "golden" / "architectures"
-ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
+ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3moe", "mixtral"]
 LOGIT_TOLERANCE = 1e-3
 NEAR_TIE = 2e-3  # a greedy step whose top two logits are this close may go either way within tolerance
 
@@ -52,6 +52,8 @@ def test_each_directory_loads_as_its_architecture_with_its_switches(arch_model):
         "qwen3": dict(qk_norm=True, qkv_bias=False, head_dim=32),
         "gemma3": dict(qk_norm=True, post_norms=True, activation="gelu_tanh", head_dim=256, sliding_window=10,
                        sliding_layers=(True, True, False), rope_theta_local=10000.0, attention_scale=128**-0.5),
+        "qwen3moe": dict(qk_norm=True, n_experts=16, n_experts_used=4, hidden_dim=32, norm_topk_prob=True),
+        "mixtral": dict(n_experts=8, n_experts_used=2, hidden_dim=64, qk_norm=False, tied_embeddings=False),
     }[arch]  # fmt: skip
     has_factors = expected.pop("has_rope_factors", False)
     assert bool(cfg.rope_freq_factors) == has_factors
@@ -125,8 +127,8 @@ def test_the_same_weights_from_gguf_give_transformers_logits(arch, tmp_path):
     """Converted as llama.cpp's converter does (tests/hf_to_gguf.py): mistral becomes a llama file
     with permuted Q/K, llama 3's scaling a rope_freqs tensor, Gemma's norms 1 + w."""
     model = load_model(convert(GOLDEN / arch, tmp_path / f"{arch}.gguf"))
-    assert model.config.architecture == ("llama" if arch == "mistral" else arch)
-    assert model.config.rope_neox == (arch not in ("llama", "mistral"))
+    assert model.config.architecture == ("llama" if arch in ("mistral", "mixtral") else arch)
+    assert model.config.rope_neox == (arch not in ("llama", "mistral", "mixtral"))
     cases, logits = golden(arch)
     for i, case in enumerate(cases):
         assert model.tokenizer.encode(case["text"], add_special_tokens=True) == case["ids"]
@@ -140,7 +142,7 @@ def test_each_architecture_streams_transformers_greedy_text_over_http(arch):
     case = next(c for c in cases if min(c["greedy_margins"]) >= NEAR_TIE)
     with running_server(["--model", str(GOLDEN / arch), "--kernels", "exact", "--kv-cache-mb", "16"]) as server:
         body = {"model": arch, "prompt": case["ids"], "max_tokens": len(case["greedy"]), "temperature": 0,
-                "ignore_eos": True, "stream": True}  # fmt: skip
+                "ignore_eos": True, "stream": True, "skip_special_tokens": False}  # fmt: skip
         with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=120) as response:
             assert response.status_code == 200
             chunks = [json.loads(d) for d in iter_sse_data(response.iter_bytes()) if d != "[DONE]"]

@@ -179,7 +179,7 @@ def test_profiled_steps_time_every_phase_and_compute_the_same_logits(tmp_path_fa
             driver.close()
     np.testing.assert_array_equal(rows[0], rows[1])
     assert cycles.shape == (len(PHASES),)
-    ran = set(PHASES) - {"post-norms"}  # this architecture has none
+    ran = set(PHASES) - {"post-norms", "gather expert rows", "combine experts"}  # a dense llama: none of these
     if kernels == "exact":
         ran -= {"quantize attention", "quantize hidden"}
     for name, count in zip(PHASES, cycles, strict=True):

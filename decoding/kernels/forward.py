@@ -5,6 +5,9 @@
     → output projection (→ RMSNorm) + residual → RMSNorm → gate·up (SiLU or GELU gate)
     → down projection (→ RMSNorm) + residual → final RMSNorm of the rows that sample → LM head
 
+In a mixture of experts the gated feed-forward is routed: each token's chosen experts, grouped by
+expert so each one's weights are read once a step (decoding.kernels.experts).
+
 The parenthesised phases are the architecture switches of `ModelConfig` (qwen2's biases, qwen3's
 and gemma3's head norms, gemma3's post-norms, embedding scale and GELU, per-layer windows and
 rotary bases): one step body for every architecture, each switch a branch on a scalar.
@@ -40,6 +43,7 @@ from threadpool import barrier_wait
 from ..model.config import ModelConfig
 from ..model.weights import LayerWeights, ModelWeights, WeightMatrix, release_mapped_pages
 from . import weight_cache
+from .experts import expert_feed_forward, route_tokens
 from .fast_kernels import matmul_groups, quantize_activation_row, swiglu_groups
 from .kernels import (
     GATE_GELU_TANH,
@@ -55,6 +59,7 @@ from .kernels import (
 from .phases import (
     ATTENTION,
     ATTENTION_NORM,
+    COMBINE_EXPERTS,
     DOWN_PROJECTION,
     EMBED,
     FFN_NORM,
@@ -84,13 +89,14 @@ KERNEL_MODES = ("fast", "exact")
 _NOT_PACKED = np.zeros(0, dtype=np.uint8)
 
 
-def _packed(matrix: WeightMatrix, fast: bool) -> np.ndarray:
-    """The VNNI layout of a matrix, or an empty array where the float path must serve it.
+def _packed(matrix: WeightMatrix, fast: bool, parts: int = 1) -> np.ndarray:
+    """The VNNI layout of a matrix, or an empty array where the float path must serve it. `parts`:
+    experts stacked in it, each of whose rows must pack on its own (whole groups of 8).
 
     Steps then read only the repacked copy, so the stored matrix's file pages are released as soon
     as it is made: the process holds the model once, not twice (see `release_mapped_pages`).
     """
-    if fast and is_packable(matrix.qtype, matrix.n_rows):
+    if fast and is_packable(matrix.qtype, matrix.n_rows // parts):
         try:
             packed = repack(matrix.data, matrix.qtype, matrix.n_rows, matrix.n_cols)
         except ValueError:  # a conversion the values do not allow (Q4_K scales beyond fp16)
@@ -104,18 +110,20 @@ def _layer_matrices(layer: LayerWeights) -> tuple[WeightMatrix, ...]:
     return (layer.wq, layer.wk, layer.wv, layer.wo, layer.w_gate, layer.w_up, layer.w_down)
 
 
-def _all_packed(weights: ModelWeights, fast: bool, cache: Path | None) -> list[np.ndarray]:
+def _all_packed(weights: ModelWeights, fast: bool, cache: Path | None, n_experts: int) -> list[np.ndarray]:
     """Every layer's matrices (WQ..W_DOWN order) then the LM head, repacked (or empty where not)."""
     all_matrices = [m for layer in weights.layers for m in _layer_matrices(layer)] + [weights.lm_head]
+    parts = [max(n_experts, 1) if i % MATRICES_PER_LAYER >= W_GATE else 1
+             for i in range(len(all_matrices) - 1)] + [1]  # fmt: skip
     if not fast or cache is None:
-        return [_packed(m, fast) for m in all_matrices]
-    sizes = [packed_nbytes(m.qtype, m.n_rows, m.n_cols) for m in all_matrices]
+        return [_packed(m, fast, n) for m, n in zip(all_matrices, parts, strict=True)]
+    sizes = [packed_nbytes(m.qtype, m.n_rows // n, m.n_cols) * n for m, n in zip(all_matrices, parts, strict=True)]
     mapped = weight_cache.load(cache, sizes)
     if mapped is not None:
         log.info("repacked weights mapped from %s", cache)
         return mapped
     started = time.perf_counter()
-    made = weight_cache.build(cache, sizes, lambda i: _packed(all_matrices[i], fast))
+    made = weight_cache.build(cache, sizes, lambda i: _packed(all_matrices[i], fast, parts[i]))
     log.info("weights repacked in %.1f s and kept in %s", time.perf_counter() - started, cache)
     return made
 
@@ -153,6 +161,7 @@ class WeightArrays(NamedTuple):
     output_norm: np.ndarray  # (dim,) float32
     rope_cos: np.ndarray  # (n_tables, max_context, head_dim / 2) float32
     rope_sin: np.ndarray  # (n_tables, max_context, head_dim / 2) float32
+    routers: np.ndarray  # (n_layers, n_experts, dim) float32 each expert's score row; n_experts = 0 if dense
 
 
 @dataclass(slots=True)
@@ -171,7 +180,8 @@ class KernelWeights:
         norms = np.zeros((cfg.n_layers, 4, cfg.dim), dtype=np.float32)
         biases = np.zeros((cfg.n_layers, cfg.q_dim + 2 * cfg.kv_dim), dtype=np.float32)
         head_norms = np.ones((cfg.n_layers, 2, cfg.head_dim), dtype=np.float32)
-        all_packed = _all_packed(weights, fast, cache)
+        routers = np.zeros((cfg.n_layers, cfg.n_experts, cfg.dim), dtype=np.float32)
+        all_packed = _all_packed(weights, fast, cache, cfg.n_experts)
         for i, layer in enumerate(weights.layers):
             for j, m in enumerate(_layer_matrices(layer)):
                 matrices.append(_as_bytes(m))
@@ -185,6 +195,8 @@ class KernelWeights:
                 biases[i] = np.concatenate([layer.q_bias, layer.k_bias, layer.v_bias])
             if cfg.qk_norm:
                 head_norms[i, 0], head_norms[i, 1] = layer.q_norm, layer.k_norm
+            if cfg.is_moe:
+                routers[i] = layer.router
         ropes = sorted({cfg.layer_rope(i) for i in range(cfg.n_layers)})
         tables = [rope_tables(np.arange(cfg.max_context), cfg.head_dim, theta, cfg.rope_freq_factors, factor)
                   for theta, factor in ropes]  # fmt: skip
@@ -197,6 +209,7 @@ class KernelWeights:
             lm_head_packed=all_packed[-1], lm_head_packed_qtype=int(packed_type(weights.lm_head.qtype)),
             output_norm=np.ascontiguousarray(weights.output_norm, dtype=np.float32),
             rope_cos=np.stack([cos for cos, _ in tables]), rope_sin=np.stack([sin for _, sin in tables]),
+            routers=routers,
         ))  # fmt: skip
 
 
@@ -214,6 +227,9 @@ class Architecture(NamedTuple):
     embedding_scale: np.float32
     query_scale: np.float32
     rope_neox: bool
+    n_experts: int  # 0: a dense feed-forward
+    n_experts_used: int
+    norm_topk_prob: bool
 
     @classmethod
     def of(cls, cfg: ModelConfig) -> Architecture:
@@ -222,7 +238,8 @@ class Architecture(NamedTuple):
                    post_norms=cfg.post_norms,
                    activation=GATE_GELU_TANH if cfg.activation == "gelu_tanh" else GATE_SILU,
                    embedding_scale=np.float32(cfg.embedding_scale), query_scale=np.float32(cfg.query_scale),
-                   rope_neox=cfg.rope_neox)  # fmt: skip
+                   rope_neox=cfg.rope_neox, n_experts=cfg.n_experts, n_experts_used=cfg.n_experts_used,
+                   norm_topk_prob=cfg.norm_topk_prob)  # fmt: skip
 
 
 class StepInputs(NamedTuple):
@@ -246,7 +263,7 @@ class StepScratch(NamedTuple):
     k: np.ndarray  # (max_tokens, n_kv_heads · head_dim)
     v: np.ndarray  # (max_tokens, n_kv_heads · head_dim)
     attn: np.ndarray  # (max_tokens, n_heads · head_dim) attention output
-    hb: np.ndarray  # (max_tokens, hidden_dim) SwiGLU output
+    hb: np.ndarray  # (max_tokens, hidden_dim) SwiGLU output (no rows in a mixture of experts)
     up: np.ndarray  # (max_tokens, hidden_dim) the up projection, before the fast kernels' SiLU pass
     final: np.ndarray  # (max_logit_rows, dim) final-normed rows that sample
     logits: np.ndarray  # (max_logit_rows, vocab)
@@ -257,6 +274,20 @@ class StepScratch(NamedTuple):
     xsum: np.ndarray  # (same rows, widest / 32) int32 their block sums
     group_out: np.ndarray  # (n_threads, 2, 4, 8) float32 results of one 8-row group for up to 4 tokens
     phase_cycles: np.ndarray  # (len(PHASES),) int64 cycles per phase while profiling, else empty
+    # a mixture of experts (decoding.kernels.experts); a pair is one (token, chosen expert); no rows if dense
+    expert_scores: np.ndarray  # (max_tokens, n_experts) float32 router probabilities
+    expert_choices: np.ndarray  # (max_tokens, n_used) int64 each token's experts, best first
+    expert_weights: np.ndarray  # (max_tokens, n_used) float32 their weights
+    expert_offsets: np.ndarray  # (n_threads, n_experts + 1) int64 where each expert's pairs begin
+    expert_cursor: np.ndarray  # (n_threads, n_experts) int64
+    pair_token: np.ndarray  # (n_threads, max_pairs) int64 each pair's token
+    pair_of: np.ndarray  # (n_threads, max_pairs) int64 where token t's choice j landed
+    pair_rows: np.ndarray  # (max_pairs, dim) float32 gathered inputs, then the experts' outputs
+    pair_hidden: np.ndarray  # (max_pairs, hidden_dim) float32
+    pair_up: np.ndarray  # (max_pairs, hidden_dim) float32
+    pair_q: np.ndarray  # (max_pairs, max(dim, hidden_dim)) int8 quantized gathered inputs, then hidden rows
+    pair_d: np.ndarray  # (max_pairs, max(dim, hidden_dim) / 32) float32
+    pair_sum: np.ndarray  # (max_pairs, max(dim, hidden_dim) / 32) int32
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, max_tokens: int, max_logit_rows: int, n_threads: int,
@@ -266,16 +297,28 @@ class StepScratch(NamedTuple):
 
         widest = max(cfg.dim, cfg.hidden_dim, cfg.q_dim)
         rows = max(max_tokens, max_logit_rows)
+        dense_rows = 0 if cfg.is_moe else max_tokens
+        experts, used = cfg.n_experts, cfg.n_experts_used
+        pairs, pair_width = max_tokens * used, max(cfg.dim, cfg.hidden_dim) if cfg.is_moe else 32
         return cls(
             x=zeros(max_tokens, cfg.dim), xb=zeros(max_tokens, cfg.dim), q=zeros(max_tokens, cfg.q_dim),
             k=zeros(max_tokens, cfg.kv_dim), v=zeros(max_tokens, cfg.kv_dim), attn=zeros(max_tokens, cfg.q_dim),
-            hb=zeros(max_tokens, cfg.hidden_dim), up=zeros(max_tokens, cfg.hidden_dim),
+            hb=zeros(dense_rows, cfg.hidden_dim), up=zeros(dense_rows, cfg.hidden_dim),
             final=zeros(max_logit_rows, cfg.dim), logits=zeros(max_logit_rows, cfg.vocab_size),
             row_buffers=zeros(n_threads, 2, widest),
             attn_scratch=attention_scratch(n_threads, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, block_size),
             xq=np.zeros((rows, widest), dtype=np.int8), xd=zeros(rows, widest // 32),
             xsum=np.zeros((rows, widest // 32), dtype=np.int32), group_out=zeros(n_threads, 2, 4, 8),
             phase_cycles=no_profile(),
+            expert_scores=zeros(max_tokens if experts else 0, experts),
+            expert_choices=np.zeros((max_tokens, used), dtype=np.int64), expert_weights=zeros(max_tokens, used),
+            expert_offsets=np.zeros((n_threads, experts + 1), dtype=np.int64),
+            expert_cursor=np.zeros((n_threads, experts), dtype=np.int64),
+            pair_token=np.zeros((n_threads, pairs), dtype=np.int64),
+            pair_of=np.zeros((n_threads, pairs), dtype=np.int64), pair_rows=zeros(pairs, cfg.dim),
+            pair_hidden=zeros(pairs, cfg.hidden_dim), pair_up=zeros(pairs, cfg.hidden_dim),
+            pair_q=np.zeros((pairs, pair_width), dtype=np.int8), pair_d=zeros(pairs, pair_width // 32),
+            pair_sum=np.zeros((pairs, pair_width // 32), dtype=np.int32),
         )  # fmt: skip
 
 
@@ -325,6 +368,8 @@ def model_step(tid, nthreads, barrier, fast, step, matrices, packed, weights, ar
     n_heads, n_kv_heads, head_dim, rms_eps = arch.n_heads, arch.n_kv_heads, arch.head_dim, arch.rms_eps
     qkv_bias, qk_norm, post_norms, activation = arch.qkv_bias, arch.qk_norm, arch.post_norms, arch.activation
     embedding_scale, query_scale, rope_neox = arch.embedding_scale, arch.query_scale, arch.rope_neox
+    n_experts, n_experts_used, norm_topk_prob = arch.n_experts, arch.n_experts_used, arch.norm_topk_prob
+    routers = weights.routers
     x, xb, q, k, v, attn = scratch.x, scratch.xb, scratch.q, scratch.k, scratch.v, scratch.attn
     hb, up, final, logits = scratch.hb, scratch.up, scratch.final, scratch.logits
     row_buffers, attn_scratch, group_out = scratch.row_buffers, scratch.attn_scratch, scratch.group_out
@@ -416,8 +461,24 @@ def model_step(tid, nthreads, barrier, fast, step, matrices, packed, weights, ar
         for t in range(t_begin, t_end):  # feed-forward RMSNorm
             rmsnorm_row(x[t], norms[layer, 1], rms_eps, xb[t])
         quantize_rows(fast, xb, dim, t_begin, t_end, xq, xd, xsum)
+        if n_experts > 0:
+            route_tokens(xb, routers[layer], n_experts_used, norm_topk_prob, t_begin, t_end, scratch.expert_scores,
+                         scratch.expert_choices, scratch.expert_weights)
         barrier_wait(barrier, tid)
         clock = lap(profile, FFN_NORM, clock)
+
+        if n_experts > 0:  # a mixture of experts, added to the residual by each thread for its own tokens
+            clock = expert_feed_forward(
+                tid, nthreads, barrier, fast, n_tokens, t_begin, t_end, x, xb, xq, xd, xsum, matrices[w + 4],
+                matrices[w + 5], matrices[w + 6], packed[w + 4], packed[w + 5], packed[w + 6], qtypes[layer],
+                packed_qtypes[layer], n_experts, activation, scratch.expert_choices, scratch.expert_weights,
+                scratch.expert_offsets[tid], scratch.expert_cursor[tid], scratch.pair_token[tid], scratch.pair_of[tid],
+                scratch.pair_rows, scratch.pair_hidden, scratch.pair_up, scratch.pair_q, scratch.pair_d,
+                scratch.pair_sum, buf, tmp, profile, clock)
+            if layer == n_layers - 1:  # the next layer's norm reads only this thread's rows; the final norm not
+                barrier_wait(barrier, tid)
+            clock = lap(profile, COMBINE_EXPERTS, clock)
+            continue
 
         if fast and packed[w + 4].shape[0] > 0 and packed[w + 5].shape[0] > 0:  # gated feed-forward
             g0, g1 = split_range(hidden_dim // 8, tid, nthreads)

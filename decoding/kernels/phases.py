@@ -23,15 +23,18 @@ PHASES = (
     "quantize attention",
     "output projection",
     "ffn norm + quantize",
+    "gather expert rows",
     "gate, up, activation",
     "quantize hidden",
     "down projection",
+    "combine experts",
     "post-norms",
     "final norm + quantize",
     "lm head",
 )
 (EMBED, ATTENTION_NORM, QKV, ROPE, KV_WRITE, ATTENTION, QUANTIZE_ATTENTION, OUTPUT_PROJECTION, FFN_NORM,
- GATE_UP, QUANTIZE_HIDDEN, DOWN_PROJECTION, POST_NORMS, FINAL_NORM, LM_HEAD) = range(len(PHASES))  # fmt: skip
+ GATHER_EXPERTS, GATE_UP, QUANTIZE_HIDDEN, DOWN_PROJECTION, COMBINE_EXPERTS, POST_NORMS, FINAL_NORM,
+ LM_HEAD) = range(len(PHASES))  # fmt: skip
 
 
 @intrinsic

@@ -1,0 +1,120 @@
+"""Mixtures of experts in the model step (decoding.kernels.experts): routing as the reference routes,
+pairs grouped by expert, and the tiny transformers qwen3moe and Mixtral models stored quantized as
+llama-quantize would store them, so the fast kernels run repacked experts — each against the
+reference forward in mixed batches, and batch- and thread-invariant in both kernel modes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from decoding import load_model
+from decoding.kernels.experts import group_by_expert, route_tokens
+from decoding.kernels.reference import route
+from decoding.model.quant import QType
+from tests.hf_to_gguf import convert
+from tests.test_forward_step import StepDriver, check_mixed_batches
+
+GOLDEN = Path(__file__).parent / "golden" / "architectures"
+
+
+@pytest.mark.parametrize("normalise", [True, False])
+def test_routing_chooses_and_weighs_the_experts_the_reference_does(normalise):
+    rng = np.random.default_rng(3)
+    n_tokens, n_experts, dim, n_used = 40, 16, 64, 4
+    h = rng.standard_normal((n_tokens, dim)).astype(np.float32)
+    router = (rng.standard_normal((n_experts, dim)) / 8).astype(np.float32)
+    scores = np.zeros((n_tokens, n_experts), np.float32)
+    choices = np.zeros((n_tokens, n_used), np.int64)
+    weights = np.zeros((n_tokens, n_used), np.float32)
+    route_tokens(h, router, n_used, normalise, 0, n_tokens, scores, choices, weights)
+    expected_choices, expected_weights = route(h, router, n_used, normalise)
+    np.testing.assert_array_equal(choices, expected_choices)
+    np.testing.assert_allclose(weights, expected_weights, atol=1e-6, rtol=0)
+    assert np.all(np.diff(weights, axis=1) <= 0)  # best first
+    if normalise:
+        np.testing.assert_allclose(weights.sum(axis=1), 1.0, atol=1e-6)
+
+
+def test_tied_scores_choose_the_lower_index_first():
+    h = np.ones((1, 32), np.float32)
+    router = np.zeros((6, 32), np.float32)
+    router[[1, 4]] = 0.5  # two equal best, then four equal rest
+    scores, choices, weights = np.zeros((1, 6), np.float32), np.zeros((1, 3), np.int64), np.zeros((1, 3), np.float32)
+    route_tokens(h, router, 3, True, 0, 1, scores, choices, weights)
+    assert choices.tolist() == [[1, 4, 0]]
+
+
+def test_pairs_are_grouped_by_expert_then_token_and_each_choice_knows_its_place():
+    choices = np.array([[2, 0], [0, 3], [2, 3], [1, 0]], np.int64)
+    n_experts, n_used = 5, 2
+    offsets, cursor = np.zeros(n_experts + 1, np.int64), np.zeros(n_experts, np.int64)
+    pair_token, pair_of = np.full(8, -1, np.int64), np.full(8, -1, np.int64)
+    group_by_expert(choices, 4, n_experts, offsets, cursor, pair_token, pair_of)
+    assert offsets.tolist() == [0, 3, 4, 6, 8, 8]  # expert 4 has no tokens
+    assert pair_token.tolist() == [0, 1, 3, 3, 0, 2, 1, 2]
+    for t in range(4):
+        for j in range(n_used):
+            e = choices[t, j]
+            assert offsets[e] <= pair_of[t * n_used + j] < offsets[e + 1]
+            assert pair_token[pair_of[t * n_used + j]] == t
+
+
+@pytest.fixture(scope="module", params=[("qwen3moe", QType.Q8_0), ("mixtral", QType.Q4_0), ("qwen3moe", QType.F32)],
+                ids=lambda p: f"{p[0]}-{p[1].name}")
+def quantized_moe(request, tmp_path_factory):
+    arch, qtype = request.param
+    path = convert(GOLDEN / arch, tmp_path_factory.mktemp("moe") / f"{arch}-{qtype.name}.gguf", qtype)
+    model = load_model(path)
+    assert model.config.is_moe and model.weights.layers[0].w_gate.qtype == qtype
+    return model
+
+
+def test_exact_kernels_give_the_reference_logits_in_mixed_batches(quantized_moe):
+    check_mixed_batches(quantized_moe, 2, atol=1e-3)
+
+
+def test_fast_kernels_stay_close_to_the_reference_in_mixed_batches(quantized_moe):
+    check_mixed_batches(quantized_moe, 2, atol=0.05, kernels="fast")
+
+
+@pytest.mark.parametrize("kernels", ["exact", "fast"])
+def test_a_tokens_logits_do_not_depend_on_its_batch_or_the_thread_count(quantized_moe, kernels):
+    """A prompt alone, beside a longer one (whose tokens choose other experts too), on one or two
+    threads: the same logits bit for bit."""
+    rng = np.random.default_rng(8)
+    vocab = quantized_moe.config.vocab_size
+    ids, other = rng.integers(5, vocab, 19).tolist(), rng.integers(5, vocab, 41).tolist()
+    results = []
+    for n_threads, with_neighbour in ((1, False), (2, False), (2, True), (1, True)):
+        driver = StepDriver(quantized_moe, n_threads, kernels=kernels)
+        try:
+            driver.add(1, ids)
+            if with_neighbour:
+                driver.add(2, other)
+                rows = driver.step({2: 41, 1: 19})[1]
+            else:
+                rows = driver.step({1: 19})[1]
+            results.append(rows)
+        finally:
+            driver.close()
+    for rows in results[1:]:
+        np.testing.assert_array_equal(rows, results[0])
+
+
+@pytest.mark.parametrize("kernels", ["exact", "fast"])
+def test_token_by_token_gives_the_one_step_prefills_logits(quantized_moe, kernels):
+    """One token a step (each of its experts run for a single row) and the whole prompt in one step
+    (experts shared by many rows): the same logits bit for bit."""
+    ids = np.random.default_rng(2).integers(5, quantized_moe.config.vocab_size, 9).tolist()
+    rows = {}
+    for name, chunks in (("whole", [9]), ("single", [1] * 9)):
+        driver = StepDriver(quantized_moe, 2, kernels=kernels)
+        try:
+            driver.add(1, ids)
+            rows[name] = np.concatenate([driver.step({1: n})[1] for n in chunks])
+        finally:
+            driver.close()
+    np.testing.assert_array_equal(rows["single"], rows["whole"])
