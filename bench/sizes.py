@@ -16,7 +16,9 @@ server at a time on loopback, the file's pages warm in the page cache:
   int8 rate of the fast kernels (bench/engine_rooflines.py). A single stream's share of the memory roof
   is the bytes of weights treadle reads per token (its repacked form) over time per token against the
   bandwidth; a prompt's share of the int8 roof is multiply-accumulates per prompt token (every matrix
-  but the LM head, run once per prompt) against the int8 rate.
+  but the LM head, run once per prompt) against the int8 rate. In a mixture of experts a token reads
+  and multiplies only its chosen experts (and the router); beside each level of streams, the share
+  of expert weights a step of that many tokens reads when routing is uniform (as noise weights route).
 """
 
 from __future__ import annotations
@@ -116,19 +118,30 @@ def model_costs(gguf: Path, threads: int) -> dict[str, Any]:
     """Bytes of weights treadle reads per decode token, multiply-accumulates per prompt token, and the roofs."""
     from bench.engine_rooflines import measure_int8_gmacs, measure_read_bandwidth
     from decoding import load_model
-    from decoding.kernels.forward import resident_weight_bytes
+    from decoding.kernels.forward import bytes_read_per_token
 
     model = load_model(gguf)
     cfg = model.config
-    per_layer = (cfg.q_dim + 2 * cfg.kv_dim) * cfg.dim + cfg.dim * cfg.q_dim + 3 * cfg.dim * cfg.hidden_dim
+    attention = (cfg.q_dim + 2 * cfg.kv_dim) * cfg.dim + cfg.dim * cfg.q_dim
+    feed_forward = 3 * cfg.dim * cfg.hidden_dim  # one expert's, in a mixture
+    experts, used = max(cfg.n_experts, 1), max(cfg.n_experts_used, 1)
     return {
-        "parameters_b": (cfg.n_layers * per_layer + 2 * cfg.vocab_size * cfg.dim) / 1e9,
+        "parameters_b": (cfg.n_layers * (attention + experts * feed_forward) + 2 * cfg.vocab_size * cfg.dim) / 1e9,
+        "active_parameters_b": (cfg.n_layers * (attention + used * feed_forward) + 2 * cfg.vocab_size * cfg.dim) / 1e9,
         "file_gb": gguf.stat().st_size / 1e9,
-        "decode_bytes_per_token": resident_weight_bytes(model.weights, fast=True),
-        "prompt_macs_per_token": cfg.n_layers * per_layer,
+        "decode_bytes_per_token": bytes_read_per_token(cfg, model.weights, fast=True),
+        "prompt_macs_per_token": cfg.n_layers * (attention + used * feed_forward + cfg.n_experts * cfg.dim),
+        "n_experts": cfg.n_experts,
+        "n_experts_used": cfg.n_experts_used,
         "read_gb_per_s": measure_read_bandwidth(threads),
         "int8_gmacs": measure_int8_gmacs(model, threads),
     }
+
+
+def expert_share(n_experts: int, n_used: int, n_tokens: int) -> float:
+    """The expected share of experts a step of `n_tokens` tokens reads, each choosing `n_used` of
+    `n_experts` uniformly: 1 − (1 − n_used / n_experts)^n_tokens."""
+    return 1.0 - (1.0 - n_used / n_experts) ** n_tokens
 
 
 def _row(label: str, values: list[str]) -> str:
@@ -138,7 +151,10 @@ def _row(label: str, values: list[str]) -> str:
 def report_table(path: Path, costs: dict[str, Any], runs: dict[str, dict[str, Any]], streams: list[int]) -> str:
     names = [n for n in runs if "skipped" not in runs[n]]
     header = _row("", names + (["treadle / llama-server"] if {"treadle", "llama-server"} <= set(names) else []))
-    lines = [f"**{path.name}** — {costs['parameters_b']:.2f}B parameters, {costs['file_gb']:.2f} GB; roofs: read "
+    active = (f" ({costs['active_parameters_b']:.2f}B active: {costs['n_experts_used']} of {costs['n_experts']} "
+              "experts)" if costs.get("n_experts") else "")
+    lines = [f"**{path.name}** — {costs['parameters_b']:.2f}B parameters{active}, {costs['file_gb']:.2f} GB; "
+             f"{costs['decode_bytes_per_token'] / 1e9:.2f} GB read per decoded token; roofs: read "
              f"{costs['read_gb_per_s']:.1f} GB/s, int8 {costs['int8_gmacs'] or 0:.0f} GMAC/s", "",
              header, "|" + " --- |" * (header.count("|") - 1)]  # fmt: skip
 
@@ -159,7 +175,11 @@ def report_table(path: Path, costs: dict[str, Any], runs: dict[str, dict[str, An
         / costs["read_gb_per_s"] if r.get("decode_ms_per_token") else None, "{:.0%}")
     for s in streams:
         if s > 1:
-            add(f"{s} streams, tokens/s", lambda r, s=s: (r.get("aggregate_tokens_per_s") or {}).get(s), "{:.1f}")
+            label = f"{s} streams, tokens/s"
+            if costs.get("n_experts"):
+                share = expert_share(costs["n_experts"], costs["n_experts_used"], s)
+                label += f" (a step reads {share:.0%} of experts)"
+            add(label, lambda r, s=s: (r.get("aggregate_tokens_per_s") or {}).get(s), "{:.1f}")
     add("prompt, tokens/s", lambda r: r["prompt_tokens"] * 1000 / r["prompt_ttft_ms"] if r.get("prompt_ttft_ms")
         else None, "{:.1f}")
     if costs["int8_gmacs"]:

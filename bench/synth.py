@@ -79,6 +79,9 @@ SHAPES: dict[str, ModelShape] = {
     "qwen3-8b": ModelShape(
         "qwen3", 36, 4096, 12288, 32, 8, 151936, False, head_dim=128, context_length=40960
     ),
+    # a mixture of experts: 128 experts of width 768, 8 per token (~3.3B of its 30.5B parameters read per token)
+    "qwen3-30b-a3b": ModelShape("qwen3moe", 48, 2048, 768, 32, 4, 151936, False, head_dim=128, context_length=40960,
+                                n_experts=128, n_experts_used=8),
     "llama-3.2-3b": ModelShape(
         "llama",
         28,

@@ -118,3 +118,22 @@ def test_token_by_token_gives_the_one_step_prefills_logits(quantized_moe, kernel
         finally:
             driver.close()
     np.testing.assert_array_equal(rows["single"], rows["whole"])
+
+
+def test_a_token_reads_its_chosen_experts_share_of_the_expert_weights(quantized_moe):
+    from decoding.kernels.forward import bytes_read_per_token, resident_weight_bytes
+
+    cfg, weights = quantized_moe.config, quantized_moe.weights
+    experts = sum(m.nbytes for layer in weights.layers for m in (layer.w_gate, layer.w_up, layer.w_down))
+    routers = sum(layer.router.nbytes for layer in weights.layers)
+    everything = resident_weight_bytes(weights, fast=False)
+    assert bytes_read_per_token(cfg, weights, fast=False) == (
+        everything - experts + experts * cfg.n_experts_used // cfg.n_experts + routers)
+
+
+def test_the_share_of_experts_a_step_reads_grows_with_its_tokens():
+    from bench.sizes import expert_share
+
+    assert expert_share(128, 8, 1) == pytest.approx(8 / 128)
+    assert expert_share(128, 8, 8) == pytest.approx(1 - (120 / 128) ** 8)  # 40%
+    assert expert_share(128, 8, 32) > 0.87 > expert_share(128, 8, 8)

@@ -136,6 +136,20 @@ def resident_weight_bytes(weights: ModelWeights, fast: bool) -> int:
     return sum((fast and packed_nbytes(m.qtype, m.n_rows, m.n_cols)) or m.nbytes for m in all_matrices)
 
 
+def bytes_read_per_token(cfg: ModelConfig, weights: ModelWeights, fast: bool) -> int:
+    """Bytes of weights one token's decode step reads, in the form the kernels run: every matrix and
+    the LM head of a dense model; in a mixture of experts, the attention, routers and head and the
+    chosen n_experts_used of every projection's n_experts (`resident_weight_bytes` counts them all)."""
+    total = resident_weight_bytes(weights, fast)
+    if not cfg.is_moe:
+        return total
+    for layer in weights.layers:
+        experts = sum((fast and packed_nbytes(m.qtype, m.n_rows, m.n_cols)) or m.nbytes
+                      for m in (layer.w_gate, layer.w_up, layer.w_down))  # fmt: skip
+        total += experts * cfg.n_experts_used // cfg.n_experts - experts + layer.router.nbytes
+    return total
+
+
 def _as_bytes(matrix: WeightMatrix) -> np.ndarray:
     """The stored rows as a plain (n_rows, row_bytes) uint8 array (a view: no copy of the weights)."""
     data = np.asarray(matrix.data)
