@@ -90,8 +90,15 @@ def tiny_tokenizer(directory: Path, add_bos: bool, chat_template: str | None) ->
 
 
 def tiny_configs() -> dict:
-    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config,
-                              Qwen3MoeConfig)  # fmt: skip
+    from transformers import (
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,  # fmt: skip
+    )
 
     common = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=BOS, eos_token_id=EOS,

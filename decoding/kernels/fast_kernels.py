@@ -21,6 +21,8 @@ from .vnni import (
     group_dot_q4_0_x4,
     group_dot_q4_1_x1,
     group_dot_q4_1_x4,
+    group_dot_q4_k_x1,
+    group_dot_q4_k_x4,
     group_dot_q5_0_x1,
     group_dot_q5_0_x4,
     group_dot_q5_1_x1,
@@ -32,7 +34,7 @@ from .vnni import (
 )
 
 Q4_0, Q4_1, Q5_0, Q8_0 = int(QType.Q4_0), int(QType.Q4_1), int(QType.Q5_0), int(QType.Q8_0)
-Q5_1, Q6_K = int(QType.Q5_1), int(QType.Q6_K)
+Q5_1, Q6_K, Q4_K = int(QType.Q5_1), int(QType.Q6_K), int(QType.Q4_K)
 # bytes of one (8-row group, 32-weight block) of each packed type, indexed by type id (numba freezes it)
 _GROUP_BLOCK_BYTES = np.zeros(max(BLOCK_STRIDE) + 1, dtype=np.int64)
 for _qtype, _stride in BLOCK_STRIDE.items():
@@ -84,6 +86,11 @@ def group_dot(packed, qtype, offset, n_blocks, xq, xd, xsum, token, num_tokens, 
             group_dot_q4_1_x4(packed, offset, n_blocks, xq, xd, xsum, token, out)
         else:
             group_dot_q4_1_x1(packed, offset, n_blocks, xq, xd, xsum, token, out)
+    elif qtype == Q4_K:
+        if num_tokens == 4:
+            group_dot_q4_k_x4(packed, offset, n_blocks, xq, xd, xsum, token, out)
+        else:
+            group_dot_q4_k_x1(packed, offset, n_blocks, xq, xd, xsum, token, out)
     elif qtype == Q6_K:
         if num_tokens == 4:
             group_dot_q6_k_x4(packed, offset, n_blocks, xq, xd, xsum, token, out)

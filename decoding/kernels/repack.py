@@ -9,12 +9,14 @@ Rows are taken in groups of 8; for each 32-weight block the group's bytes are co
                  their top two bits (64 B), 16 fp16 scales d·scale, row r's for its weights 0..15 and
                  16..31 (32 B): 7 bits a weight instead of 6.56
     Q8_0:        4 steps × 8 rows × 8 bytes, each weight + 128 as an unsigned byte (256 B), 8 fp16 scales
+    Q4_K:        Q4_0's nibbles (128 B), 8 one-byte sub-block scales, 8 one-byte mins, and in block r of
+                 each 256-weight super-block row r's fp16 d and dmin (4 B): 4.625 bits a weight
 
 Step s of a row holds its weights 4s..4s+3 and 16+4s..16+4s+3: in a Q4 byte the low nibble is weight j
 and the high nibble weight j+16, so nibble bytes need no reshuffling; Q8_0 bytes are put in the same
-order so that one activation layout (`ACTIVATION_ORDER`) serves every type. The repacked matrix has
-exactly as many bytes as the original; streaming 8 rows at a time keeps the hardware prefetcher on
-one sequential stream per thread.
+order so that one activation layout (`ACTIVATION_ORDER`) serves every type. A repacked Q4_0..Q8_0
+matrix has exactly as many bytes as the original (a Q4_K one 3% more, a Q6_K one 7%); streaming 8 rows
+at a time keeps the hardware prefetcher on one sequential stream per thread.
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ import numpy as np
 from ..model.quant import BLOCK_SHAPES, QK, QType, dequantize_q6_k_codes, k4_scales_and_mins
 from .vnni import BLOCK_STRIDE, GROUP_ROWS
 
-PACKABLE = (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0, QType.Q6_K)
-# Types the int8 kernels run in the form of another: a Q4_K sub-block of 32 is w = (d·scale)·q − dmin·min,
-# the form of a Q4_1 block (w = D·q + M), so it is converted at load, D and M rounded to fp16 (a relative
-# 2^-11 at most, far inside the int8 activations' error), and runs on the Q4_1 kernel.
-PACKED_AS = {QType.Q4_K: QType.Q4_1, QType.Q5_K: QType.Q5_1}  # Q5_K likewise, with its fifth bits
+PACKABLE = (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0, QType.Q6_K, QType.Q4_K)
+# Types the int8 kernels run in the form of another: a Q5_K sub-block of 32 is w = (d·scale)·q − dmin·min,
+# the form of a Q5_1 block (w = D·q + M), so it is converted at load, D and M rounded to fp16 (a relative
+# 2^-11 at most, far inside the int8 activations' error), and runs on the Q5_1 kernel. (Q4_K has a form
+# of its own, which keeps the 6-bit scales: 4.625 bits a weight where the Q4_1 form took 5.)
+PACKED_AS = {QType.Q5_K: QType.Q5_1}
 _GROUPS_PER_SLICE = 256  # 2048 rows: a few MB of temporaries at a time
 # activation byte i of a block holds weight ACTIVATION_ORDER[i]: step s = [4s..4s+3, 16+4s..16+4s+3]
 ACTIVATION_ORDER = np.array([4 * s + k for s in range(4) for k in (0, 1, 2, 3, 16, 17, 18, 19)], dtype=np.int64)
@@ -68,21 +71,17 @@ def repack(data: np.ndarray, qtype: QType, n_rows: int, n_cols: int) -> np.ndarr
         last = min(first + _GROUPS_PER_SLICE, n_groups)
         rows = data[first * GROUP_ROWS : last * GROUP_ROWS]
         if qtype == QType.Q4_K:
-            rows = q4_k_as_q4_1(rows, n_cols)
-        elif qtype == QType.Q5_K:
+            out[first * group_bytes : last * group_bytes] = _repack_q4_k_groups(rows, last - first, n_cols)
+            continue
+        if qtype == QType.Q5_K:
             rows = q5_k_as_q5_1(rows, n_cols)
         out[first * group_bytes : last * group_bytes] = _repack_groups(rows, target, last - first, n_cols)
     return out
 
 
-def q4_k_as_q4_1(data: np.ndarray, n_cols: int) -> np.ndarray:
-    """(rows, Q4_K row bytes) → (rows, Q4_1 row bytes): each 32-weight sub-block as a Q4_1 block with
-    D = fp16(d·scale), M = fp16(−dmin·min) and the same 4-bit q (decoding.model.quant has the layouts)."""
-    return _k_sub_blocks_as_affine(data, n_cols, fifth_bits=False)
-
-
 def q5_k_as_q5_1(data: np.ndarray, n_cols: int) -> np.ndarray:
-    """(rows, Q5_K row bytes) → (rows, Q5_1 row bytes), as `q4_k_as_q4_1` with the fifth bits."""
+    """(rows, Q5_K row bytes) → (rows, Q5_1 row bytes): each 32-weight sub-block as a Q5_1 block with
+    D = fp16(d·scale), M = fp16(−dmin·min) and the same 5-bit q (decoding.model.quant has the layouts)."""
     return _k_sub_blocks_as_affine(data, n_cols, fifth_bits=True)
 
 
@@ -109,6 +108,27 @@ def _k_sub_blocks_as_affine(data: np.ndarray, n_cols: int, fifth_bits: bool) -> 
         bits = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # (n, sub-block, l)
         out[..., 4:8] = np.packbits(bits, axis=-1, bitorder="little")
     return out.reshape(rows, n_cols // 32 * size)
+
+
+def _repack_q4_k_groups(data: np.ndarray, n_groups: int, n_cols: int) -> np.ndarray:
+    """Q4_K rows → the int8 kernels' Q4_K form: per (group, 32 weights), the sub-block's nibbles as Q4_0's,
+    each row's 6-bit scale and min as a byte each, and in block r of a super-block row r's d and dmin."""
+    n_blocks = n_cols // QK
+    n_super = n_blocks // GROUP_ROWS
+    super_blocks = data.reshape(-1, 144)
+    scales, mins = k4_scales_and_mins(super_blocks[:, 4:16])  # (rows · n_super, 8 sub-blocks)
+    qs = super_blocks[:, 16:144].reshape(-1, 4, 32)
+    q = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32)  # sub-block 2g + nibble
+    nibble_bytes = q[..., :16] | (q[..., 16:] << 4)  # Q4_0's layout: byte j = weights j, j+16
+    nibbles = nibble_bytes.reshape(n_groups, GROUP_ROWS, n_blocks, 4, 4).transpose(0, 2, 3, 1, 4)
+
+    def per_row_byte(values: np.ndarray) -> np.ndarray:  # (rows · n_super, 8) → (groups, blocks, 8 rows)
+        return values.astype(np.uint8).reshape(n_groups, GROUP_ROWS, n_blocks).transpose(0, 2, 1)
+
+    d_dmin = super_blocks[:, 0:4].reshape(n_groups, GROUP_ROWS, n_super, 4).transpose(0, 2, 1, 3)
+    parts = [nibbles.reshape(n_groups, n_blocks, 128), per_row_byte(scales), per_row_byte(mins),
+             d_dmin.reshape(n_groups, n_blocks, 4)]  # fmt: skip
+    return np.concatenate(parts, axis=-1).reshape(-1)
 
 
 def _repack_q6_k_groups(data: np.ndarray, n_groups: int, n_cols: int) -> np.ndarray:

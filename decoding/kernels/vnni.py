@@ -13,7 +13,10 @@ taken back exactly in integers with the block's Σq_x. Q5_0 is Q4_0 (and Q5_1 is
 take 16 more where the bit is set (`_fifth_bits_vector`), and 16 is its storage offset. Q6_K runs in
 a form of its own: Q4_0's nibbles with each weight's top two bits beside them (`_high_bits_vector`,
 q6 with offset 32), a scale per 16 weights, one per lane, and the offset taken back per lane with the
-lane's Σx from a `vpdpbusd` against ones. Every token's arithmetic is the same sequence
+lane's Σx from a `vpdpbusd` against ones. Q4_K keeps its own 4.5-bit economy nearly whole (4.625 bits):
+Q4_0's nibbles, each row's 6-bit sub-block scale and min as a byte each, and the super-block's fp16 d
+and dmin of row r in block r of the super-block's eight; the kernel forms d·scale and dmin·min in
+float32 per block, then runs as Q4_1. Every token's arithmetic is the same sequence
 of operations whether it is computed alone or with three others, so results are batch-invariant.
 """
 
@@ -32,13 +35,18 @@ LANES = 16
 GROUP_ROWS = 8
 # bytes of one (8-row group, 32-weight block) in the repacked stream, and where its scales start
 BLOCK_STRIDE = {QType.Q4_0: 144, QType.Q4_1: 160, QType.Q5_0: 176, QType.Q5_1: 192, QType.Q8_0: 272,
-                QType.Q6_K: 224}
+                QType.Q6_K: 224, QType.Q4_K: 148}
 SCALE_OFFSET = {QType.Q4_0: 128, QType.Q4_1: 128, QType.Q5_0: 160, QType.Q5_1: 160, QType.Q8_0: 256,
-                QType.Q6_K: 192}
-MIN_OFFSET = {QType.Q4_1: 144, QType.Q5_1: 176}  # the types with a min term
+                QType.Q6_K: 192, QType.Q4_K: 128}
+MIN_OFFSET = {QType.Q4_1: 144, QType.Q5_1: 176, QType.Q4_K: 136}  # the types with a min term
+# Q4_K: one byte per row of sub-block scale (at SCALE_OFFSET) and of min (at MIN_OFFSET), then the fp16
+# d and dmin of row r of the group in block r of each super-block of 8 blocks (K_SUPER_BLOCKS)
+K_SUPER_OFFSET = 144
+K_SUPER_BLOCKS = 8
 FIFTH_BITS_OFFSET = 128  # Q5_0 and Q5_1: 4 steps × 8 rows × one byte of fifth bits
 HIGH_BITS_OFFSET = 128  # Q6_K: 4 steps × 16 bytes, each holding the top two bits of four weights
-UNSIGNED_BIAS = {QType.Q4_0: 8, QType.Q5_0: 16, QType.Q8_0: 128, QType.Q4_1: 0, QType.Q5_1: 0, QType.Q6_K: 32}
+UNSIGNED_BIAS = {QType.Q4_0: 8, QType.Q5_0: 16, QType.Q8_0: 128, QType.Q4_1: 0, QType.Q5_1: 0, QType.Q6_K: 32,
+                 QType.Q4_K: 0}
 # Q6_K's form has a scale per 16 weights, one per lane: lane 2r holds row r's weights 0..15 of the
 # block, lane 2r+1 its weights 16..31 (the step order of decoding.kernels.repack)
 HALF_SCALES = (QType.Q6_K,)
@@ -195,7 +203,25 @@ def _avx2_dpbusd(builder: ir.IRBuilder, unsigned_max: int):
 
 
 # the largest unsigned byte each type's weights put into a dot product (its storage offset's range)
-UNSIGNED_MAX = {QType.Q4_0: 15, QType.Q4_1: 15, QType.Q5_0: 31, QType.Q5_1: 31, QType.Q6_K: 63, QType.Q8_0: 255}
+UNSIGNED_MAX = {QType.Q4_0: 15, QType.Q4_1: 15, QType.Q5_0: 31, QType.Q5_1: 31, QType.Q6_K: 63, QType.Q8_0: 255,
+                QType.Q4_K: 15}
+
+
+def _k_scales_and_mins(builder: ir.IRBuilder, w_base: ir.Value, block: ir.Value, block_ptr: ir.Value,
+                       stride: int) -> tuple[ir.Value, ir.Value]:  # fmt: skip
+    """Q4_K: the 8 rows' d·scale and −dmin·min of this block, float32 (8 lanes each)."""
+    sub_scales = builder.uitofp(_load(builder, block_ptr, SCALE_OFFSET[QType.Q4_K], _vec(_i8, 8)), _vec(_f32, 8))
+    sub_mins = builder.uitofp(_load(builder, block_ptr, MIN_OFFSET[QType.Q4_K], _vec(_i8, 8)), _vec(_f32, 8))
+    first = builder.and_(block, ir.Constant(_i64, -K_SUPER_BLOCKS))  # the super-block's first block
+    super_ptr = builder.gep(w_base, [builder.add(builder.mul(first, ir.Constant(_i64, stride)),
+                                                 ir.Constant(_i64, K_SUPER_OFFSET))])  # fmt: skip
+    pairs = ir.Constant(_vec(_i32, 8), None)
+    for r in range(K_SUPER_BLOCKS):  # row r's (d, dmin) sits in block r
+        pairs = builder.insert_element(pairs, _load(builder, super_ptr, r * stride, _i32), ir.Constant(_i32, r))
+    halves = builder.fpext(builder.bitcast(pairs, _vec(ir.HalfType(), 16)), _vec(_f32, 16))
+    d = builder.shuffle_vector(halves, halves, _mask(list(range(0, 16, 2))))
+    dmin = builder.shuffle_vector(halves, halves, _mask(list(range(1, 16, 2))))
+    return builder.fmul(d, sub_scales), builder.fneg(builder.fmul(dmin, sub_mins))
 
 
 def _make_group_dot(qtype: QType, num_tokens: int):  # noqa: C901 - one IR loop, written out
@@ -248,14 +274,18 @@ def _make_group_dot(qtype: QType, num_tokens: int):  # noqa: C901 - one IR loop,
                 accs.append(acc)
             block_ptr = builder.gep(w_base, [builder.mul(block, ir.Constant(_i64, stride))])
             weight_vectors = [_weight_vector(builder, qtype, block_ptr, s) for s in range(4)]
-            if qtype in HALF_SCALES:
+            if qtype == QType.Q4_K:
+                scales, mins = _k_scales_and_mins(builder, w_base, block, block_ptr, stride)
+                scales16 = builder.shuffle_vector(scales, scales, duplicate)
+                mins16 = builder.shuffle_vector(mins, ir.Constant(_vec(_f32, 8), [0.0] * 8), even_only)
+            elif qtype in HALF_SCALES:
                 scales16 = builder.fpext(builder.bitcast(_load(builder, block_ptr, scale_offset, _vec(_i16, 16)),
                                                          _vec(ir.HalfType(), 16)), _vec(_f32, 16))
             else:
                 scales = builder.fpext(builder.bitcast(_load(builder, block_ptr, scale_offset, _vec(_i16, 8)),
                                                        _vec(ir.HalfType(), 8)), _vec(_f32, 8))
                 scales16 = builder.shuffle_vector(scales, scales, duplicate)
-            if qtype in MIN_OFFSET:
+            if qtype in MIN_OFFSET and qtype != QType.Q4_K:
                 mins = builder.fpext(builder.bitcast(_load(builder, block_ptr, MIN_OFFSET[qtype], _vec(_i16, 8)),
                                                      _vec(ir.HalfType(), 8)), _vec(_f32, 8))
                 mins16 = builder.shuffle_vector(mins, ir.Constant(_vec(_f32, 8), [0.0] * 8), even_only)
@@ -322,6 +352,8 @@ group_dot_q4_0_x1 = _make_group_dot(QType.Q4_0, 1)
 group_dot_q4_0_x4 = _make_group_dot(QType.Q4_0, 4)
 group_dot_q4_1_x1 = _make_group_dot(QType.Q4_1, 1)
 group_dot_q4_1_x4 = _make_group_dot(QType.Q4_1, 4)
+group_dot_q4_k_x1 = _make_group_dot(QType.Q4_K, 1)
+group_dot_q4_k_x4 = _make_group_dot(QType.Q4_K, 4)
 group_dot_q5_0_x1 = _make_group_dot(QType.Q5_0, 1)
 group_dot_q5_0_x4 = _make_group_dot(QType.Q5_0, 4)
 group_dot_q5_1_x1 = _make_group_dot(QType.Q5_1, 1)
