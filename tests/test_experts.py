@@ -137,3 +137,23 @@ def test_the_share_of_experts_a_step_reads_grows_with_its_tokens():
     assert expert_share(128, 8, 1) == pytest.approx(8 / 128)
     assert expert_share(128, 8, 8) == pytest.approx(1 - (120 / 128) ** 8)  # 40%
     assert expert_share(128, 8, 32) > 0.87 > expert_share(128, 8, 8)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"mlp_only_layers": [1]}, "dense feed-forward inside a mixture"),
+    ({"decoder_sparse_step": 2}, "dense feed-forward inside a mixture"),
+    ({"shared_expert_intermediate_size": 64}, "shared experts"),
+    ({"num_experts_per_tok": 17}, "17 experts used per token of 16"),
+])  # fmt: skip
+def test_a_mixture_treadle_cannot_run_is_refused_at_load_with_why(tmp_path, change, message):
+    import json
+    import shutil
+
+    from decoding.model.errors import ModelLoadError
+
+    directory = tmp_path / "qwen3moe"
+    shutil.copytree(GOLDEN / "qwen3moe", directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(directory)
