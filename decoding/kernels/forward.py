@@ -99,7 +99,7 @@ def _packed(matrix: WeightMatrix, fast: bool, parts: int = 1) -> np.ndarray:
     if fast and is_packable(matrix.qtype, matrix.n_rows // parts):
         try:
             packed = repack(matrix.data, matrix.qtype, matrix.n_rows, matrix.n_cols)
-        except ValueError:  # a conversion the values do not allow (Q4_K scales beyond fp16)
+        except ValueError:  # a conversion the values do not allow (Q5_K scales beyond fp16)
             return _NOT_PACKED
         release_mapped_pages(matrix.data)
         return packed

@@ -9,8 +9,8 @@ Rows are taken in groups of 8; for each 32-weight block the group's bytes are co
                  their top two bits (64 B), 16 fp16 scales d·scale, row r's for its weights 0..15 and
                  16..31 (32 B): 7 bits a weight instead of 6.56
     Q8_0:        4 steps × 8 rows × 8 bytes, each weight + 128 as an unsigned byte (256 B), 8 fp16 scales
-    Q4_K:        Q4_0's nibbles (128 B), 8 one-byte sub-block scales, 8 one-byte mins, and in block r of
-                 each 256-weight super-block row r's fp16 d and dmin (4 B): 4.625 bits a weight
+    Q4_K:        per 256-weight super-block, the 8 rows' fp16 d and dmin (32 B), then per block Q4_0's
+                 nibbles (128 B), 8 one-byte sub-block scales and 8 one-byte mins: 4.625 bits a weight
 
 Step s of a row holds its weights 4s..4s+3 and 16+4s..16+4s+3: in a Q4 byte the low nibble is weight j
 and the high nibble weight j+16, so nibble bytes need no reshuffling; Q8_0 bytes are put in the same
@@ -111,8 +111,8 @@ def _k_sub_blocks_as_affine(data: np.ndarray, n_cols: int, fifth_bits: bool) -> 
 
 
 def _repack_q4_k_groups(data: np.ndarray, n_groups: int, n_cols: int) -> np.ndarray:
-    """Q4_K rows → the int8 kernels' Q4_K form: per (group, 32 weights), the sub-block's nibbles as Q4_0's,
-    each row's 6-bit scale and min as a byte each, and in block r of a super-block row r's d and dmin."""
+    """Q4_K rows → the int8 kernels' Q4_K form: per (group, super-block), the rows' d and dmin, then per
+    32 weights the sub-block's nibbles as Q4_0's and each row's 6-bit scale and min as a byte each."""
     n_blocks = n_cols // QK
     n_super = n_blocks // GROUP_ROWS
     super_blocks = data.reshape(-1, 144)
@@ -125,10 +125,11 @@ def _repack_q4_k_groups(data: np.ndarray, n_groups: int, n_cols: int) -> np.ndar
     def per_row_byte(values: np.ndarray) -> np.ndarray:  # (rows · n_super, 8) → (groups, blocks, 8 rows)
         return values.astype(np.uint8).reshape(n_groups, GROUP_ROWS, n_blocks).transpose(0, 2, 1)
 
-    d_dmin = super_blocks[:, 0:4].reshape(n_groups, GROUP_ROWS, n_super, 4).transpose(0, 2, 1, 3)
-    parts = [nibbles.reshape(n_groups, n_blocks, 128), per_row_byte(scales), per_row_byte(mins),
-             d_dmin.reshape(n_groups, n_blocks, 4)]  # fmt: skip
-    return np.concatenate(parts, axis=-1).reshape(-1)
+    blocks = np.concatenate([nibbles.reshape(n_groups, n_blocks, 128), per_row_byte(scales), per_row_byte(mins)],
+                            axis=-1)  # fmt: skip
+    headers = super_blocks[:, 0:4].reshape(n_groups, GROUP_ROWS, n_super, 4).transpose(0, 2, 1, 3)
+    return np.concatenate([headers.reshape(n_groups, n_super, 32), blocks.reshape(n_groups, n_super, -1)],
+                          axis=-1).reshape(-1)  # fmt: skip
 
 
 def _repack_q6_k_groups(data: np.ndarray, n_groups: int, n_cols: int) -> np.ndarray:

@@ -14,9 +14,9 @@ take 16 more where the bit is set (`_fifth_bits_vector`), and 16 is its storage 
 a form of its own: Q4_0's nibbles with each weight's top two bits beside them (`_high_bits_vector`,
 q6 with offset 32), a scale per 16 weights, one per lane, and the offset taken back per lane with the
 lane's Σx from a `vpdpbusd` against ones. Q4_K keeps its own 4.5-bit economy nearly whole (4.625 bits):
-Q4_0's nibbles, each row's 6-bit sub-block scale and min as a byte each, and the super-block's fp16 d
-and dmin of row r in block r of the super-block's eight; the kernel forms d·scale and dmin·min in
-float32 per block, then runs as Q4_1. Every token's arithmetic is the same sequence
+each super-block of 8 blocks opens with the 8 rows' fp16 d and dmin (32 B), then each block has Q4_0's
+nibbles and each row's 6-bit sub-block scale and min as a byte each; the kernel forms d·scale and
+dmin·min in float32 per block, then runs as Q4_1. Every token's arithmetic is the same sequence
 of operations whether it is computed alone or with three others, so results are batch-invariant.
 """
 
@@ -35,14 +35,15 @@ LANES = 16
 GROUP_ROWS = 8
 # bytes of one (8-row group, 32-weight block) in the repacked stream, and where its scales start
 BLOCK_STRIDE = {QType.Q4_0: 144, QType.Q4_1: 160, QType.Q5_0: 176, QType.Q5_1: 192, QType.Q8_0: 272,
-                QType.Q6_K: 224, QType.Q4_K: 148}
+                QType.Q6_K: 224, QType.Q4_K: 148}  # Q4_K: 144 a block and its share of the super-block's 32
 SCALE_OFFSET = {QType.Q4_0: 128, QType.Q4_1: 128, QType.Q5_0: 160, QType.Q5_1: 160, QType.Q8_0: 256,
                 QType.Q6_K: 192, QType.Q4_K: 128}
 MIN_OFFSET = {QType.Q4_1: 144, QType.Q5_1: 176, QType.Q4_K: 136}  # the types with a min term
-# Q4_K: one byte per row of sub-block scale (at SCALE_OFFSET) and of min (at MIN_OFFSET), then the fp16
-# d and dmin of row r of the group in block r of each super-block of 8 blocks (K_SUPER_BLOCKS)
-K_SUPER_OFFSET = 144
+# Q4_K: a super-block of 8 blocks is a 32-byte header (row r's fp16 d and dmin at 4r) and 8 blocks of
+# 144 bytes: the nibbles, then one byte per row of sub-block scale (SCALE_OFFSET) and of min (MIN_OFFSET)
 K_SUPER_BLOCKS = 8
+K_HEADER_BYTES = 32
+K_BLOCK_BYTES = 144
 FIFTH_BITS_OFFSET = 128  # Q5_0 and Q5_1: 4 steps × 8 rows × one byte of fifth bits
 HIGH_BITS_OFFSET = 128  # Q6_K: 4 steps × 16 bytes, each holding the top two bits of four weights
 UNSIGNED_BIAS = {QType.Q4_0: 8, QType.Q5_0: 16, QType.Q8_0: 128, QType.Q4_1: 0, QType.Q5_1: 0, QType.Q6_K: 32,
@@ -207,18 +208,21 @@ UNSIGNED_MAX = {QType.Q4_0: 15, QType.Q4_1: 15, QType.Q5_0: 31, QType.Q5_1: 31, 
                 QType.Q4_K: 15}
 
 
-def _k_scales_and_mins(builder: ir.IRBuilder, w_base: ir.Value, block: ir.Value, block_ptr: ir.Value,
-                       stride: int) -> tuple[ir.Value, ir.Value]:  # fmt: skip
+def _k_block_pointers(builder: ir.IRBuilder, w_base: ir.Value, block: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """Q4_K: (the block's bytes, its super-block's header)."""
+    super_bytes = K_HEADER_BYTES + K_SUPER_BLOCKS * K_BLOCK_BYTES
+    first = builder.mul(builder.lshr(block, ir.Constant(_i64, 3)), ir.Constant(_i64, super_bytes))
+    header = builder.gep(w_base, [first])
+    within = builder.mul(builder.and_(block, ir.Constant(_i64, K_SUPER_BLOCKS - 1)), ir.Constant(_i64, K_BLOCK_BYTES))
+    return builder.gep(header, [builder.add(within, ir.Constant(_i64, K_HEADER_BYTES))]), header
+
+
+def _k_scales_and_mins(builder: ir.IRBuilder, block_ptr: ir.Value, header: ir.Value) -> tuple[ir.Value, ir.Value]:
     """Q4_K: the 8 rows' d·scale and −dmin·min of this block, float32 (8 lanes each)."""
     sub_scales = builder.uitofp(_load(builder, block_ptr, SCALE_OFFSET[QType.Q4_K], _vec(_i8, 8)), _vec(_f32, 8))
     sub_mins = builder.uitofp(_load(builder, block_ptr, MIN_OFFSET[QType.Q4_K], _vec(_i8, 8)), _vec(_f32, 8))
-    first = builder.and_(block, ir.Constant(_i64, -K_SUPER_BLOCKS))  # the super-block's first block
-    super_ptr = builder.gep(w_base, [builder.add(builder.mul(first, ir.Constant(_i64, stride)),
-                                                 ir.Constant(_i64, K_SUPER_OFFSET))])  # fmt: skip
-    pairs = ir.Constant(_vec(_i32, 8), None)
-    for r in range(K_SUPER_BLOCKS):  # row r's (d, dmin) sits in block r
-        pairs = builder.insert_element(pairs, _load(builder, super_ptr, r * stride, _i32), ir.Constant(_i32, r))
-    halves = builder.fpext(builder.bitcast(pairs, _vec(ir.HalfType(), 16)), _vec(_f32, 16))
+    halves = builder.fpext(builder.bitcast(_load(builder, header, 0, _vec(_i16, 16)), _vec(ir.HalfType(), 16)),
+                           _vec(_f32, 16))  # fmt: skip
     d = builder.shuffle_vector(halves, halves, _mask(list(range(0, 16, 2))))
     dmin = builder.shuffle_vector(halves, halves, _mask(list(range(1, 16, 2))))
     return builder.fmul(d, sub_scales), builder.fneg(builder.fmul(dmin, sub_mins))
@@ -272,10 +276,13 @@ def _make_group_dot(qtype: QType, num_tokens: int):  # noqa: C901 - one IR loop,
                 acc = builder.phi(_vec(_f32, LANES))
                 acc.add_incoming(zero_f, entry)
                 accs.append(acc)
-            block_ptr = builder.gep(w_base, [builder.mul(block, ir.Constant(_i64, stride))])
+            if qtype == QType.Q4_K:
+                block_ptr, k_header = _k_block_pointers(builder, w_base, block)
+            else:
+                block_ptr = builder.gep(w_base, [builder.mul(block, ir.Constant(_i64, stride))])
             weight_vectors = [_weight_vector(builder, qtype, block_ptr, s) for s in range(4)]
             if qtype == QType.Q4_K:
-                scales, mins = _k_scales_and_mins(builder, w_base, block, block_ptr, stride)
+                scales, mins = _k_scales_and_mins(builder, block_ptr, k_header)
                 scales16 = builder.shuffle_vector(scales, scales, duplicate)
                 mins16 = builder.shuffle_vector(mins, ir.Constant(_vec(_f32, 8), [0.0] * 8), even_only)
             elif qtype in HALF_SCALES:
