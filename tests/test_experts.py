@@ -157,3 +157,26 @@ def test_a_mixture_treadle_cannot_run_is_refused_at_load_with_why(tmp_path, chan
     (directory / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(ModelLoadError, match=message):
         load_model(directory)
+
+
+@pytest.mark.parametrize("arch, as_gguf", [("qwen3moe", False), ("mixtral", True)])
+def test_each_mixture_streams_transformers_greedy_text_through_the_openai_client(arch, as_gguf, tmp_path):
+    """`treadle serve` on the directory (or its GGUF conversion), exact kernels, streamed by the
+    official client: transformers' greedy continuation, token for token."""
+    import json
+
+    import openai
+
+    from tests.reliability import running_server
+    from tests.test_architectures import NEAR_TIE, golden
+
+    cases, _ = golden(arch)
+    case = next(c for c in cases if min(c["greedy_margins"]) >= NEAR_TIE)
+    model = convert(GOLDEN / arch, tmp_path / f"{arch}.gguf") if as_gguf else GOLDEN / arch
+    with running_server(["--model", str(model), "--kernels", "exact", "--kv-cache-mb", "16"]) as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+        stream = client.completions.create(model=arch, prompt=case["ids"], max_tokens=len(case["greedy"]),
+                                           temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True, "skip_special_tokens": False})  # fmt: skip
+        text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+        assert text == case["greedy_text"], json.dumps(case["greedy_text"])
