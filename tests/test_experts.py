@@ -180,3 +180,41 @@ def test_each_mixture_streams_transformers_greedy_text_through_the_openai_client
                                            extra_body={"ignore_eos": True, "skip_special_tokens": False})  # fmt: skip
         text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
         assert text == case["greedy_text"], json.dumps(case["greedy_text"])
+
+
+def test_experts_stacked_as_transformers_5_holds_them_load_as_the_per_expert_checkpoint(tmp_path):
+    """Qwen3-MoE's experts as one `gate_up_proj` (E, 2·width, dim) and one `down_proj` per layer."""
+    import json
+    import shutil
+    import struct
+
+    from decoding.kernels.reference import forward_logits
+    from decoding.model.safetensors_loader import _map_file
+    from decoding.model.weights import WeightMatrix
+
+    source = GOLDEN / "qwen3moe"
+    cfg = json.loads((source / "config.json").read_text())
+    n_experts = cfg["num_local_experts"]
+    tensors = {name: WeightMatrix(qtype, 1, data.size, data.reshape(1, -1)).dequantize().reshape(data.shape)
+               for name, (data, qtype) in _map_file(source / "model.safetensors").items()}  # fmt: skip
+    for i in range(cfg["num_hidden_layers"]):
+        prefix = f"model.layers.{i}.mlp.experts."
+        parts = {n: np.stack([tensors.pop(f"{prefix}{e}.{n}.weight") for e in range(n_experts)])
+                 for n in ("gate_proj", "up_proj", "down_proj")}  # fmt: skip
+        tensors[prefix + "gate_up_proj"] = np.concatenate([parts["gate_proj"], parts["up_proj"]], axis=1)
+        tensors[prefix + "down_proj"] = parts["down_proj"]
+    header, offset, blobs = {}, 0, []
+    for name, array in tensors.items():
+        blob = np.ascontiguousarray(array, dtype=np.float32).tobytes()
+        header[name] = {"dtype": "F32", "shape": list(array.shape), "data_offsets": [offset, offset + len(blob)]}
+        offset += len(blob)
+        blobs.append(blob)
+    directory = tmp_path / "qwen3moe-stacked"
+    directory.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, directory / name)
+    encoded = json.dumps(header).encode()
+    (directory / "model.safetensors").write_bytes(struct.pack("<Q", len(encoded)) + encoded + b"".join(blobs))
+    ids = json.loads((source / "golden.json").read_text())["cases"][0]["ids"]
+    np.testing.assert_allclose(forward_logits(load_model(directory), ids), forward_logits(load_model(source), ids),
+                               atol=1e-5, rtol=0)  # fmt: skip
