@@ -15,7 +15,7 @@ from decoding.kernels.experts import group_by_expert, route_tokens
 from decoding.kernels.reference import route
 from decoding.model.quant import QType
 from tests.hf_to_gguf import convert
-from tests.test_forward_step import StepDriver, check_mixed_batches
+from tests.test_forward_step import StepDriver, assert_logits_alone_equal_logits_beside, check_mixed_batches
 
 GOLDEN = Path(__file__).parent / "golden" / "architectures"
 
@@ -87,21 +87,7 @@ def test_a_tokens_logits_do_not_depend_on_its_batch_or_the_thread_count(quantize
     rng = np.random.default_rng(8)
     vocab = quantized_moe.config.vocab_size
     ids, other = rng.integers(5, vocab, 19).tolist(), rng.integers(5, vocab, 41).tolist()
-    results = []
-    for n_threads, with_neighbour in ((1, False), (2, False), (2, True), (1, True)):
-        driver = StepDriver(quantized_moe, n_threads, kernels=kernels)
-        try:
-            driver.add(1, ids)
-            if with_neighbour:
-                driver.add(2, other)
-                rows = driver.step({2: 41, 1: 19})[1]
-            else:
-                rows = driver.step({1: 19})[1]
-            results.append(rows)
-        finally:
-            driver.close()
-    for rows in results[1:]:
-        np.testing.assert_array_equal(rows, results[0])
+    assert_logits_alone_equal_logits_beside(quantized_moe, kernels, ids, other)
 
 
 @pytest.mark.parametrize("kernels", ["exact", "fast"])

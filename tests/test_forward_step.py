@@ -142,16 +142,22 @@ def test_logits_are_identical_whatever_the_thread_count_and_batch(default_model,
     rng = np.random.default_rng(5)
     ids = rng.integers(3, 49152, 20).tolist()
     other = rng.integers(3, 49152, 33).tolist()
+    assert_logits_alone_equal_logits_beside(default_model, kernels, ids, other)
+
+
+def assert_logits_alone_equal_logits_beside(model, kernels: str, ids: list[int], other: list[int]) -> None:
+    """`ids` prefilled alone and beside `other` in one step, on one thread and on two: the same
+    logits bit for bit."""
     results = []
     for n_threads, with_neighbour in ((1, False), (2, False), (2, True), (1, True)):
-        driver = StepDriver(default_model, n_threads, kernels=kernels)
+        driver = StepDriver(model, n_threads, kernels=kernels)
         try:
             driver.add(1, ids)
             if with_neighbour:
                 driver.add(2, other)
-                rows = driver.step({2: 33, 1: 20})[1]
+                rows = driver.step({2: len(other), 1: len(ids)})[1]
             else:
-                rows = driver.step({1: 20})[1]
+                rows = driver.step({1: len(ids)})[1]
             results.append(rows)
         finally:
             driver.close()

@@ -82,32 +82,26 @@ def repack(data: np.ndarray, qtype: QType, n_rows: int, n_cols: int) -> np.ndarr
 def q5_k_as_q5_1(data: np.ndarray, n_cols: int) -> np.ndarray:
     """(rows, Q5_K row bytes) → (rows, Q5_1 row bytes): each 32-weight sub-block as a Q5_1 block with
     D = fp16(d·scale), M = fp16(−dmin·min) and the same 5-bit q (decoding.model.quant has the layouts)."""
-    return _k_sub_blocks_as_affine(data, n_cols, fifth_bits=True)
-
-
-def _k_sub_blocks_as_affine(data: np.ndarray, n_cols: int, fifth_bits: bool) -> np.ndarray:
     rows = data.shape[0]
-    blocks = data.reshape(-1, 176 if fifth_bits else 144)
+    blocks = data.reshape(-1, 176)
     d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
     dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
     scales, mins = k4_scales_and_mins(blocks[:, 4:16])
-    start = 48 if fifth_bits else 16
-    qs = blocks[:, start : start + 128].reshape(-1, 4, 32)
+    qs = blocks[:, 48:176].reshape(-1, 4, 32)
     q = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32)  # sub-block 2g + nibble
     with np.errstate(over="ignore", invalid="ignore"):
         scale, minimum = (d * scales).astype(np.float16), (-(dmin * mins)).astype(np.float16)
     if not (np.isfinite(scale).all() and np.isfinite(minimum).all()):
         raise ValueError("a K sub-block's scale or min does not fit in fp16: it stays on the float32 path")
-    size = 24 if fifth_bits else 20
-    out = np.empty((blocks.shape[0], 8, size), dtype=np.uint8)
+    out = np.empty((blocks.shape[0], 8, 24), dtype=np.uint8)
     out[..., 0:2] = scale[..., None].view(np.uint8)
     out[..., 2:4] = minimum[..., None].view(np.uint8)
-    out[..., size - 16 :] = q[..., :16] | (q[..., 16:] << 4)
-    if fifth_bits:  # sub-block 2g + nibble's fifth bits are bit 2g + nibble of qh[l], l < 32
-        qh = blocks[:, 16:48]
-        bits = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # (n, sub-block, l)
-        out[..., 4:8] = np.packbits(bits, axis=-1, bitorder="little")
-    return out.reshape(rows, n_cols // 32 * size)
+    out[..., 8:24] = q[..., :16] | (q[..., 16:] << 4)
+    # sub-block 2g + nibble's fifth bits are bit 2g + nibble of qh[l], l < 32
+    qh = blocks[:, 16:48]
+    bits = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # (n, sub-block, l)
+    out[..., 4:8] = np.packbits(bits, axis=-1, bitorder="little")
+    return out.reshape(rows, n_cols // 32 * 24)
 
 
 def _repack_q4_k_groups(data: np.ndarray, n_groups: int, n_cols: int) -> np.ndarray:

@@ -198,14 +198,7 @@ def _to_matrix(tensor: Any, expected_shape: tuple[int, int]) -> WeightMatrix:
     raw_type = int(tensor.tensor_type)
     data = tensor.data
     if raw_type in set(QType):
-        qtype = QType(raw_type)
-        if qtype in BLOCK_SHAPES:
-            data = data.reshape(n_rows, -1)
-        elif qtype == QType.BF16:
-            data = data.view(np.uint16).reshape(n_rows, n_cols)
-        else:
-            data = data.reshape(n_rows, n_cols)
-        return WeightMatrix(qtype, n_rows, n_cols, data)
+        return _stored_matrix(data, QType(raw_type), n_rows, n_cols)
     log.warning("%s is stored as %s, which treadle's kernels do not run: dequantized to F32 at load",
                 tensor.name, tensor.tensor_type.name)
     dense = gguf.quants.dequantize(data, tensor.tensor_type).astype(np.float32).reshape(n_rows, n_cols)
@@ -223,21 +216,23 @@ def _to_expert_matrix(tensor: Any, n_experts: int, expected_shape: tuple[int, in
     if raw_type not in set(QType):
         raise ModelLoadError(f"{tensor.name} is stored as {tensor.tensor_type.name}, which treadle's kernels do not "
                              "run (experts are kept as stored)")
-    qtype, data = QType(raw_type), tensor.data
-    rows = n_experts * n_rows
+    return _stored_matrix(tensor.data, QType(raw_type), n_experts * n_rows, n_cols)
+
+
+def _stored_matrix(data: np.ndarray, qtype: QType, n_rows: int, n_cols: int) -> WeightMatrix:
+    """A tensor's bytes as an (n_rows, ...) WeightMatrix of its stored type (a view, no copy)."""
     if qtype in BLOCK_SHAPES:
-        data = data.reshape(rows, -1)
+        data = data.reshape(n_rows, -1)
     elif qtype == QType.BF16:
-        data = data.view(np.uint16).reshape(rows, n_cols)
+        data = data.view(np.uint16).reshape(n_rows, n_cols)
     else:
-        data = data.reshape(rows, n_cols)
-    return WeightMatrix(qtype, rows, n_cols, data)
+        data = data.reshape(n_rows, n_cols)
+    return WeightMatrix(qtype, n_rows, n_cols, data)
 
 
 def _to_router(tensor: Any, n_experts: int, dim: int) -> np.ndarray:
     """The router's (n_experts, dim) scores as float32 (F32 in llama.cpp's files; any stored type read)."""
-    matrix = _to_matrix(tensor, (n_experts, dim))
-    return np.ascontiguousarray(matrix.dequantize() if matrix.qtype != QType.F32 else matrix.data, dtype=np.float32)
+    return np.ascontiguousarray(_to_matrix(tensor, (n_experts, dim)).dequantize(), dtype=np.float32)
 
 
 def _to_vector(tensor: Any, length: int) -> np.ndarray:

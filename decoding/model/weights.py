@@ -82,22 +82,10 @@ class ModelWeights:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of every layer matrix plus the LM head: what a dense model reads per decode step."""
+        """Bytes of every layer matrix plus the LM head: what a dense model reads per decode step
+        (a mixture of experts reads less: decoding.kernels.forward.bytes_read_per_token)."""
         mats = [self.lm_head] + [m for layer in self.layers for m in _matrices(layer)]
         return sum(m.nbytes for m in mats)
-
-    def bytes_per_token(self, n_experts: int = 0, n_experts_used: int = 0) -> int:
-        """Bytes one token's decode step reads: every matrix and the LM head of a dense model; in a
-        mixture of experts, the attention, the routers, the head and `n_experts_used` of the
-        `n_experts` experts of each projection (expert matrices of one type have one size)."""
-        if not n_experts:
-            return self.nbytes
-        total = self.lm_head.nbytes
-        for layer in self.layers:
-            total += sum(m.nbytes for m in (layer.wq, layer.wk, layer.wv, layer.wo))
-            total += sum(m.nbytes for m in (layer.w_gate, layer.w_up, layer.w_down)) * n_experts_used // n_experts
-            total += 0 if layer.router is None else layer.router.nbytes
-        return total
 
     def storage_types(self) -> dict[str, int]:
         """How many matrices are held in each storage type (the embedding and an untied head count
