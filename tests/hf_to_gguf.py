@@ -15,7 +15,7 @@ import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
 from decoding.model.quant import QType, quantize
-from decoding.model.safetensors_loader import _map_file, llama3_frequency_factors
+from decoding.model.safetensors_loader import llama3_frequency_factors, map_safetensors
 from decoding.model.weights import WeightMatrix
 from tests.tinymodel import permute_for_ggml_rope
 
@@ -90,7 +90,7 @@ def convert(directory: Path, out: Path, qtype: QType = QType.F32) -> Path:
 
     tensors = {}
     for f in sorted(directory.glob("*.safetensors")):
-        tensors.update(_map_file(f))
+        tensors.update(map_safetensors(f))
 
     def dense(name: str) -> np.ndarray:
         data, qtype = tensors[name]

@@ -175,14 +175,14 @@ def test_experts_stacked_as_transformers_5_holds_them_load_as_the_per_expert_che
     import struct
 
     from decoding.kernels.reference import forward_logits
-    from decoding.model.safetensors_loader import _map_file
+    from decoding.model.safetensors_loader import map_safetensors
     from decoding.model.weights import WeightMatrix
 
     source = GOLDEN / "qwen3moe"
     cfg = json.loads((source / "config.json").read_text())
     n_experts = cfg["num_local_experts"]
     tensors = {name: WeightMatrix(qtype, 1, data.size, data.reshape(1, -1)).dequantize().reshape(data.shape)
-               for name, (data, qtype) in _map_file(source / "model.safetensors").items()}  # fmt: skip
+               for name, (data, qtype) in map_safetensors(source / "model.safetensors").items()}  # fmt: skip
     for i in range(cfg["num_hidden_layers"]):
         prefix = f"model.layers.{i}.mlp.experts."
         parts = {n: np.stack([tensors.pop(f"{prefix}{e}.{n}.weight") for e in range(n_experts)])

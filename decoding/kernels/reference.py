@@ -15,6 +15,7 @@ import numpy as np
 from ..model.weights import LayerWeights
 
 if TYPE_CHECKING:
+    from ..model.encoder import EncoderModel
     from ..model.model import Model
 
 
@@ -157,3 +158,37 @@ def forward_logits(model: Model, ids: Sequence[int]) -> np.ndarray:
     """Logits for every position: (len(ids), vocab) float32."""
     hidden = forward_hidden(model, ids)
     return (hidden @ model.dense_weight(model.weights.lm_head).T).astype(np.float32)
+
+
+def layernorm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
+    mean = x.mean(axis=-1, keepdims=True, dtype=np.float64)
+    variance = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
+    return (((x - mean) / np.sqrt(variance + eps)) * weight + bias).astype(np.float32)
+
+
+def encoder_hidden(model: EncoderModel, ids: Sequence[int], type_ids: Sequence[int] | None = None) -> np.ndarray:
+    """A BERT encoder's last hidden states (n, dim) for one input: post-norm layers, attention over
+    every token of the input in both directions, GELU with the error function."""
+    from math import erf  # noqa: PLC0415 - only the encoder's reference needs it
+
+    cfg, w = model.config, model.weights
+    ids = np.asarray(ids, dtype=np.int64)
+    types = np.zeros_like(ids) if type_ids is None else np.asarray(type_ids, dtype=np.int64)
+    n, heads, hd = len(ids), cfg.n_heads, cfg.head_dim
+    x = w.token_embedding.dequantize_rows(ids) + w.position_embedding[:n] + w.type_embedding[types]
+    x = layernorm(x, w.embedding_norm[0], w.embedding_norm[1], cfg.norm_eps)
+    vectorised_erf = np.vectorize(erf, otypes=[np.float64])
+    for layer in w.layers:
+        q, k, v = (x @ m.dequantize().T + b for m, b in zip((layer.wq, layer.wk, layer.wv), layer.biases[:3], strict=True))
+        q, k, v = (a.reshape(n, heads, hd).transpose(1, 0, 2) for a in (q, k, v))
+        scores = q @ k.transpose(0, 2, 1) * np.float32(hd**-0.5)
+        scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        attn = (scores / scores.sum(axis=-1, keepdims=True)) @ v
+        attn = attn.transpose(1, 0, 2).reshape(n, cfg.dim)
+        x = layernorm(x + attn @ layer.wo.dequantize().T + layer.biases[3], layer.norms[0], layer.norms[1],
+                      cfg.norm_eps)  # fmt: skip
+        h = x @ layer.w_up.dequantize().T + layer.up_bias
+        h = (0.5 * h * (1.0 + vectorised_erf(h / np.sqrt(2.0)))).astype(np.float32)
+        x = layernorm(x + h @ layer.w_down.dequantize().T + layer.biases[4], layer.norms[2], layer.norms[3],
+                      cfg.norm_eps)  # fmt: skip
+    return x.astype(np.float32)

@@ -28,9 +28,10 @@ from .weights import LayerWeights, ModelWeights, WeightMatrix
 
 _DTYPES = {"F32": (np.float32, QType.F32), "F16": (np.float16, QType.F16), "BF16": (np.uint16, QType.BF16)}
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
+_BUFFERS = ("position_ids",)  # integer buffers older transformers saved beside the weights (BERT's)
 
 
-def _map_file(path: Path) -> dict[str, tuple[np.ndarray, QType]]:
+def map_safetensors(path: Path) -> dict[str, tuple[np.ndarray, QType]]:
     size = path.stat().st_size
     with path.open("rb") as f:
         prefix = f.read(8)
@@ -46,7 +47,7 @@ def _map_file(path: Path) -> dict[str, tuple[np.ndarray, QType]]:
     data_start = 8 + header_len
     tensors = {}
     for name, info in header.items():
-        if name == "__metadata__":
+        if name == "__metadata__" or name.endswith(_BUFFERS):
             continue
         dtype_name = info.get("dtype")
         if dtype_name not in _DTYPES:
@@ -201,7 +202,7 @@ def load_safetensors_directory(directory: Path, cfg: ModelConfig) -> ModelWeight
         raise ModelLoadError(f"{directory} has no *.safetensors files")
     tensors: dict[str, tuple[np.ndarray, QType]] = {}
     for f in files:
-        tensors.update(_map_file(f))
+        tensors.update(map_safetensors(f))
 
     def get(name: str) -> tuple[np.ndarray, QType]:
         if name not in tensors:
