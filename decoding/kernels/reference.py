@@ -179,7 +179,8 @@ def encoder_hidden(model: EncoderModel, ids: Sequence[int], type_ids: Sequence[i
     x = layernorm(x, w.embedding_norm[0], w.embedding_norm[1], cfg.norm_eps)
     vectorised_erf = np.vectorize(erf, otypes=[np.float64])
     for layer in w.layers:
-        q, k, v = (x @ m.dequantize().T + b for m, b in zip((layer.wq, layer.wk, layer.wv), layer.biases[:3], strict=True))
+        projections = zip((layer.wq, layer.wk, layer.wv), layer.biases[:3], strict=True)
+        q, k, v = (x @ m.dequantize().T + b for m, b in projections)
         q, k, v = (a.reshape(n, heads, hd).transpose(1, 0, 2) for a in (q, k, v))
         scores = q @ k.transpose(0, 2, 1) * np.float32(hd**-0.5)
         scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
