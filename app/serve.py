@@ -25,9 +25,12 @@ from collections.abc import Iterator
 import uvicorn
 
 from decoding import ModelLoadError
+from decoding.engine.embedding import EmbeddingEngine
 from decoding.engine.engine import Engine
+from decoding.model.encoder import EncoderModel
 
 from .application import build_app
+from .embedding_routes import EncoderServing, build_encoder_app
 from .faults import install_from_env
 from .model_loading import load_served_model
 from .server import ServingState
@@ -43,7 +46,7 @@ class DrainingServer(uvicorn.Server):
     done, so the process dies with status 143. Here a signal drains first (ServingState.drain),
     then stops the server, and `run()` returns normally."""
 
-    def __init__(self, config: uvicorn.Config, state: ServingState, grace_seconds: float) -> None:
+    def __init__(self, config: uvicorn.Config, state: ServingState | EncoderServing, grace_seconds: float) -> None:
         super().__init__(config)
         self.state = state
         self.grace_seconds = grace_seconds
@@ -106,7 +109,9 @@ def main(argv: list[str]) -> int:
     log.info("loading %s ...", settings.model)
     started = time.perf_counter()
     try:
-        engine = Engine(load_served_model(settings), settings.engine)
+        model = load_served_model(settings)
+        engine: Engine | EmbeddingEngine = (EmbeddingEngine(model, settings.engine) if isinstance(model, EncoderModel)
+                                            else Engine(model, settings.engine))
     except ModelLoadError as exc:
         print(f"treadle: error: {exc}", file=sys.stderr)
         return 2
@@ -123,15 +128,18 @@ def main(argv: list[str]) -> int:
         startup_failed = True
         server.should_exit = True
 
-    try:
-        faults = install_from_env(engine)
-    except ValueError as exc:
-        print(f"treadle: error: {exc}", file=sys.stderr)
-        engine.shutdown()
-        return 2
-    if faults is not None:
-        log.warning("TEST FAULT INJECTION IS ON: engine steps fail %s", faults.describe())
-    app = build_app(settings, engine, on_startup_failure=stop_after_failed_startup)
+    if isinstance(engine, EmbeddingEngine):
+        app = build_encoder_app(settings, engine, on_startup_failure=stop_after_failed_startup)
+    else:
+        try:
+            faults = install_from_env(engine)
+        except ValueError as exc:
+            print(f"treadle: error: {exc}", file=sys.stderr)
+            engine.shutdown()
+            return 2
+        if faults is not None:
+            log.warning("TEST FAULT INJECTION IS ON: engine steps fail %s", faults.describe())
+        app = build_app(settings, engine, on_startup_failure=stop_after_failed_startup)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             timeout_graceful_shutdown=RESPONSE_FLUSH_SECONDS)
     server = DrainingServer(config, app.state.serving, settings.shutdown_grace_seconds)

@@ -182,7 +182,7 @@ class APIKeyMiddleware:
     and /openapi.json stay open for probes and scrapers (as in vLLM). CORS preflights pass:
     CORSMiddleware sits outside."""
 
-    PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/api/")
+    PROTECTED_PREFIXES = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/api/", "/rerank", "/score")
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app

