@@ -101,7 +101,8 @@ def test_the_ollama_client_embeds(minilm_server):
     client = ollama.Client(host=minilm_server.base_url)
     answer = client.embed(model="all-minilm-l6-v2", input=golden["sentences"][:4])
     got = np.array(answer.embeddings, dtype=np.float32)
-    assert ((got * expected[:4]).sum(1)).min() >= 0.99999 and answer.prompt_eval_count == sum(golden["token_counts"][:4])
+    assert ((got * expected[:4]).sum(1)).min() >= 0.99999
+    assert answer.prompt_eval_count == sum(golden["token_counts"][:4])
     legacy = client.embeddings(model="all-minilm-l6-v2", prompt=golden["sentences"][0])
     assert np.allclose(legacy.embedding, got[0], atol=1e-7)
     # Ollama truncates to the context by default; `truncate: false` refuses instead, in Ollama's error shape

@@ -139,10 +139,14 @@ def test_32_clients_that_read_nothing_for_a_minute_hold_bounded_memory_and_free_
             reading.join(120)
             metrics = server.metrics()
             rss_growth = metrics["process_resident_memory_bytes"] - rss_before
+            # the prefix cache's host-memory tier keeps the KV blocks the pool evicts, up to its own bound:
+            # how much of it fills in 60 s depends on the machine's speed, not on the unread streams
+            ram_tier = metrics.get('treadle_prefix_cache_tier_bytes{tier="ram"}', 0.0)
             print(f"quiet p50 {statistics.median(quiet) * 1e3:.1f} ms p99 {p99(quiet) * 1e3:.1f} ms; beside 32 "
                   f"unread streams p50 {statistics.median(loaded) * 1e3:.1f} ms p99 {p99(loaded) * 1e3:.1f} ms; "
-                  f"paused {metrics['treadle_requests_paused']:.0f}; RSS +{rss_growth / 2**20:.0f} MiB")
-            assert rss_growth < 100 * 2**20
+                  f"paused {metrics['treadle_requests_paused']:.0f}; RSS +{rss_growth / 2**20:.0f} MiB, of which "
+                  f"the prefix cache's RAM tier {ram_tier / 2**20:.0f} MiB")
+            assert rss_growth - ram_tier < 100 * 2**20
             assert not reading.is_alive() and len(loaded) > 100  # the reading client streamed all along
         finally:
             for reader in readers:
