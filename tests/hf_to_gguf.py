@@ -137,3 +137,84 @@ def convert(directory: Path, out: Path, qtype: QType = QType.F32) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+_BERT_LAYER_NAMES = {
+    "attention.self.query": "attn_q", "attention.self.key": "attn_k", "attention.self.value": "attn_v",
+    "attention.output.dense": "attn_output", "attention.output.LayerNorm": "attn_output_norm",
+    "intermediate.dense": "ffn_up", "output.dense": "ffn_down", "output.LayerNorm": "layer_output_norm",
+}  # fmt: skip
+_BERT_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_up", "ffn_down")
+_POOLING_TYPES = {"mean": 1, "cls": 2, "last": 3}
+
+
+def convert_bert(directory: Path, out: Path, qtype: QType = QType.F32) -> Path:
+    """A BERT directory (sentence-transformers embedder, or BertForSequenceClassification) as llama.cpp's
+    converter writes it: `bert.*` keys, pooling_type (rank for a classifier, its pooler as `cls` and its
+    classifier as `cls.output`), the WordPiece vocabulary in phantom-space spelling (continuations lose
+    their `##`, other non-control tokens gain U+2581). `qtype`: the layers' matrices, as llama-quantize
+    would store them; embeddings, norms, biases and the head stay F32."""
+    from decoding.model.encoder import read_encoder_config
+
+    cfg = json.loads((directory / "config.json").read_text())
+    encoder = read_encoder_config(directory)
+    writer = gguf.GGUFWriter(str(out), "bert")
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_layer_norm_eps(cfg.get("layer_norm_eps", 1e-12))
+    writer.add_causal_attention(False)
+    writer.add_pooling_type(gguf.PoolingType(4 if encoder.task == "classify" else _POOLING_TYPES[encoder.pooling]))
+    tok = json.loads((directory / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    tokens = [""] * len(vocab)
+    for token, i in vocab.items():
+        tokens[i] = token
+    specials = {t["content"] for t in tok.get("added_tokens", []) if t.get("special")}
+    types = [3 if t in specials else 1 for t in tokens]
+    writer.add_tokenizer_model("bert")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([t if kind == 3 else t[2:] if t.startswith("##") else "\u2581" + t
+                           for t, kind in zip(tokens, types, strict=True)])  # fmt: skip
+    writer.add_token_types(types)
+    writer.add_token_type_count(cfg.get("type_vocab_size", 2))
+    for kind in ("unk", "cls", "sep", "pad", "mask"):
+        if f"[{kind.upper()}]" in vocab:
+            key = f"tokenizer.ggml.{kind if kind != 'unk' else 'unknown'}_token_id"
+            writer.add_uint32(key, vocab[f"[{kind.upper()}]"])
+
+    tensors = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        tensors.update(map_safetensors(f))
+    prefix = "bert." if any(k.startswith("bert.") for k in tensors) else ""
+
+    def add(name: str, key: str, stored: QType = QType.F32) -> None:
+        array = np.asarray(tensors[key][0], dtype=np.float32)
+        if stored == QType.F32 or array.ndim == 1:
+            writer.add_tensor(name, np.ascontiguousarray(array))
+            return
+        blocks = quantize(array, stored)
+        writer.add_tensor(name, blocks.reshape(array.shape[0], -1), raw_dtype=gguf.GGMLQuantizationType(int(stored)))
+
+    for name, key in (("token_embd", "embeddings.word_embeddings"), ("token_types", "embeddings.token_type_embeddings"),
+                      ("position_embd", "embeddings.position_embeddings")):
+        add(f"{name}.weight", f"{prefix}{key}.weight")
+    add("token_embd_norm.weight", f"{prefix}embeddings.LayerNorm.weight")
+    add("token_embd_norm.bias", f"{prefix}embeddings.LayerNorm.bias")
+    for i in range(cfg["num_hidden_layers"]):
+        for hf_name, name in _BERT_LAYER_NAMES.items():
+            key = f"{prefix}encoder.layer.{i}.{hf_name}"
+            add(f"blk.{i}.{name}.weight", f"{key}.weight", qtype if name in _BERT_MATRICES else QType.F32)
+            add(f"blk.{i}.{name}.bias", f"{key}.bias")
+    if encoder.task == "classify":
+        add("cls.weight", f"{prefix}pooler.dense.weight")
+        add("cls.bias", f"{prefix}pooler.dense.bias")
+        add("cls.output.weight", "classifier.weight")
+        add("cls.output.bias", "classifier.bias")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

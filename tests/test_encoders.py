@@ -17,7 +17,9 @@ from decoding.engine.embedding import EmbeddingEngine, InputTooLong, pool_hidden
 from decoding.kernels.reference import encoder_hidden
 from decoding.model.catalog import KNOWN_MODELS, locate, missing_requirements, pull
 from decoding.model.encoder import EncoderModel, load_encoder_directory, read_encoder_config
+from decoding.model.quant import QType
 from decoding.model.registry import load_any_model
+from tests.hf_to_gguf import convert_bert
 
 GOLDEN = Path(__file__).parent / "golden" / "embeddings"
 TINY = ("tiny-bert-embed", "tiny-bert-cross")
@@ -164,3 +166,39 @@ def test_a_cancelled_request_drops_its_inputs_not_yet_computed(engines):
     assert doomed.cancel()  # under way: three inputs a step, some done
     assert engine.submit([item]).result(30).shape == (1, 64)
     assert engine.stats.num_steps - steps < 120 and engine.num_unfinished == 0  # not the 167 it needed
+
+
+@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("qtype, atol", [(QType.F32, 2e-5), (QType.Q8_0, 1e-2)])
+def test_a_gguf_as_llama_cpp_converts_it_serves_as_the_directory_does(tmp_path, name, qtype, atol):
+    path = convert_bert(GOLDEN / name, tmp_path / f"{name}.gguf", qtype)
+    model = load_any_model(path)
+    assert isinstance(model, EncoderModel) and model.config.task == read_encoder_config(GOLDEN / name).task
+    golden = json.loads((GOLDEN / name / "golden.json").read_text(encoding="utf-8"))
+    for item in golden["inputs"]:  # the WordPiece vocabulary rebuilt from the phantom-space spelling
+        pair = (item["query"], item["document"]) if "query" in item else None
+        ids, types = model.tokenizer.encode_pair(*pair) if pair else model.tokenizer.encode(item["text"])
+        assert (ids, types) == (item["ids"], item["type_ids"])
+    inputs, expected = tiny_golden(name)
+    for kernels in ("exact", "fast"):
+        engine = EmbeddingEngine(model, EngineConfig(kernels=kernels)).start()
+        try:
+            np.testing.assert_allclose(engine.encode(inputs), expected, atol=atol if kernels == "exact" else 2e-2)
+        finally:
+            engine.shutdown()
+
+
+def test_all_minilm_as_an_f16_gguf_tokenizes_and_embeds_as_sentence_transformers_does(minilm, tmp_path):
+    directory = locate(KNOWN_MODELS[minilm])
+    model = load_any_model(convert_bert(directory, tmp_path / "minilm-f16.gguf", QType.F16))
+    assert isinstance(model, EncoderModel) and model.config.normalize and model.config.pooling == "mean"
+    golden = json.loads((GOLDEN / "all-minilm-l6-v2.json").read_text(encoding="utf-8"))
+    reference = load_encoder_directory(directory).tokenizer
+    inputs = [model.tokenizer.encode(text) for text in golden["sentences"]]
+    assert inputs == [reference.encode(text) for text in golden["sentences"]]
+    engine = EmbeddingEngine(model, EngineConfig(kernels="exact")).start()
+    try:
+        got = engine.encode(inputs)
+    finally:
+        engine.shutdown()
+    assert cosines(got, np.load(GOLDEN / "all-minilm-l6-v2.npz")["embeddings"]).min() >= 0.9999  # F16 weights

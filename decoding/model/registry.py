@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .catalog import DEFAULT_MODEL, KNOWN_MODELS, PackagedModel, SplitModel, resolve_known
-from .encoder import EncoderModel, is_encoder_directory, load_encoder_directory
+from .encoder import EncoderModel, is_encoder_directory, is_encoder_gguf, load_encoder_directory, load_encoder_gguf
 from .errors import ModelLoadError
 from .gguf_loader import load_gguf
 from .model import Model
@@ -61,8 +61,8 @@ def load_model(name_or_path: str | Path = DEFAULT_MODEL) -> Model:
 def load_any_model(name_or_path: str | Path = DEFAULT_MODEL) -> Model | EncoderModel:
     """A generation model (`load_model`), or an encoder where the directory holds one (BERT)."""
     path, name = resolve_model_path(name_or_path)
-    if path.is_dir() and is_encoder_directory(path):
-        model = load_encoder_directory(path, name)
+    if (path.is_dir() and is_encoder_directory(path)) or (path.is_file() and is_encoder_gguf(path)):
+        model = load_encoder_directory(path, name) if path.is_dir() else load_encoder_gguf(path, name)
         log.info("loaded %s: a %s encoder (%s), %d layers, dim %d, %.1f MB of weights", name,
                  model.config.architecture, model.config.task, model.config.n_layers, model.config.dim,
                  model.weights.nbytes / 1e6)
