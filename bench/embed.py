@@ -1,14 +1,22 @@
-"""`treadle bench embed`: inputs/s and tokens/s of an embedding model, beside sentence-transformers.
+"""`treadle bench embed`: inputs/s and tokens/s of an embedding model, beside sentence-transformers and
+llama-server.
 
     .venv/bin/treadle bench embed [--model all-minilm-l6-v2] [--batches 1,32,256] [--threads 2]
-                                  [--kernels fast] [--peer-python .venv-golden/bin/python] [--json PATH]
+                                  [--kernels fast] [--peer-python .venv-golden/bin/python]
+                                  [--gguf MODEL.gguf] [--json PATH]
 
 The inputs are texts of 16..128 tokens (seeded; words drawn from the golden sentences), the same for
 every engine. Batch 1 is one request per input (the latency a retrieval query sees); batch N is one
-request of N inputs. treadle runs in-process (its EmbeddingEngine on the pool, no HTTP); the peer is
-sentence-transformers on torch with the same threads, run by `--peer-python` (an environment with
-torch and sentence-transformers: `make golden` builds .venv-golden) in a subprocess so torch never
-enters treadle's environment. Each figure is the median of `--repeats` runs.
+request of N inputs. Three ways of running the same weights, one after another (never sharing cores):
+
+- treadle in-process (its EmbeddingEngine on the pool), and `treadle serve` through /v1/embeddings;
+- sentence-transformers on torch with the same threads, run by `--peer-python` (an environment with
+  torch and sentence-transformers: `make golden` builds .venv-golden) in a subprocess, so torch never
+  enters treadle's environment;
+- with `--gguf` (the model converted by llama.cpp's convert_hf_to_gguf.py), llama-server `--embedding`
+  through the same /v1/embeddings client (scripts/build_llama_server.sh builds it).
+
+Each figure is the median of `--repeats` runs.
 """
 
 from __future__ import annotations
@@ -24,8 +32,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 
+from bench.servers import free_port, stop, wait_until_ready
+from bench.side_by_side import llama_server_binary
 from decoding.engine.config import EngineConfig
 from decoding.engine.embedding import EmbeddingEngine
 from decoding.model.encoder import EncoderModel
@@ -104,6 +115,45 @@ def time_peer(python: str, model_dir: Path, texts: list[str], batches: list[int]
     return result
 
 
+def time_server(base_url: str, texts: list[str], batches: list[int], repeats: int,
+                single_requests: int) -> dict[int, float]:  # fmt: skip
+    """Median seconds per request of each batch size through POST /v1/embeddings (floats, one client)."""
+    url = base_url + "/v1/embeddings"
+    seconds: dict[int, float] = {}
+    with httpx.Client(timeout=600) as client:
+        client.post(url, json={"input": texts[:8]}).raise_for_status()
+        for batch in batches:
+            runs = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                if batch == 1:
+                    for text in texts[:single_requests]:
+                        client.post(url, json={"input": [text], "encoding_format": "float"}).raise_for_status()
+                    runs.append((time.perf_counter() - started) / single_requests)
+                else:
+                    answer = client.post(url, json={"input": texts[:batch], "encoding_format": "float"})
+                    answer.raise_for_status()
+                    assert len(answer.json()["data"]) == batch
+                    runs.append(time.perf_counter() - started)
+            seconds[batch] = statistics.median(runs)
+    return seconds
+
+
+def serve_and_time(command: list[str], texts: list[str], batches: list[int], repeats: int,
+                   single_requests: int) -> dict[int, float] | None:  # fmt: skip
+    """Start a server (`command` with a port appended by its flag), time it, stop it."""
+    port = free_port()
+    process = subprocess.Popen([*command, "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        failure = wait_until_ready(process, f"http://127.0.0.1:{port}/health", timeout_s=600)
+        if failure is not None:
+            print(f"{command[0]} did not start: {failure}", file=sys.stderr)
+            return None
+        return time_server(f"http://127.0.0.1:{port}", texts, batches, repeats, single_requests)
+    finally:
+        stop(process)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="treadle bench embed", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -116,6 +166,7 @@ def main(argv: list[str]) -> int:
     default_peer = REPO / ".venv-golden" / "bin" / "python"
     parser.add_argument("--peer-python", default=str(default_peer) if default_peer.exists() else "",
                         help="a python with torch and sentence-transformers ('' skips the peer)")
+    parser.add_argument("--gguf", type=Path, help="the model converted by llama.cpp, for llama-server --embedding")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
@@ -131,8 +182,24 @@ def main(argv: list[str]) -> int:
         treadle = {b: time_treadle(engine, inputs, b, args.repeats, args.single_requests) for b in batches}
     finally:
         engine.shutdown()
+    served = serve_and_time([sys.executable, "-m", "app.cli", "serve", "--model", str(model.path), "--threads",
+                             str(args.threads), "--kernels", args.kernels, "--max-queue", "1024"],
+                            texts, batches, args.repeats, args.single_requests)  # fmt: skip
     peer = (time_peer(args.peer_python, model.path, texts, batches, args.threads, args.repeats,
                       args.single_requests) if args.peer_python else None)  # fmt: skip
+    llama = None
+    if args.gguf is not None:
+        binary = llama_server_binary()
+        if binary is None:
+            print("llama-server is not built (scripts/build_llama_server.sh): skipped", file=sys.stderr)
+        else:
+            slots = 32
+            llama = serve_and_time([str(binary), "--model", str(args.gguf), "--embedding", "--pooling",
+                                    model.config.pooling, "--threads", str(args.threads), "--threads-batch",
+                                    str(args.threads), "--parallel", str(slots), "--ctx-size",
+                                    str(slots * model.config.max_positions), "--batch-size", "8192",
+                                    "--ubatch-size", "8192", "--host", "127.0.0.1"],
+                                   texts, batches, args.repeats, args.single_requests)  # fmt: skip
 
     rows = []
     for batch in batches:
@@ -141,6 +208,12 @@ def main(argv: list[str]) -> int:
                   else sum(len(ids) for ids, _ in inputs[:batch]))  # fmt: skip
         row: dict[str, Any] = {"batch": batch, "tokens": tokens, "treadle_inputs_per_s": n / treadle[batch],
                                "treadle_tokens_per_s": tokens / treadle[batch]}
+        if served is not None:
+            row["served_inputs_per_s"] = n / served[batch]
+        if llama is not None:
+            row["llama_server_inputs_per_s"] = n / llama[batch]
+            if served is not None:
+                row["ratio_llama_server"] = llama[batch] / served[batch]
         if peer is not None:
             seconds = peer["seconds"][str(batch)]
             row.update(st_inputs_per_s=n / seconds, st_tokens_per_s=tokens / seconds,
@@ -157,19 +230,29 @@ def main(argv: list[str]) -> int:
     header = f"{'batch':>6} {'tokens':>8} {'treadle in/s':>13} {'tok/s':>9}"
     if peer is not None:
         header += f" {'s-t in/s':>10} {'tok/s':>9} {'ratio':>6}"
+    if served is not None:
+        header += f" {'served in/s':>12}"
+    if llama is not None:
+        header += f" {'llama-server in/s':>18} {'ratio':>6}"
     print(header)
     for row in rows:
         line = (f"{row['batch']:>6} {row['tokens']:>8.0f} {row['treadle_inputs_per_s']:>13.1f} "
                 f"{row['treadle_tokens_per_s']:>9.0f}")  # fmt: skip
         if peer is not None:
             line += f" {row['st_inputs_per_s']:>10.1f} {row['st_tokens_per_s']:>9.0f} {row['ratio']:>5.2f}x"
+        if served is not None:
+            line += f" {row['served_inputs_per_s']:>12.1f}"
+        if llama is not None:
+            line += f" {row['llama_server_inputs_per_s']:>18.1f} {row.get('ratio_llama_server', 0):>5.2f}x"
         print(line)
+    print("ratio: the peer's time over treadle's (in-process for sentence-transformers, served for llama-server)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
             "command": "treadle bench embed " + " ".join(argv), "date": time.strftime("%Y-%m-%d %H:%M"),
             "cpu": cpu, "threads": args.threads, "model": model.name, "kernels": args.kernels, "rows": rows,
             "peer": None if peer is None else {"name": "sentence-transformers", "torch": peer["torch"]},
+            "gguf": None if args.gguf is None else str(args.gguf),
         }, indent=1))  # fmt: skip
     return 0
 

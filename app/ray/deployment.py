@@ -146,6 +146,7 @@ def _pin_to_own_cores(local_rank: int, n_threads: int) -> list[int] | None:
 @serve.deployment(health_check_period_s=2, health_check_timeout_s=10, graceful_shutdown_timeout_s=5)
 class TreadleReplica:
     def __init__(self, settings: ServerSettings) -> None:
+        from decoding import Model, ModelLoadError
         from decoding.engine.engine import Engine
 
         from ..application import build_app
@@ -156,7 +157,11 @@ class TreadleReplica:
         n_threads = settings.engine.n_threads or 1
         self.cores = _pin_to_own_cores(context.rank.local_rank, n_threads)
         config = replace(settings.engine, n_threads=n_threads, pin_threads=self.cores is not None)
-        self.engine = Engine(load_served_model(settings), config)
+        model = load_served_model(settings)
+        if not isinstance(model, Model):  # an encoder: its engine and routes are a plain server's for now
+            raise ModelLoadError(f"{model.name} is an embedding model; Ray replicas serve generation models "
+                                 "(run `treadle serve --model NAME` without --ray)")
+        self.engine = Engine(model, config)
         self.app = build_app(settings, self.engine)
         self.state = self.app.state.serving
         self.state.warm_up()  # before Ray marks this replica running: no request meets a cold engine

@@ -312,10 +312,11 @@ def _bf16(bits: np.ndarray) -> np.ndarray:
 _GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}
 
 
-def gguf_tokenizer(tokens: list[str], token_types: list[int]) -> EncoderTokenizer:
+def gguf_tokenizer(tokens: list[str], token_types: list[int], lowercase: bool = True) -> EncoderTokenizer:
     """WordPiece from a GGUF vocabulary as llama.cpp's converter writes a BERT's: control tokens as they
     are, word-initial pieces behind U+2581, continuations bare (tokenizer.json's `##` taken off).
-    Normalised as llama.cpp's WPM tokenizer does: lower case, accents stripped, CJK split."""
+    Normalised as llama.cpp's WPM tokenizer does: CJK split, and lower case with accents stripped unless
+    the file says its model is cased (`tokenizer.ggml.normalizer.lowercase`)."""
     from tokenizers import decoders, models, normalizers, pre_tokenizers, processors
 
     control = 3
@@ -332,7 +333,7 @@ def gguf_tokenizer(tokens: list[str], token_types: list[int]) -> EncoderTokenize
     if missing:
         raise ModelLoadError(f"the GGUF vocabulary lacks {', '.join(missing)}: not a BERT WordPiece vocabulary")
     backend = HFTokenizer(models.WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=100))
-    backend.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, lowercase=True)
+    backend.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, lowercase=lowercase)
     backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     cls, sep = vocab["[CLS]"], vocab["[SEP]"]
     backend.post_processor = processors.TemplateProcessing(
@@ -420,7 +421,8 @@ def load_encoder_gguf(path: Path, name: str | None = None) -> EncoderModel:
     )  # fmt: skip
     tokens = list(_require(reader, "tokenizer.ggml.tokens"))
     token_types = [int(t) for t in _field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))]
-    return EncoderModel(cfg, weights, gguf_tokenizer(tokens, token_types), path, name or path.stem)
+    lowercase = bool(_field(reader, "tokenizer.ggml.normalizer.lowercase", True))
+    return EncoderModel(cfg, weights, gguf_tokenizer(tokens, token_types, lowercase), path, name or path.stem)
 
 
 def is_encoder_gguf(path: Path) -> bool:
