@@ -7,21 +7,39 @@ import logging
 from pathlib import Path
 
 from decoding import Model, ModelLoadError, TemplateError
-from decoding.model.encoder import EncoderModel
+from decoding.model.encoder import DecoderEmbedder, EncoderModel, decoder_embedder, sentence_transformers_pooling
 from decoding.model.registry import load_any_model
 from decoding.model.tokenizer import Tokenizer
 
 from .settings import ServerSettings
 
+# a decoder embedder's inputs are computed whole in one step: this bounds them unless --max-model-len says more
+DECODER_EMBEDDING_CONTEXT = 8192
 
-def load_served_model(settings: ServerSettings) -> Model | EncoderModel:
+
+def load_served_model(settings: ServerSettings) -> Model | EncoderModel | DecoderEmbedder:
     """ModelLoadError says why the model (or the template file) cannot be served."""
     model = load_any_model(settings.model)
     if isinstance(model, EncoderModel):
+        if settings.task == "generate":
+            raise ModelLoadError(f"--task generate: {model.name} is an encoder (it embeds or scores text) and "
+                                 "generates nothing")
         if settings.chat_template is not None:
             raise ModelLoadError(f"--chat-template: {model.name} is an encoder (it embeds or scores text) and "
                                  "renders no chat")
         return model
+    declared = model.config.pooling
+    if settings.task == "embed" or (settings.task == "auto" and declared):
+        pooling = settings.pooling if settings.pooling != "auto" else declared or "last"
+        normalize = True  # as llama-server's embeddings are by default; a sentence-transformers directory says
+        modules = sentence_transformers_pooling(model.path) if model.path.is_dir() else None
+        if modules is not None:
+            normalize = modules[1]
+        context = settings.engine.max_model_len or DECODER_EMBEDDING_CONTEXT
+        logging.getLogger("treadle").info("serving %s as an embedder: %s pooling%s, inputs up to %d tokens",
+                                          model.name, pooling, ", L2-normalised" if normalize else "",
+                                          min(context, model.config.max_context))  # fmt: skip
+        return decoder_embedder(model, pooling, normalize, context)
     if settings.chat_template is not None:
         use_chat_template_file(model.tokenizer, settings.chat_template)
     return model

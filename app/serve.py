@@ -27,7 +27,7 @@ import uvicorn
 from decoding import ModelLoadError
 from decoding.engine.embedding import EmbeddingEngine
 from decoding.engine.engine import Engine
-from decoding.model.encoder import EncoderModel
+from decoding.model.encoder import DecoderEmbedder, EncoderModel
 
 from .application import build_app
 from .embedding_routes import EncoderServing, build_encoder_app
@@ -110,8 +110,9 @@ def main(argv: list[str]) -> int:
     started = time.perf_counter()
     try:
         model = load_served_model(settings)
-        engine: Engine | EmbeddingEngine = (EmbeddingEngine(model, settings.engine) if isinstance(model, EncoderModel)
-                                            else Engine(model, settings.engine))
+        engine: Engine | EmbeddingEngine = (
+            EmbeddingEngine(model, settings.engine) if isinstance(model, EncoderModel | DecoderEmbedder)
+            else Engine(model, settings.engine))  # fmt: skip
     except ModelLoadError as exc:
         print(f"treadle: error: {exc}", file=sys.stderr)
         return 2

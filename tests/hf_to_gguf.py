@@ -34,9 +34,10 @@ _GEMMA_NORM_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_fee
                      "post_feedforward_layernorm": "post_ffw_norm"}  # fmt: skip
 
 
-def convert(directory: Path, out: Path, qtype: QType = QType.F32) -> Path:
+def convert(directory: Path, out: Path, qtype: QType = QType.F32, pooling_type: int = 0) -> Path:
     """`qtype`: how the layers' matrices (and experts) are stored, as llama-quantize would store them;
-    the embedding, head, norms and routers stay F32."""
+    the embedding, head, norms and routers stay F32. `pooling_type`: llama.cpp's key for an embedding
+    model (1 mean, 3 last token, as its converter writes Qwen3-Embedding's), with EOS added to inputs."""
     cfg = json.loads((directory / "config.json").read_text())
     model_type = cfg["model_type"]
     arch = GGUF_ARCHITECTURE[model_type]
@@ -55,6 +56,9 @@ def convert(directory: Path, out: Path, qtype: QType = QType.F32) -> Path:
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     rope = cfg["rope_parameters"]
     writer.add_rope_freq_base((rope["full_attention"] if gemma else rope)["rope_theta"])
+    if pooling_type:
+        writer.add_pooling_type(gguf.PoolingType(pooling_type))
+        writer.add_add_eos_token(True)
     if cfg.get("sliding_window"):
         writer.add_sliding_window(cfg["sliding_window"])
     n_experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0

@@ -196,3 +196,18 @@ def test_a_cross_encoder_reranks_and_scores_as_transformers_does(cross_server):
     assert [r["index"] for r in answer["results"]] == list(np.argsort(expected_scores)[::-1])
     refused = httpx.post(cross_server.base_url + "/v1/embeddings", json={"input": "hi"})
     assert refused.status_code == 400 and "needs an embedding model" in refused.json()["error"]["message"]
+
+
+def test_a_generation_model_served_with_task_embed_answers_embeddings_only():
+    golden = json.loads((GOLDEN / "decoder-qwen3.json").read_text(encoding="utf-8"))
+    qwen3 = Path(__file__).parent / "golden" / "architectures" / "qwen3"
+    args = ["--model", str(qwen3), "--task", "embed", "--pooling", "mean", "--kernels", "exact"]
+    with running_server(args) as server:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
+        answer = client.embeddings.create(model="qwen3", input=[x["text"] for x in golden["inputs"]])
+        got = np.array([d.embedding for d in answer.data], dtype=np.float32)
+        np.testing.assert_allclose(got, np.array(golden["mean"], dtype=np.float32), atol=2e-5)
+        assert answer.usage.prompt_tokens == sum(len(x["ids"]) for x in golden["inputs"])
+        chat = httpx.post(server.base_url + "/v1/chat/completions",
+                          json={"messages": [{"role": "user", "content": "hi"}]})
+        assert chat.status_code == 400 and "generates no text" in chat.json()["error"]["message"]

@@ -16,10 +16,17 @@ from decoding.engine.config import EngineConfig
 from decoding.engine.embedding import EmbeddingEngine, InputTooLong, pool_hidden
 from decoding.kernels.reference import encoder_hidden
 from decoding.model.catalog import KNOWN_MODELS, locate, missing_requirements, pull
-from decoding.model.encoder import EncoderModel, load_encoder_directory, read_encoder_config
+from decoding.model.encoder import (
+    DecoderEmbedder,
+    EncoderModel,
+    decoder_embedder,
+    load_encoder_directory,
+    read_encoder_config,
+)
+from decoding.model.model import Model
 from decoding.model.quant import QType
-from decoding.model.registry import load_any_model
-from tests.hf_to_gguf import convert_bert
+from decoding.model.registry import load_any_model, load_model
+from tests.hf_to_gguf import convert, convert_bert
 
 GOLDEN = Path(__file__).parent / "golden" / "embeddings"
 TINY = ("tiny-bert-embed", "tiny-bert-cross")
@@ -202,3 +209,38 @@ def test_all_minilm_as_an_f16_gguf_tokenizes_and_embeds_as_sentence_transformers
     finally:
         engine.shutdown()
     assert cosines(got, np.load(GOLDEN / "all-minilm-l6-v2.npz")["embeddings"]).min() >= 0.9999  # F16 weights
+
+
+QWEN3 = Path(__file__).parent / "golden" / "architectures" / "qwen3"
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+@pytest.mark.parametrize("kernels, atol", [("exact", 2e-5), ("fast", 5e-3)])
+def test_a_generation_model_embeds_as_transformers_pools_its_hidden_states(pooling, kernels, atol):
+    golden = json.loads((GOLDEN / "decoder-qwen3.json").read_text(encoding="utf-8"))
+    embedder = decoder_embedder(load_model(QWEN3), pooling, True, 4096)
+    assert [embedder.tokenizer.encode(x["text"])[0] for x in golden["inputs"]] == [x["ids"] for x in golden["inputs"]]
+    inputs = [(x["ids"], [0] * len(x["ids"])) for x in golden["inputs"]]
+    engine = EmbeddingEngine(embedder, EngineConfig(kernels=kernels, max_num_batched_tokens=64)).start()
+    try:
+        together = engine.encode(inputs)
+        alone = np.stack([engine.encode([x])[0] for x in inputs])
+    finally:
+        engine.shutdown()
+    np.testing.assert_allclose(together, np.array(golden[pooling], dtype=np.float32), atol=atol)
+    assert np.array_equal(alone, together)
+
+
+def test_a_gguf_that_declares_a_pooling_is_served_as_an_embedder(tmp_path):
+    from app.model_loading import load_served_model
+    from app.settings import ServerSettings
+
+    path = convert(QWEN3, tmp_path / "qwen3-embedding.gguf", pooling_type=3)
+    served = load_served_model(ServerSettings(model=str(path)))
+    assert isinstance(served, DecoderEmbedder) and served.config.pooling == "last" and served.config.normalize
+    ids, _ = served.tokenizer.encode("hello world")
+    assert ids[-1] == served.decoder.tokenizer.eos_token_ids[0]  # the file asks for EOS, which the pooling reads
+    assert isinstance(load_served_model(ServerSettings(model=str(path), task="generate")), Model)
+    plain = load_served_model(ServerSettings(model=str(QWEN3), task="embed", pooling="mean"))
+    assert isinstance(plain, DecoderEmbedder) and plain.config.pooling == "mean"
+    assert isinstance(load_served_model(ServerSettings(model=str(QWEN3))), Model)  # declares nothing: generates

@@ -19,15 +19,18 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from kvcache.storage import KVCacheSpec, KVCacheStorage
 from threadpool import SpinPool
 
+from ..kernels import weight_cache
 from ..kernels.encoder import EncoderArchitecture, EncoderInputs, EncoderKernelWeights, EncoderScratch, encoder_step
-from ..model.encoder import EncoderConfig, EncoderModel, EncoderWeights
-from .config import EngineConfig
+from ..kernels.forward import Architecture, KernelWeights, StepInputs, StepScratch, model_step
+from ..model.encoder import DecoderEmbedder, EncoderConfig, EncoderModel, EncoderWeights
+from .config import EngineConfig, resolve_kv_cache_dtype
 from .errors import EngineFailed, EngineShuttingDown, QueueFull, RequestTooLarge
 
 log = logging.getLogger(__name__)
@@ -70,10 +73,10 @@ class EncoderStats:
     num_requests: int = 0
 
 
-def pool_hidden(cfg: EncoderConfig, weights: EncoderWeights, hidden: np.ndarray) -> np.ndarray:
+def pool_hidden(cfg: EncoderConfig, weights: EncoderWeights | None, hidden: np.ndarray) -> np.ndarray:
     """One input's output from its last hidden states (n, dim): the pooled (and normalised) vector of an
     embedder, or a cross-encoder's scores (the [CLS] state through the pooler and classifier)."""
-    if cfg.task == "classify":
+    if cfg.task == "classify" and weights is not None:
         pooled = np.tanh(weights.pooler @ hidden[0] + weights.pooler_bias)
         scores = weights.classifier @ pooled + weights.classifier_bias
         return (1.0 / (1.0 + np.exp(-scores)) if cfg.sigmoid else scores).astype(np.float32)
@@ -88,19 +91,106 @@ def pool_hidden(cfg: EncoderConfig, weights: EncoderWeights, hidden: np.ndarray)
     return vector
 
 
+def _pooled_rows(cfg: EncoderConfig, lengths: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """The rows of a step's hidden states each input's pooling reads: all of them for the mean, else one."""
+    if cfg.task == "embed" and cfg.pooling == "mean":
+        return np.arange(int(starts[-1]), dtype=np.int32)
+    last = cfg.task == "embed" and cfg.pooling == "last"
+    return (starts[1:] - 1 if last else starts[:-1]).astype(np.int32)
+
+
+class EncoderForward:
+    """A BERT encoder's step (decoding.kernels.encoder) over packed inputs; every input's rows pooled."""
+
+    def __init__(self, model: EncoderModel, config: EngineConfig, pool: SpinPool, max_tokens: int) -> None:
+        self.model = model
+        self.pool = pool
+        self.fast = config.kernels == "fast"
+        self.max_inputs = max_tokens
+        self.weights = EncoderKernelWeights.build(model.config, model.weights, fast=self.fast)
+        self.architecture = EncoderArchitecture.of(model.config)
+        self.scratch = EncoderScratch.allocate(model.config, max_tokens, pool.n_threads)
+
+    def run(self, inputs: list[EncoderInput], lengths: np.ndarray, starts: np.ndarray) -> list[np.ndarray]:
+        n = int(starts[-1])
+        step = EncoderInputs(
+            token_ids=np.fromiter(itertools.chain.from_iterable(ids for ids, _ in inputs), np.int64, n),
+            type_ids=np.fromiter(itertools.chain.from_iterable(t for _, t in inputs), np.int64, n),
+            positions=np.concatenate([np.arange(length, dtype=np.int64) for length in lengths]),
+            token_seq=np.repeat(np.arange(len(inputs), dtype=np.int64), lengths), seq_starts=starts,
+        )  # fmt: skip
+        w = self.weights
+        self.pool.run(encoder_step, self.fast, step, w.matrices, w.packed, w.arrays, self.architecture, self.scratch)
+        hidden, cfg, weights = self.scratch.x, self.model.config, self.model.weights
+        bounds = zip(starts[:-1], starts[1:], strict=True)
+        return [pool_hidden(cfg, weights, hidden[begin:end]) for begin, end in bounds]
+
+
+class DecoderForward:
+    """A generation model's step (decoding.kernels.forward.model_step) over packed prompt-only inputs.
+
+    Each input's keys and values go to blocks of a small cache of its own, laid out afresh every step
+    (nothing outlives the step), and only the rows the pooling reads go through the final norm; the
+    scratch has no logits columns, so the LM head does no work."""
+
+    def __init__(self, model: DecoderEmbedder, config: EngineConfig, pool: SpinPool, max_tokens: int) -> None:
+        self.model = model
+        self.pool = pool
+        self.fast = config.kernels == "fast"
+        decoder = model.decoder
+        mc = decoder.config
+        self.block_size = config.block_size
+        self.max_inputs = min(config.max_num_seqs, max_tokens)  # each input starts a block: they bound the cache
+        spec = KVCacheSpec(n_layers=mc.n_layers, n_kv_heads=mc.n_kv_heads, head_dim=mc.head_dim,
+                           block_size=self.block_size, dtype=resolve_kv_cache_dtype(config))  # fmt: skip
+        self.storage = KVCacheStorage.allocate(spec, -(-max_tokens // self.block_size) + self.max_inputs)
+        cache = weight_cache.cache_file(decoder.path) if config.weight_cache and decoder.path.is_file() else None
+        self.weights = KernelWeights.build(mc, decoder.weights, fast=self.fast, cache=cache)
+        self.architecture = Architecture.of(mc)
+        headless = replace(mc, vocab_size=0)
+        self.scratch = StepScratch.allocate(headless, max_tokens, max_tokens, pool.n_threads, self.block_size)
+
+    def run(self, inputs: list[EncoderInput], lengths: np.ndarray, starts: np.ndarray) -> list[np.ndarray]:
+        n, bs = int(starts[-1]), self.block_size
+        blocks = -(-lengths // bs)
+        first_block = np.zeros(len(inputs), dtype=np.int64)
+        np.cumsum(blocks[:-1], out=first_block[1:])
+        tables = np.zeros((len(inputs), int(blocks.max())), dtype=np.int32)
+        for row, (first, count) in enumerate(zip(first_block, blocks, strict=True)):
+            tables[row, :count] = np.arange(first, first + count)
+        positions = np.concatenate([np.arange(length, dtype=np.int32) for length in lengths])
+        seq_of_row = np.repeat(np.arange(len(inputs)), lengths)
+        cfg = self.model.config
+        rows = _pooled_rows(cfg, lengths, starts)
+        step = StepInputs(
+            token_ids=np.fromiter(itertools.chain.from_iterable(ids for ids, _ in inputs), np.int32, n),
+            positions=positions, slot_mapping=(tables[seq_of_row, positions // bs] * bs + positions % bs).astype(
+                np.int32), block_tables=tables, context_lens=lengths.astype(np.int32),
+            query_start_loc=starts.astype(np.int32), logit_rows=rows,
+        )  # fmt: skip
+        w = self.weights
+        self.pool.run(model_step, self.fast, step, w.matrices, w.packed, w.arrays, self.architecture,
+                      self.storage.key_cache, self.storage.value_cache, self.scratch)  # fmt: skip
+        final = self.scratch.final
+        if cfg.pooling == "mean":
+            bounds = zip(starts[:-1], starts[1:], strict=True)
+            return [pool_hidden(cfg, None, final[begin:end]) for begin, end in bounds]
+        return [pool_hidden(cfg, None, final[i : i + 1]) for i in range(len(inputs))]
+
+
 class EmbeddingEngine:
     """Serves an EncoderModel: `submit` from any thread; one engine thread runs the steps."""
 
-    def __init__(self, model: EncoderModel, config: EngineConfig | None = None) -> None:
+    def __init__(self, model: EncoderModel | DecoderEmbedder, config: EngineConfig | None = None) -> None:
         self.model = model
         self.config = cfg = config or EngineConfig()
         mc = model.config
         self.max_model_len = mc.max_context
         self.max_num_tokens = max(cfg.max_num_batched_tokens, mc.max_context)  # one input always fits a step
-        self.weights = EncoderKernelWeights.build(mc, model.weights, fast=cfg.kernels == "fast")
         self.pool = SpinPool(cfg.n_threads, pin=cfg.pin_threads)
-        self.architecture = EncoderArchitecture.of(mc)
-        self.scratch = EncoderScratch.allocate(mc, self.max_num_tokens, self.pool.n_threads)
+        self.forward: EncoderForward | DecoderForward = (
+            DecoderForward(model, cfg, self.pool, self.max_num_tokens) if isinstance(model, DecoderEmbedder)
+            else EncoderForward(model, cfg, self.pool, self.max_num_tokens))  # fmt: skip
         self.stats = EncoderStats()
         self._active: deque[EncodeRequest] = deque()  # engine thread only, with _wakeup held to add
         self._wakeup = threading.Condition()
@@ -209,7 +299,7 @@ class EmbeddingEngine:
         chosen: list[tuple[EncodeRequest, int]] = []
         budget = self.max_num_tokens
         turns = deque(requests)
-        while turns:  # each turn takes one input or drops the request from this step: it ends
+        while turns and len(chosen) < self.forward.max_inputs:  # a turn takes an input or drops a request
             request = turns.popleft()
             length = len(request.inputs[request.next_input][0])
             if length > budget:
@@ -229,19 +319,9 @@ class EmbeddingEngine:
         lengths = np.array([len(ids) for ids, _ in inputs], dtype=np.int64)
         starts = np.zeros(len(inputs) + 1, dtype=np.int64)
         np.cumsum(lengths, out=starts[1:])
-        step = EncoderInputs(
-            token_ids=np.fromiter(itertools.chain.from_iterable(ids for ids, _ in inputs), np.int64, int(starts[-1])),
-            type_ids=np.fromiter(itertools.chain.from_iterable(t for _, t in inputs), np.int64, int(starts[-1])),
-            positions=np.concatenate([np.arange(n, dtype=np.int64) for n in lengths]),
-            token_seq=np.repeat(np.arange(len(inputs), dtype=np.int64), lengths), seq_starts=starts,
-        )  # fmt: skip
-        w = self.weights
-        self.pool.run(encoder_step, self.config.kernels == "fast", step, w.matrices, w.packed, w.arrays,
-                      self.architecture, self.scratch)  # fmt: skip
-        hidden = self.scratch.x
-        cfg, weights = self.model.config, self.model.weights
-        for (request, index), begin, end in zip(chosen, starts[:-1], starts[1:], strict=True):
-            request.outputs[index] = pool_hidden(cfg, weights, hidden[begin:end])
+        outputs = self.forward.run(inputs, lengths, starts)
+        for (request, index), output in zip(chosen, outputs, strict=True):
+            request.outputs[index] = output
             request.num_done += 1
         self.stats.num_steps += 1
         self.stats.num_inputs += len(inputs)

@@ -53,6 +53,10 @@ class ModelConfig:
     n_experts: int = 0  # 0: a dense feed-forward
     n_experts_used: int = 0
     norm_topk_prob: bool = True  # the chosen experts' router probabilities renormalised to sum to one
+    # an embedding model's file says how it pools its last hidden states (GGUF's pooling_type, or
+    # sentence-transformers' modules): "mean", "cls" or "last"; "" for a generation model
+    pooling: str = ""
+    add_eos_token: bool = False  # the tokenizer ends each input with EOS (embedders pooling the last token)
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:

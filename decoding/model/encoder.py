@@ -28,7 +28,9 @@ import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
 from .errors import ModelLoadError
+from .model import Model
 from .safetensors_loader import map_safetensors
+from .tokenizer import Tokenizer
 from .weights import WeightMatrix
 
 ENCODER_ARCHITECTURES = ("bert",)
@@ -433,3 +435,75 @@ def is_encoder_gguf(path: Path) -> bool:
         return _field(_reader(path), "general.architecture") in ENCODER_ARCHITECTURES
     except Exception:  # noqa: BLE001 - an unreadable file is for the decoder loader to refuse with its reason
         return False
+
+
+class DecoderEmbeddingTokenizer:
+    """A generation model's tokenizer as an embedder uses it: the tokenizer's own special tokens (BOS where
+    the model adds one), and EOS at the end where the model asks for it (`add_eos_token`: an embedder
+    pooling the last token reads that token's state, as Qwen3-Embedding does)."""
+
+    def __init__(self, tokenizer: Tokenizer, add_eos: bool) -> None:
+        self.tokenizer = tokenizer
+        self.eos = tokenizer.eos_token_ids[0] if add_eos and tokenizer.eos_token_ids else None
+        self.vocab_size = tokenizer.vocab_size
+
+    def encode(self, text: str) -> tuple[list[int], list[int]]:
+        # tokenizer.json's own post-processor first (a sentence-transformers directory's: Qwen3-Embedding's
+        # appends EOS there), then what a GGUF's flags ask for and the post-processor did not add
+        tokenizer = self.tokenizer
+        ids = tokenizer.backend.encode(text, add_special_tokens=True).ids
+        if tokenizer.add_bos_token and (not ids or ids[0] != tokenizer.bos_token_id):
+            ids.insert(0, tokenizer.bos_token_id)
+        if self.eos is not None and (not ids or ids[-1] != self.eos):
+            ids.append(self.eos)
+        return ids, [0] * len(ids)
+
+    def encode_pair(self, first: str, second: str) -> tuple[list[int], list[int]]:
+        raise ModelLoadError("a decoder embedder scores pairs by the cosine of their embeddings, not as one input")
+
+    def encode_batch(self, texts: list[str]) -> list[tuple[list[int], list[int]]]:
+        return [self.encode(text) for text in texts]
+
+    def special_tokens_mask(self, text: str) -> list[int]:
+        plain = self.tokenizer.backend.encode(text, add_special_tokens=False).ids
+        ids, _ = self.encode(text)
+        head = next((i for i in range(len(ids) - len(plain) + 1) if ids[i : i + len(plain)] == plain), 0)
+        return [1] * head + [0] * len(plain) + [1] * (len(ids) - len(plain) - head)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+@dataclass(eq=False)
+class DecoderEmbedder:
+    """A generation model served as an embedder (`treadle serve --task embed`, or a file that declares a
+    pooling): its layers over each whole input, the final-normed hidden states pooled (the last token's,
+    the mean, or the first's) and L2-normalised where the model says so. `config` is the shape the
+    embedding engine and routes read, with the decoder's sizes."""
+
+    config: EncoderConfig
+    decoder: Model
+    tokenizer: DecoderEmbeddingTokenizer
+    path: Path
+    name: str
+    weights: EncoderWeights | None = None  # the decoder's live in `decoder`; no classifier head
+
+
+def decoder_embedder(model: Model, pooling: str, normalize: bool, max_context: int) -> DecoderEmbedder:
+    mc = model.config
+    cfg = EncoderConfig(
+        n_layers=mc.n_layers, dim=mc.dim, hidden_dim=mc.hidden_dim, n_heads=mc.n_heads, vocab_size=mc.vocab_size,
+        max_positions=mc.max_context, max_context=min(max_context, mc.max_context), n_token_types=1,
+        norm_eps=mc.rms_eps, task="embed", pooling=pooling, normalize=normalize, architecture=mc.architecture,
+        name=model.name,
+    )  # fmt: skip
+    return DecoderEmbedder(cfg, model, DecoderEmbeddingTokenizer(model.tokenizer, mc.add_eos_token), model.path,
+                           model.name)
+
+
+def sentence_transformers_pooling(path: Path) -> tuple[str, bool] | None:
+    """(pooling, normalize) of a sentence-transformers directory's modules, None if it has none."""
+    if not (path / "modules.json").is_file():
+        return None
+    pooling, normalize, _ = _sentence_transformers_modules(path)
+    return pooling, normalize

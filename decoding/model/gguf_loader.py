@@ -58,6 +58,9 @@ def _require(reader: Any, key: str) -> Any:
     return value
 
 
+# llama.cpp's pooling_type: 0 none (a generation model), 1 mean, 2 CLS, 3 last token (4 rank: a reranker's head)
+_POOLING_TYPES = {1: "mean", 2: "cls", 3: "last"}
+
 # ggml's llama files have their Q and K rows permuted to pair adjacent dimensions; every other
 # architecture keeps Hugging Face's order, rotated as (i, i + head_dim/2) ("NEOX" in llama.cpp).
 _ADJACENT_PAIR_ROPE = ("llama",)
@@ -162,6 +165,8 @@ def _read_config(reader: Any, name: str) -> ModelConfig:
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
             add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", True)),
+            add_eos_token=bool(_field(reader, "tokenizer.ggml.add_eos_token", False)),
+            pooling=_POOLING_TYPES.get(int(_field(reader, f"{arch}.pooling_type", 0) or 0), ""),
             name=str(_field(reader, "general.name", name)),
             **switches,
         )

@@ -8,7 +8,14 @@ from dataclasses import replace
 from pathlib import Path
 
 from .catalog import DEFAULT_MODEL, KNOWN_MODELS, PackagedModel, SplitModel, resolve_known
-from .encoder import EncoderModel, is_encoder_directory, is_encoder_gguf, load_encoder_directory, load_encoder_gguf
+from .encoder import (
+    EncoderModel,
+    is_encoder_directory,
+    is_encoder_gguf,
+    load_encoder_directory,
+    load_encoder_gguf,
+    sentence_transformers_pooling,
+)
 from .errors import ModelLoadError
 from .gguf_loader import load_gguf
 from .model import Model
@@ -44,6 +51,9 @@ def load_model(name_or_path: str | Path = DEFAULT_MODEL) -> Model:
     path, name = resolve_model_path(name_or_path)
     if path.is_dir():
         cfg = read_config(path)
+        declared = sentence_transformers_pooling(path)  # a sentence-transformers embedder's modules
+        if declared is not None:
+            cfg = replace(cfg, pooling=declared[0])
         weights = load_safetensors_directory(path, cfg)
         tokenizer = Tokenizer.from_hf_directory(path, cfg.bos_token_id, cfg.eos_token_ids)
         cfg = replace(cfg, add_bos_token=tokenizer.add_bos_token)
