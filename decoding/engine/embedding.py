@@ -1,10 +1,11 @@
-"""The engine of an encoder model: requests of many inputs, packed into steps, each step one `pool.run`.
+"""The engine of an embedding model: requests of many inputs, packed into steps, each step one `pool.run`.
 
-    submit(inputs) → the loop packs inputs under the step's token budget → encoder_step on the pool
+    submit(inputs) → the loop packs inputs under the step's token budget → the forward on the pool
         → each input's hidden states pooled (or scored) → the request's future once all of its are done
 
-An encoder keeps nothing between steps (no KV: every input is computed whole in one step, its attention
-sees all of it), so scheduling is packing. Each step takes inputs from the requests in arrival order,
+Two forwards: a BERT encoder's step (EncoderForward), or a generation model's own step run as an encoder
+(DecoderForward, `--task embed`). Either keeps nothing between steps (every input is computed whole in
+one step and pooled; a decoder's KV lives only for its step), so scheduling is packing. Each step takes inputs from the requests in arrival order,
 one input per request in turn, until `max_num_batched_tokens` (an input never spans steps): a request
 of 2,000 inputs is spread over many steps and a short request arriving behind it shares the next one
 instead of waiting for the whole batch. Requests cancelled (the client left) drop their inputs not yet
