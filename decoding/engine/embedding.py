@@ -4,12 +4,12 @@
         → each input's hidden states pooled (or scored) → the request's future once all of its are done
 
 Two forwards: a BERT encoder's step (EncoderForward), or a generation model's own step run as an encoder
-(DecoderForward, `--task embed`). Either keeps nothing between steps (every input is computed whole in
-one step and pooled; a decoder's KV lives only for its step), so scheduling is packing. Each step takes
-inputs from the requests in arrival order, one input per request in turn, until `max_num_batched_tokens`
-(an input never spans steps): a request of 2,000 inputs is spread over many steps and a short request
-arriving behind it shares the next one instead of waiting for the whole batch. Requests cancelled (the client left) drop their inputs not yet
-computed. The thread parks while there is nothing to do, as the generation engine's does.
+(DecoderForward, `--task embed`). Either keeps nothing between steps (every input is computed whole in one
+step and pooled; a decoder's KV lives only for its step), so scheduling is packing. Each step takes inputs
+from the requests in arrival order, one input per request in turn, until `max_num_batched_tokens` (an input
+never spans steps): a request of 2,000 inputs is spread over many steps and a short request arriving behind it
+shares the next one instead of waiting for the whole batch. Requests cancelled (the client left) drop their
+inputs not yet computed. The thread parks while there is nothing to do, as the generation engine's does.
 """
 
 from __future__ import annotations
