@@ -40,6 +40,9 @@ TASKS = ("embed", "classify")
 
 @dataclass(frozen=True, slots=True)
 class EncoderConfig:
+    """A model as the embedding engine and routes serve it: a BERT's shape and head, or (DecoderEmbedder)
+    a generation model's sizes with the pooling it is served with."""
+
     n_layers: int
     dim: int
     hidden_dim: int  # feed-forward width
