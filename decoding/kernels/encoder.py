@@ -211,7 +211,9 @@ _SQRT_HALF = np.float32(np.sqrt(0.5))
 
 @njit(nogil=True, cache=True, inline="always")
 def erf(x):
-    x = min(max(x, np.float32(-4.0)), np.float32(4.0))
+    # comparisons rather than min/max, and numpy's error model in the caller: both keep the loop vectorised
+    x = x if x < np.float32(4.0) else np.float32(4.0)
+    x = x if x > np.float32(-4.0) else np.float32(-4.0)
     x2 = x * x
     a = _ERF_NUMERATOR
     p = (((((a[6] * x2 + a[5]) * x2 + a[4]) * x2 + a[3]) * x2 + a[2]) * x2 + a[1]) * x2 + a[0]
@@ -220,7 +222,7 @@ def erf(x):
     return x * p / q
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, error_model="numpy", fastmath={"contract", "nsz"})
 def gelu_row(row, bias):
     """row = GELU(row + bias): BERT's x · Φ(x) with the error function (not the tanh approximation)."""
     for j in range(row.shape[0]):
@@ -312,10 +314,14 @@ def encoder_step(tid, nthreads, barrier, fast, step, matrices, packed, weights, 
         for t in range(t_begin, t_end):
             for j in range(dim):
                 q[t, j] += bias[0, j]
-            for h in range(n_heads):  # keys and values stored transposed for the attention below
-                for d in range(head_dim):
-                    keys_by_dim[h, d, t] = k[t, h * head_dim + d] + bias[1, h * head_dim + d]
-                    values_by_dim[h, d, t] = v[t, h * head_dim + d] + bias[2, h * head_dim + d]
+        for h in range(n_heads):  # keys and values stored transposed for the attention below, tokens
+            for d in range(head_dim):  # innermost: the writes run along a row (8x faster than scattered)
+                c = h * head_dim + d
+                key_bias, value_bias = bias[1, c], bias[2, c]
+                keys, values = keys_by_dim[h, d], values_by_dim[h, d]
+                for t in range(t_begin, t_end):
+                    keys[t] = k[t, c] + key_bias
+                    values[t] = v[t, c] + value_bias
         barrier_wait(barrier, tid)
 
         for t in range(t_begin, t_end):  # every token attends to its own input, both directions
