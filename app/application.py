@@ -10,11 +10,13 @@ from collections.abc import AsyncIterator, Callable
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
+from starlette.routing import BaseRoute
 
+from decoding.engine.embedding import EmbeddingEngine
 from decoding.engine.engine import Engine
 
 from .anthropic_routes import ANTHROPIC_ROUTES
-from .embedding_routes import GENERATION_ONLY_ROUTES
+from .embedding_routes import ENCODER_ROUTES, GENERATION_ONLY_ROUTES, EncoderServing
 from .errors import EXCEPTION_HANDLERS
 from .ollama_routes import OLLAMA_ROUTES
 from .responses_routes import RESPONSES_ROUTES
@@ -29,13 +31,24 @@ def build_app(settings: ServerSettings, engine: Engine,
 
     The engine is warmed up in the background once the server listens; until then /health is 503.
     """
-    state = ServingState(settings, engine, on_startup_failure)
+    routes = [*ROUTES, *RESPONSES_ROUTES, *ANTHROPIC_ROUTES, *OLLAMA_ROUTES, *GENERATION_ONLY_ROUTES,
+              *([CHAT_PAGE_ROUTE] if settings.chat_page else [])]
+    return _serving_app(routes, ServingState(settings, engine, on_startup_failure))
 
+
+def build_encoder_app(settings: ServerSettings, engine: EmbeddingEngine,
+                      on_startup_failure: Callable[[], None] | None = None) -> Starlette:
+    """The app over an embedding model's engine (app/embedding_routes.py), warmed up the same way."""
+    return _serving_app(ENCODER_ROUTES, EncoderServing(settings, engine, on_startup_failure))
+
+
+def _serving_app(routes: list[BaseRoute], state: ServingState | EncoderServing) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         threading.Thread(target=state.warm_up, name="treadle-warm-up", daemon=True).start()
         yield
 
+    settings = state.settings
     middleware = []
     if settings.cors_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
@@ -43,8 +56,6 @@ def build_app(settings: ServerSettings, engine: Engine,
                                      expose_headers=["Retry-After"]))
     if settings.api_key:
         middleware.append(Middleware(APIKeyMiddleware, api_key=settings.api_key))
-    routes = [*ROUTES, *RESPONSES_ROUTES, *ANTHROPIC_ROUTES, *OLLAMA_ROUTES, *GENERATION_ONLY_ROUTES,
-              *([CHAT_PAGE_ROUTE] if settings.chat_page else [])]
     app = Starlette(routes=routes, middleware=middleware, exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
     app.state.serving = state
     return app

@@ -14,21 +14,15 @@ as a generation server's retrieval routes do (`GENERATION_ONLY_ROUTES`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import math
-import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import anyio
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from starlette.applications import Starlette
-from starlette.middleware import Middleware
-from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -36,6 +30,7 @@ from starlette.routing import Route
 from decoding.engine.embedding import EmbeddingEngine, EncoderInput, InputTooLong
 from decoding.engine.errors import EngineFailed, EngineShuttingDown, QueueFull
 
+from . import routes
 from .body import read_body
 from .embedding_protocol import (
     EmbeddingsRequest,
@@ -49,9 +44,9 @@ from .embedding_protocol import (
     new_id,
     now,
 )
-from .errors import EXCEPTION_HANDLERS, RETRY_AFTER_SECONDS, APIError, encoded_response
+from .errors import APIError, encoded_response
 from .schema_base import StrictBody
-from .server import APIKeyMiddleware, serving
+from .server import Serving, serving
 from .settings import ServerSettings
 
 log = logging.getLogger("treadle")
@@ -74,31 +69,25 @@ class EncoderMetrics:
         Gauge("treadle_num_requests_running", "Requests with inputs in the engine.",
               registry=registry).set_function(lambda: engine.num_unfinished)
 
+    content_type = CONTENT_TYPE_LATEST
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
-class EncoderServing:
-    """What the retrieval routes need: the engine (once warm), admission, draining; the counterpart of
-    app.server.ServingState for an encoder model."""
+class EncoderServing(Serving):
+    """What the retrieval routes need: an embedding engine (once warm) and the input preparer, beside the
+    admission and draining every server has (app.server.Serving)."""
 
     def __init__(self, settings: ServerSettings, engine: EmbeddingEngine,
                  on_startup_failure: Callable[[], None] | None = None) -> None:
         self.settings = settings
         self.engine = engine
         self.model = engine.model
-        self.served_model_names = settings.served_model_name or (engine.model.name,)
-        self.model_name = self.served_model_names[0]
+        self._init_serving(engine.model.name, on_startup_failure)
         cfg = engine.model.config
         self.inputs = InputPreparer(engine.model.tokenizer, engine.max_model_len, cfg.vocab_size)
         self.metrics = EncoderMetrics(engine)
-        self.created = int(time.time())
-        self.is_ready = False
-        self.startup_error: str | None = None
-        self.num_preparing = 0
-        self.is_draining = False
-        self._is_hurried = False
-        self._on_startup_failure = on_startup_failure
 
     def warm_up(self) -> None:
         """Start the engine and encode one input, so numba compiles before /health says ready."""
@@ -112,51 +101,7 @@ class EncoderServing:
                      self.model_name, self.model.config.architecture, self.model.config.task,
                      self.settings.max_queue)  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - whatever stops the warm-up, report it and stop serving
-            self.startup_error = f"{type(exc).__name__}: {exc}"
-            log.error("warm-up failed: %s", self.startup_error)
-            if self._on_startup_failure is not None:
-                self._on_startup_failure()
-
-    @contextlib.contextmanager
-    def admission(self) -> Iterator[EmbeddingEngine]:
-        if self.is_draining:
-            raise APIError(503, "the server is shutting down; retry on another instance", code="shutting_down",
-                           headers={"Retry-After": RETRY_AFTER_SECONDS, "Connection": "close"})
-        if self.engine.is_failed:
-            raise APIError(503, f"the engine failed and serves nothing more: {self.engine.failure}",
-                           code="engine_failed")
-        if not self.is_ready:
-            raise APIError(503, "the model is still loading" if self.startup_error is None else "startup failed",
-                           code="not_ready", headers={"Retry-After": RETRY_AFTER_SECONDS})
-        if self.engine.num_unfinished + self.num_preparing >= self.settings.max_queue:
-            self.metrics.requests_rejected.inc()
-            raise APIError(429, f"the server is at capacity ({self.settings.max_queue} requests); retry shortly",
-                           code="queue_full", headers={"Retry-After": RETRY_AFTER_SECONDS})
-        self.num_preparing += 1
-        try:
-            yield self.engine
-        finally:
-            self.num_preparing -= 1
-
-    @property
-    def num_in_flight(self) -> int:
-        return self.engine.num_unfinished + self.num_preparing if self.is_ready else 0
-
-    async def drain(self, grace_seconds: float) -> None:
-        self.is_draining = True
-        with anyio.move_on_after(grace_seconds if math.isfinite(grace_seconds) else None):
-            while self.num_in_flight and not self._is_hurried:
-                await anyio.sleep(0.05)
-        await anyio.to_thread.run_sync(self.engine.shutdown)
-
-    def hurry(self) -> None:
-        self._is_hurried = True
-
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.served_model_names:
-            served = ", ".join(repr(name) for name in self.served_model_names)
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {served}",
-                           param="model", code="model_not_found")
+            self._startup_failed(exc)
 
     def check_task(self, task: str, route: str) -> None:
         if self.model.config.task != task:
@@ -169,9 +114,7 @@ class EncoderServing:
         try:
             future = self.engine.submit(inputs)
         except QueueFull:
-            self.metrics.requests_rejected.inc()
-            raise APIError(429, "the server is at capacity; retry shortly", code="queue_full",
-                           headers={"Retry-After": RETRY_AFTER_SECONDS}) from None
+            raise self.queue_full() from None
         except InputTooLong as exc:
             raise APIError(400, str(exc), f"input[{exc.index}]", code="context_length_exceeded") from None
         except (EngineShuttingDown, EngineFailed) as exc:
@@ -346,28 +289,6 @@ async def tokenize(request: Request) -> Response:
     return encoded_response(request, {"tokens": ids, "count": len(ids), "max_model_len": state.engine.max_model_len})
 
 
-async def models(request: Request) -> Response:
-    state = encoder_serving(request)
-    cards = [{"id": name, "object": "model", "created": state.created, "owned_by": "treadle",
-              "max_model_len": state.engine.max_model_len} for name in state.served_model_names]
-    return encoded_response(request, {"object": "list", "data": cards})
-
-
-async def health(request: Request) -> Response:
-    state = encoder_serving(request)
-    if state.engine.is_failed:
-        return JSONResponse({"status": "failed"}, 503)
-    if state.is_draining:
-        return JSONResponse({"status": "draining"}, 503)
-    if state.is_ready:
-        return JSONResponse({"status": "ok"})
-    return JSONResponse({"status": "failed" if state.startup_error else "loading"}, 503)
-
-
-async def metrics(request: Request) -> Response:
-    return Response(encoder_serving(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-
 async def generation_refused(request: Request) -> Response:
     state = encoder_serving(request)
     does = "embeds texts" if state.model.config.task == "embed" else "scores text pairs (a cross-encoder)"
@@ -398,31 +319,9 @@ ENCODER_ROUTES = [
     Route("/api/embed", ollama_embed, methods=["POST"]),
     Route("/api/embeddings", ollama_embeddings, methods=["POST"]),
     Route("/tokenize", tokenize, methods=["POST"]),
-    Route("/v1/models", models, methods=["GET"]),
-    Route("/health", health, methods=["GET"]),
-    Route("/metrics", metrics, methods=["GET"]),
+    # the generation server's own: they read only what every server's state has (app.server.Serving)
+    Route("/v1/models", routes.models, methods=["GET"]),
+    Route("/health", routes.health, methods=["GET"]),
+    Route("/metrics", routes.metrics, methods=["GET"]),
     *(Route(path, generation_refused, methods=["POST"]) for path in GENERATION_PATHS),
 ]
-
-
-def build_encoder_app(settings: ServerSettings, engine: EmbeddingEngine,
-                      on_startup_failure: Callable[[], None] | None = None) -> Starlette:
-    """The ASGI app over an encoder's engine that the caller owns (and shuts down after the server stops)."""
-    state = EncoderServing(settings, engine, on_startup_failure)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        threading.Thread(target=state.warm_up, name="treadle-warm-up", daemon=True).start()
-        yield
-
-    middleware = []
-    if settings.cors_origins:
-        middleware.append(Middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
-                                     allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"],
-                                     expose_headers=["Retry-After"]))
-    if settings.api_key:
-        middleware.append(Middleware(APIKeyMiddleware, api_key=settings.api_key))
-    app = Starlette(routes=ENCODER_ROUTES, middleware=middleware, exception_handlers=EXCEPTION_HANDLERS,
-                    lifespan=lifespan)
-    app.state.serving = state
-    return app

@@ -29,8 +29,8 @@ from decoding.engine.embedding import EmbeddingEngine
 from decoding.engine.engine import Engine
 from decoding.model.encoder import DecoderEmbedder, EncoderModel
 
-from .application import build_app
-from .embedding_routes import EncoderServing, build_encoder_app
+from .application import build_app, build_encoder_app
+from .embedding_routes import EncoderServing
 from .faults import install_from_env
 from .model_loading import load_served_model
 from .server import ServingState

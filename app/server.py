@@ -12,6 +12,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import anyio
 from starlette.requests import Request
@@ -52,27 +53,19 @@ def system_fingerprint(engine: Engine) -> str:
     return "fp_treadle_" + hashlib.sha256(identity.encode()).hexdigest()[:10]
 
 
-class ServingState:
-    """What every route needs: the engine (once warm), the model's tokenizer, settings and metrics."""
+class Serving:
+    """What both kinds of server share: admission control, draining and the served names. A subclass
+    sets `settings`, `engine` (a generation or an embedding engine), `metrics` (with `requests_rejected`)
+    and calls `_init_serving` for the rest."""
 
-    def __init__(self, settings: ServerSettings, engine: Engine,
-                 on_startup_failure: Callable[[], None] | None = None) -> None:
-        self.settings = settings
-        self.engine = engine
-        self.model = engine.model
+    settings: ServerSettings
+    engine: Any
+    metrics: Any
+
+    def _init_serving(self, model_name: str, on_startup_failure: Callable[[], None] | None) -> None:
         # --served-model-name: the names a request may give; the first is the one responses report
-        self.served_model_names = settings.served_model_name or (engine.model.name,)
+        self.served_model_names = self.settings.served_model_name or (model_name,)
         self.model_name = self.served_model_names[0]
-        self.system_fingerprint = system_fingerprint(engine)
-        self.tokens = TokenText(engine.model.tokenizer)
-        self.reasoning = resolve(settings.reasoning_parser, settings.reasoning_config, engine.model.tokenizer)
-        self.metrics = ServerMetrics()
-        self.runs = RunRegistry()  # streams a client may reconnect to
-        self.responses = ResponseStore(settings.responses_store_max, settings.responses_store_seconds,
-                                       max(settings.stream_grace_seconds, 1.0))
-        self.stream_settings = StreamSettings(settings.sse_ping_seconds, settings.slow_reader_timeout_seconds,
-                                              settings.max_unread_bytes, settings.stream_resume_bytes,
-                                              settings.stream_grace_seconds)
         self.created = int(time.time())
         self.is_ready = False
         self.startup_error: str | None = None
@@ -81,35 +74,14 @@ class ServingState:
         self._is_hurried = False  # a second signal: end what is in flight now
         self._on_startup_failure = on_startup_failure
 
-    def warm_up(self) -> None:
-        """Start the engine and run one tiny generation, so numba compiles before /health says ready."""
-        try:
-            started = time.perf_counter()
-            log.info("warming up %s (the first start compiles kernels: about a minute) ...", self.model_name)
-            self.engine.start()
-            bos = self.model.tokenizer.bos_token_id
-            prompt = [bos if bos is not None else 0]
-            for params in WARM_UP_PARAMS:
-                n = min(params.n, self.engine.config.max_num_seqs)  # n > max_num_seqs is refused
-                self.engine.generate(prompt, dataclasses.replace(params, n=n))
-            self.metrics.attach(self.engine)  # after the warm-up, which is nobody's request
-            # Everything alive now (model, tokenizer, compiled kernels, the app) lives as long as the
-            # process: keep it out of the collector, so that a full collection while streams run walks
-            # only what requests allocate (as vLLM does after start-up) instead of pausing every stream.
-            gc.collect()
-            gc.freeze()
-            self.is_ready = True
-            log.info("ready in %.1f s: %s, %d KV blocks of %d tokens, max_queue %d", time.perf_counter() - started,
-                     self.model_name, self.engine.kv.num_total_blocks, self.engine.config.block_size,
-                     self.settings.max_queue)
-        except Exception as exc:  # noqa: BLE001 - whatever stops the warm-up, report it and stop serving
-            self.startup_error = f"{type(exc).__name__}: {exc}"
-            log.error("warm-up failed: %s", self.startup_error)
-            if self._on_startup_failure is not None:
-                self._on_startup_failure()
+    def _startup_failed(self, exc: Exception) -> None:
+        self.startup_error = f"{type(exc).__name__}: {exc}"
+        log.error("warm-up failed: %s", self.startup_error)
+        if self._on_startup_failure is not None:
+            self._on_startup_failure()
 
     @contextlib.contextmanager
-    def admission(self) -> Iterator[Engine]:
+    def admission(self) -> Iterator[Any]:
         """Admit a request or refuse it with 429 — before its body is parsed or its prompt tokenized.
 
         The bound counts requests in the engine and requests being prepared for it, so nothing queues
@@ -171,6 +143,50 @@ class ServingState:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {served}",
                            param="model", code="model_not_found")
 
+
+class ServingState(Serving):
+    """What every route needs: the engine (once warm), the model's tokenizer, settings and metrics."""
+
+    def __init__(self, settings: ServerSettings, engine: Engine,
+                 on_startup_failure: Callable[[], None] | None = None) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.model = engine.model
+        self._init_serving(engine.model.name, on_startup_failure)
+        self.system_fingerprint = system_fingerprint(engine)
+        self.tokens = TokenText(engine.model.tokenizer)
+        self.reasoning = resolve(settings.reasoning_parser, settings.reasoning_config, engine.model.tokenizer)
+        self.metrics = ServerMetrics()
+        self.runs = RunRegistry()  # streams a client may reconnect to
+        self.responses = ResponseStore(settings.responses_store_max, settings.responses_store_seconds,
+                                       max(settings.stream_grace_seconds, 1.0))
+        self.stream_settings = StreamSettings(settings.sse_ping_seconds, settings.slow_reader_timeout_seconds,
+                                              settings.max_unread_bytes, settings.stream_resume_bytes,
+                                              settings.stream_grace_seconds)
+
+    def warm_up(self) -> None:
+        """Start the engine and run one tiny generation, so numba compiles before /health says ready."""
+        try:
+            started = time.perf_counter()
+            log.info("warming up %s (the first start compiles kernels: about a minute) ...", self.model_name)
+            self.engine.start()
+            bos = self.model.tokenizer.bos_token_id
+            prompt = [bos if bos is not None else 0]
+            for params in WARM_UP_PARAMS:
+                n = min(params.n, self.engine.config.max_num_seqs)  # n > max_num_seqs is refused
+                self.engine.generate(prompt, dataclasses.replace(params, n=n))
+            self.metrics.attach(self.engine)  # after the warm-up, which is nobody's request
+            # Everything alive now (model, tokenizer, compiled kernels, the app) lives as long as the
+            # process: keep it out of the collector, so that a full collection while streams run walks
+            # only what requests allocate (as vLLM does after start-up) instead of pausing every stream.
+            gc.collect()
+            gc.freeze()
+            self.is_ready = True
+            log.info("ready in %.1f s: %s, %d KV blocks of %d tokens, max_queue %d", time.perf_counter() - started,
+                     self.model_name, self.engine.kv.num_total_blocks, self.engine.config.block_size,
+                     self.settings.max_queue)
+        except Exception as exc:  # noqa: BLE001 - whatever stops the warm-up, report it and stop serving
+            self._startup_failed(exc)
 
 def serving(request: Request) -> ServingState:
     state: ServingState = request.app.state.serving

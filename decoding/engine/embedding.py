@@ -18,9 +18,8 @@ import concurrent.futures
 import itertools
 import logging
 import threading
-import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -53,7 +52,6 @@ class EncodeRequest:
     inputs: list[EncoderInput]
     future: concurrent.futures.Future[np.ndarray]
     outputs: np.ndarray  # (len(inputs), output_dim) float32, filled as steps compute them
-    arrival_time: float = field(default_factory=time.monotonic)
     next_input: int = 0  # inputs before it are scheduled
     num_done: int = 0
 

@@ -150,12 +150,6 @@ class EncoderTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def token_id(self, token: str) -> int | None:
-        return self._backend.token_to_id(token)
-
-    def num_special_tokens(self, pair: bool = False) -> int:
-        return self._backend.post_processor.num_special_tokens_to_add(pair) if self._backend.post_processor else 0
-
 
 @dataclass(eq=False)
 class EncoderModel:
