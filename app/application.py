@@ -13,10 +13,17 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import BaseRoute
 
 from decoding.engine.embedding import EmbeddingEngine
+from decoding.engine.embedding_lane import SharedEmbeddingEngine
 from decoding.engine.engine import Engine
 
 from .anthropic_routes import ANTHROPIC_ROUTES
-from .embedding_routes import ENCODER_ROUTES, GENERATION_ONLY_ROUTES, EncoderServing
+from .embedding_routes import (
+    ENCODER_ROUTES,
+    GENERATION_ONLY_ROUTES,
+    RETRIEVAL_ROUTES,
+    EncoderServing,
+    RetrievalBesideGeneration,
+)
 from .errors import EXCEPTION_HANDLERS
 from .ollama_routes import OLLAMA_ROUTES
 from .responses_routes import RESPONSES_ROUTES
@@ -25,21 +32,30 @@ from .server import APIKeyMiddleware, ServingState
 from .settings import ServerSettings
 
 
-def build_app(settings: ServerSettings, engine: Engine,
-              on_startup_failure: Callable[[], None] | None = None) -> Starlette:
-    """The ASGI app over an engine that the caller owns (and shuts down after the server stops).
+def build_app(settings: ServerSettings, engine: Engine, on_startup_failure: Callable[[], None] | None = None,
+              embeddings: SharedEmbeddingEngine | None = None) -> Starlette:
+    """The ASGI app over an engine that the caller owns (and shuts down after the server stops); with
+    `embeddings` (Engine.serve_embeddings), the retrieval routes too.
 
     The engine is warmed up in the background once the server listens; until then /health is 503.
     """
-    routes = [*ROUTES, *RESPONSES_ROUTES, *ANTHROPIC_ROUTES, *OLLAMA_ROUTES, *GENERATION_ONLY_ROUTES,
+    state = ServingState(settings, engine, on_startup_failure)
+    retrieval = RETRIEVAL_ROUTES if embeddings is not None else GENERATION_ONLY_ROUTES
+    routes = [*ROUTES, *RESPONSES_ROUTES, *ANTHROPIC_ROUTES, *OLLAMA_ROUTES, *retrieval,
               *([CHAT_PAGE_ROUTE] if settings.chat_page else [])]
-    return _serving_app(routes, ServingState(settings, engine, on_startup_failure))
+    app = _serving_app(routes, state)
+    if embeddings is not None:
+        app.state.retrieval = RetrievalBesideGeneration(state, embeddings)
+    return app
 
 
 def build_encoder_app(settings: ServerSettings, engine: EmbeddingEngine,
                       on_startup_failure: Callable[[], None] | None = None) -> Starlette:
     """The app over an embedding model's engine (app/embedding_routes.py), warmed up the same way."""
-    return _serving_app(ENCODER_ROUTES, EncoderServing(settings, engine, on_startup_failure))
+    state = EncoderServing(settings, engine, on_startup_failure)
+    app = _serving_app(ENCODER_ROUTES, state)
+    app.state.retrieval = state
+    return app
 
 
 def _serving_app(routes: list[BaseRoute], state: ServingState | EncoderServing) -> Starlette:

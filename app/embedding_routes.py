@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from decoding.engine.embedding import EmbeddingEngine, EncoderInput, InputTooLong
+from decoding.engine.embedding_lane import SharedEmbeddingEngine
 from decoding.engine.errors import EngineFailed, EngineShuttingDown, QueueFull
 
 from . import routes
@@ -45,8 +46,9 @@ from .embedding_protocol import (
     now,
 )
 from .errors import APIError, encoded_response
+from .metrics import ServerMetrics
 from .schema_base import StrictBody
-from .server import Serving, serving
+from .server import Serving, ServingState, serving
 from .settings import ServerSettings
 
 log = logging.getLogger("treadle")
@@ -55,12 +57,22 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 
 
 class EncoderMetrics:
-    def __init__(self, engine: EmbeddingEngine) -> None:
-        self.registry = registry = CollectorRegistry()
+    """The retrieval routes' metrics: a registry of their own on an embedding server; beside a generation
+    server's (`--task generate,embed`), in its registry under names of their own."""
+
+    def __init__(self, engine: EmbeddingEngine | SharedEmbeddingEngine, beside: ServerMetrics | None = None) -> None:
+        self.registry = registry = CollectorRegistry() if beside is None else beside.registry
         self.requests = Counter("treadle_embedding_requests", "Retrieval requests answered, by route.", ["route"],
                                 registry=registry)
         self.inputs = Counter("treadle_embedding_inputs", "Inputs encoded (texts, or query-document pairs).",
                               registry=registry)
+        if beside is not None:
+            self.prompt_tokens = Counter("treadle_embedding_prompt_tokens", "Tokens of the inputs encoded.",
+                                         registry=registry)
+            self.requests_rejected = beside.requests_rejected
+            self.latency = Histogram("treadle_embedding_request_latency_seconds", "Arrival to answer.",
+                                     buckets=_LATENCY_BUCKETS, registry=registry)
+            return
         self.prompt_tokens = Counter("treadle_prompt_tokens", "Tokens of the inputs encoded.", registry=registry)
         self.requests_rejected = Counter("treadle_requests_rejected", "Requests refused with 429 (queue full).",
                                          registry=registry)
@@ -79,7 +91,7 @@ class EncoderServing(Serving):
     """What the retrieval routes need: an embedding engine (once warm) and the input preparer, beside the
     admission and draining every server has (app.server.Serving)."""
 
-    def __init__(self, settings: ServerSettings, engine: EmbeddingEngine,
+    def __init__(self, settings: ServerSettings, engine: EmbeddingEngine | SharedEmbeddingEngine,
                  on_startup_failure: Callable[[], None] | None = None) -> None:
         self.settings = settings
         self.engine = engine
@@ -145,8 +157,36 @@ async def _disconnected(request: Request) -> None:
             return
 
 
+class RetrievalBesideGeneration(EncoderServing):
+    """The retrieval routes on a generation server (`--task generate,embed`): the inputs go through the
+    generation engine's steps (SharedEmbeddingEngine); readiness, draining, names and the queue bound are
+    the generation server's."""
+
+    def __init__(self, generation: ServingState, engine: SharedEmbeddingEngine) -> None:
+        self.settings = generation.settings
+        self.engine = engine
+        self.model = engine.model
+        self.generation = generation
+        self.served_model_names, self.model_name = generation.served_model_names, generation.model_name
+        self.num_preparing = 0
+        self.inputs = InputPreparer(engine.model.tokenizer, engine.max_model_len, engine.model.config.vocab_size)
+        self.metrics = EncoderMetrics(engine, beside=generation.metrics)
+
+    @property  # type: ignore[override]
+    def is_ready(self) -> bool:
+        return self.generation.is_ready
+
+    @property  # type: ignore[override]
+    def is_draining(self) -> bool:
+        return self.generation.is_draining
+
+    @property  # type: ignore[override]
+    def startup_error(self) -> str | None:
+        return self.generation.startup_error
+
+
 def encoder_serving(request: Request) -> EncoderServing:
-    state: EncoderServing = request.app.state.serving
+    state: EncoderServing = request.app.state.retrieval
     return state
 
 
@@ -312,12 +352,16 @@ GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", 
 # mounted on a generation server: what an encoder's server would answer, refused there with the reason
 GENERATION_ONLY_ROUTES = [Route(path, retrieval_refused, methods=["POST"]) for path in RETRIEVAL_PATHS]
 
-ENCODER_ROUTES = [
+RETRIEVAL_ROUTES = [
     Route("/v1/embeddings", embeddings, methods=["POST"]),
     *(Route(path, rerank, methods=["POST"]) for path in ("/v1/rerank", "/rerank", "/v2/rerank")),
     *(Route(path, score, methods=["POST"]) for path in ("/v1/score", "/score")),
     Route("/api/embed", ollama_embed, methods=["POST"]),
     Route("/api/embeddings", ollama_embeddings, methods=["POST"]),
+]
+
+ENCODER_ROUTES = [
+    *RETRIEVAL_ROUTES,
     Route("/tokenize", tokenize, methods=["POST"]),
     # the generation server's own: they read only what every server's state has (app.server.Serving)
     Route("/v1/models", routes.models, methods=["GET"]),

@@ -21,28 +21,35 @@ def load_served_model(settings: ServerSettings) -> Model | EncoderModel | Decode
     """ModelLoadError says why the model (or the template file) cannot be served."""
     model = load_any_model(settings.model)
     if isinstance(model, EncoderModel):
-        if settings.task == "generate":
-            raise ModelLoadError(f"--task generate: {model.name} is an encoder (it embeds or scores text) and "
-                                 "generates nothing")
+        if "generate" in settings.task:
+            raise ModelLoadError(f"--task {settings.task}: {model.name} is an encoder (it embeds or scores text) "
+                                 "and generates nothing")
         if settings.chat_template is not None:
             raise ModelLoadError(f"--chat-template: {model.name} is an encoder (it embeds or scores text) and "
                                  "renders no chat")
         return model
-    declared = model.config.pooling
-    if settings.task == "embed" or (settings.task == "auto" and declared):
-        pooling = settings.pooling if settings.pooling != "auto" else declared or "last"
-        normalize = True  # as llama-server's embeddings are by default; a sentence-transformers directory says
-        modules = sentence_transformers_pooling(model.path) if model.path.is_dir() else None
-        if modules is not None:
-            normalize = modules[1]
-        context = settings.engine.max_model_len or DECODER_EMBEDDING_CONTEXT
-        logging.getLogger("treadle").info("serving %s as an embedder: %s pooling%s, inputs up to %d tokens",
-                                          model.name, pooling, ", L2-normalised" if normalize else "",
-                                          min(context, model.config.max_context))  # fmt: skip
-        return decoder_embedder(model, pooling, normalize, context)
+    if settings.task == "embed" or (settings.task == "auto" and model.config.pooling):
+        return embedder_of(model, settings)
     if settings.chat_template is not None:
         use_chat_template_file(model.tokenizer, settings.chat_template)
     return model
+
+
+def embedder_of(model: Model, settings: ServerSettings) -> DecoderEmbedder:
+    """A generation model as an embedder: `--pooling` or what the file declares (else the last token's),
+    L2-normalised unless a sentence-transformers directory says otherwise."""
+    declared = model.config.pooling
+    pooling = settings.pooling if settings.pooling != "auto" else declared or "last"
+    normalize = True  # as llama-server's embeddings are by default; a sentence-transformers directory says
+    modules = sentence_transformers_pooling(model.path) if model.path.is_dir() else None
+    if modules is not None:
+        normalize = modules[1]
+    # whole inputs in one step on an embedding server; split over steps beside generation, like prompts
+    context = settings.engine.max_model_len or (
+        model.config.max_context if settings.task == "generate,embed" else DECODER_EMBEDDING_CONTEXT)
+    logging.getLogger("treadle").info("%s embeds: %s pooling%s, inputs up to %d tokens", model.name, pooling,
+                                      ", L2-normalised" if normalize else "", min(context, model.config.max_context))
+    return decoder_embedder(model, pooling, normalize, context)
 
 
 def use_chat_template_file(tokenizer: Tokenizer, path: str) -> None:

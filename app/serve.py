@@ -32,7 +32,7 @@ from decoding.model.encoder import DecoderEmbedder, EncoderModel
 from .application import build_app, build_encoder_app
 from .embedding_routes import EncoderServing
 from .faults import install_from_env
-from .model_loading import load_served_model
+from .model_loading import embedder_of, load_served_model
 from .server import ServingState
 from .settings import ServerSettings, parse_serve_args
 
@@ -113,6 +113,8 @@ def main(argv: list[str]) -> int:
         engine: Engine | EmbeddingEngine = (
             EmbeddingEngine(model, settings.engine) if isinstance(model, EncoderModel | DecoderEmbedder)
             else Engine(model, settings.engine))  # fmt: skip
+        embeddings = (engine.serve_embeddings(embedder_of(engine.model, settings))
+                      if isinstance(engine, Engine) and settings.task == "generate,embed" else None)  # fmt: skip
     except ModelLoadError as exc:
         print(f"treadle: error: {exc}", file=sys.stderr)
         return 2
@@ -140,7 +142,7 @@ def main(argv: list[str]) -> int:
             return 2
         if faults is not None:
             log.warning("TEST FAULT INJECTION IS ON: engine steps fail %s", faults.describe())
-        app = build_app(settings, engine, on_startup_failure=stop_after_failed_startup)
+        app = build_app(settings, engine, on_startup_failure=stop_after_failed_startup, embeddings=embeddings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             timeout_graceful_shutdown=RESPONSE_FLUSH_SECONDS)
     server = DrainingServer(config, app.state.serving, settings.shutdown_grace_seconds)

@@ -39,13 +39,15 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 class ServerSettings:
     model: str = option(DEFAULT_MODEL, "registered model name, .gguf file or Hugging Face directory")
     task: str = option(
-        "auto", "what the model is served for: `generate`, or `embed` (a generation model's pooled hidden states on "
-        "/v1/embeddings, as Qwen3-Embedding and e5-mistral are served); `auto`: an encoder (BERT) and a file that "
-        "declares a pooling (GGUF's pooling_type, sentence-transformers' modules) embed, anything else generates",
-        one_of(("auto", "generate", "embed")))  # fmt: skip
+        "auto", "what the model is served for: `generate`, `embed` (a generation model's pooled hidden states on "
+        "/v1/embeddings, as Qwen3-Embedding and e5-mistral are served), or `generate,embed` (both: embedding "
+        "inputs share the generation's steps); `auto`: an encoder (BERT) and a file that declares a pooling "
+        "(GGUF's pooling_type, sentence-transformers' modules) embed, anything else generates",
+        one_of(("auto", "generate", "embed", "generate,embed")))  # fmt: skip
     pooling: str = option(
-        "auto", "how `--task embed` pools a generation model's final hidden states: `last` (the last token's: "
-        "Qwen3-Embedding), `mean`, or `cls` (the first token's); `auto`: what the file declares, else `last`",
+        "auto", "how `--task embed` (and `generate,embed`) pools a generation model's final hidden states: `last` "
+        "(the last token's: Qwen3-Embedding), `mean`, or `cls` (the first token's); `auto`: what the file "
+        "declares, else `last`",
         one_of(("auto", "last", "mean", "cls")))  # fmt: skip
     served_model_name: tuple[str, ...] = option(
         (), "the names a request may give in `model` (vLLM's option): /v1/models lists them, responses report "

@@ -211,3 +211,26 @@ def test_a_generation_model_served_with_task_embed_answers_embeddings_only():
         chat = httpx.post(server.base_url + "/v1/chat/completions",
                           json={"messages": [{"role": "user", "content": "hi"}]})
         assert chat.status_code == 400 and "generates no text" in chat.json()["error"]["message"]
+
+
+def test_a_server_that_generates_and_embeds_answers_both_at_once():
+    golden = json.loads((GOLDEN / "decoder-qwen3.json").read_text(encoding="utf-8"))
+    qwen3 = Path(__file__).parent / "golden" / "architectures" / "qwen3"
+    args = ["--model", str(qwen3), "--task", "generate,embed", "--pooling", "last", "--kernels", "exact"]
+    with running_server(args) as server:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
+        stream = client.chat.completions.create(model="qwen3", messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=40, temperature=0, stream=True)
+        next(iter(stream))  # a stream decoding while the embeddings are computed beside it
+        answer = client.embeddings.create(model="qwen3", input=[x["text"] for x in golden["inputs"]])
+        chunks = list(stream)
+        got = np.array([d.embedding for d in answer.data], dtype=np.float32)
+        np.testing.assert_allclose(got, np.array(golden["last"], dtype=np.float32), atol=2e-5)
+        assert chunks[-1].choices[0].finish_reason == "length"
+        ranked = httpx.post(server.base_url + "/v1/rerank", json={"query": "a", "documents": ["a", "b c"]}).json()
+        assert ranked["results"][0]["index"] == 0 and ranked["results"][0]["relevance_score"] > 0.999
+        metrics = httpx.get(server.base_url + "/metrics").text
+        assert 'treadle_embedding_requests_total{route="/v1/embeddings"} 1.0' in metrics
+        assert "treadle_generation_tokens_total" in metrics
+        too_long = httpx.post(server.base_url + "/v1/embeddings", json={"input": [[1], [1] * 5000]})
+        assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "input[1]"

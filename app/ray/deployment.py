@@ -150,7 +150,7 @@ class TreadleReplica:
         from decoding.engine.engine import Engine
 
         from ..application import build_app
-        from ..model_loading import load_served_model
+        from ..model_loading import embedder_of, load_served_model
 
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.to_full_id_str()  # the replica actor's name, namespace "serve"
@@ -162,7 +162,9 @@ class TreadleReplica:
             raise ModelLoadError(f"{model.name} is an embedding model; Ray replicas serve generation models "
                                  "(run `treadle serve --model NAME` without --ray)")
         self.engine = Engine(model, config)
-        self.app = build_app(settings, self.engine)
+        embeddings = (self.engine.serve_embeddings(embedder_of(model, settings))
+                      if settings.task == "generate,embed" else None)  # fmt: skip
+        self.app = build_app(settings, self.engine, embeddings=embeddings)
         self.state = self.app.state.serving
         self.state.warm_up()  # before Ray marks this replica running: no request meets a cold engine
         if self.state.startup_error:

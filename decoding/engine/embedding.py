@@ -63,6 +63,16 @@ class EncodeRequest:
     def num_tokens(self) -> int:
         return sum(len(ids) for ids, _ in self.inputs)
 
+    def resolve(self, outcome: np.ndarray | BaseException) -> None:
+        """Set the result or exception unless the client cancelled the request meanwhile."""
+        try:
+            if isinstance(outcome, BaseException):
+                self.future.set_exception(outcome)
+            else:
+                self.future.set_result(outcome)
+        except concurrent.futures.InvalidStateError:
+            pass  # cancelled between the check and now: nobody is waiting
+
 
 @dataclass(slots=True)
 class EncoderStats:
@@ -80,14 +90,35 @@ def pool_hidden(cfg: EncoderConfig, weights: EncoderWeights | None, hidden: np.n
         scores = weights.classifier @ pooled + weights.classifier_bias
         return (1.0 / (1.0 + np.exp(-scores)) if cfg.sigmoid else scores).astype(np.float32)
     if cfg.pooling == "cls":
-        vector = hidden[0].copy()
+        vector = hidden[0]
     elif cfg.pooling == "last":
-        vector = hidden[-1].copy()
+        vector = hidden[-1]
     else:
         vector = hidden.mean(axis=0, dtype=np.float32)
+    return finish_pooled(cfg, vector)
+
+
+def finish_pooled(cfg: EncoderConfig, vector: np.ndarray) -> np.ndarray:
+    """A pooled vector as the model's output: float32, L2-normalised where the model says so."""
+    vector = vector.astype(np.float32)  # a copy: the step's scratch is written again next step
     if cfg.normalize:
         vector /= max(float(np.linalg.norm(vector)), 1e-12)  # sentence-transformers' F.normalize eps
     return vector
+
+
+def validate_inputs(cfg: EncoderConfig, inputs: list[EncoderInput], max_tokens: int) -> None:
+    """Raise InputTooLong (naming the input) or ValueError for inputs that could never be computed."""
+    for index, (ids, types) in enumerate(inputs):
+        if not ids:
+            raise ValueError(f"input {index} is empty")
+        if len(ids) > max_tokens:
+            raise InputTooLong(index, len(ids), max_tokens)
+        if len(types) != len(ids):
+            raise ValueError(f"input {index} has {len(types)} token types for {len(ids)} tokens")
+        if min(ids) < 0 or max(ids) >= cfg.vocab_size:
+            raise ValueError(f"input {index} has a token id outside the vocabulary [0, {cfg.vocab_size})")
+        if min(types) < 0 or max(types) >= cfg.n_token_types:
+            raise ValueError(f"input {index} has a token type outside [0, {cfg.n_token_types})")
 
 
 def _pooled_rows(cfg: EncoderConfig, lengths: np.ndarray, starts: np.ndarray) -> np.ndarray:
@@ -165,7 +196,7 @@ class DecoderForward:
             token_ids=np.fromiter(itertools.chain.from_iterable(ids for ids, _ in inputs), np.int32, n),
             positions=positions, slot_mapping=(tables[seq_of_row, positions // bs] * bs + positions % bs).astype(
                 np.int32), block_tables=tables, context_lens=lengths.astype(np.int32),
-            query_start_loc=starts.astype(np.int32), logit_rows=rows,
+            query_start_loc=starts.astype(np.int32), logit_rows=rows, num_head_rows=0,
         )  # fmt: skip
         w = self.weights
         self.pool.run(model_step, self.fast, step, w.matrices, w.packed, w.arrays, self.architecture,
@@ -208,18 +239,7 @@ class EmbeddingEngine:
 
     def validate(self, inputs: list[EncoderInput]) -> None:
         """Raise InputTooLong (naming the input) or ValueError for inputs that could never be computed."""
-        cfg = self.model.config
-        for index, (ids, types) in enumerate(inputs):
-            if not ids:
-                raise ValueError(f"input {index} is empty")
-            if len(ids) > self.max_model_len:
-                raise InputTooLong(index, len(ids), self.max_model_len)
-            if len(types) != len(ids):
-                raise ValueError(f"input {index} has {len(types)} token types for {len(ids)} tokens")
-            if min(ids) < 0 or max(ids) >= cfg.vocab_size:
-                raise ValueError(f"input {index} has a token id outside the vocabulary [0, {cfg.vocab_size})")
-            if min(types) < 0 or max(types) >= cfg.n_token_types:
-                raise ValueError(f"input {index} has a token type outside [0, {cfg.n_token_types})")
+        validate_inputs(self.model.config, inputs, self.max_model_len)
 
     def submit(self, inputs: list[EncoderInput],
                request_id: str | None = None) -> concurrent.futures.Future[np.ndarray]:
@@ -287,7 +307,7 @@ class EmbeddingEngine:
             why = EngineFailed(f"the engine failed: {self.failure}") if self.failure else EngineShuttingDown(
                 "the engine shut down before the request finished")
             for request in ended:
-                _resolve(request.future, why)
+                request.resolve(why)
 
     def _schedule(self) -> list[tuple[EncodeRequest, int]]:
         """This step's inputs: (request, input index), one per request in turn, under the token budget."""
@@ -330,15 +350,4 @@ class EmbeddingEngine:
                 with self._wakeup:
                     self._active.remove(request)
                 self.stats.num_requests += 1
-                _resolve(request.future, request.outputs)
-
-
-def _resolve(future: concurrent.futures.Future[np.ndarray], outcome: np.ndarray | BaseException) -> None:
-    """Set a request's result or exception unless its client cancelled it meanwhile."""
-    try:
-        if isinstance(outcome, BaseException):
-            future.set_exception(outcome)
-        else:
-            future.set_result(outcome)
-    except concurrent.futures.InvalidStateError:
-        pass  # cancelled between the check and now: nobody is waiting
+                request.resolve(request.outputs)

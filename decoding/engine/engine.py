@@ -32,9 +32,12 @@ from threadpool import BrokenPool, SpinPool
 
 from ..kernels import weight_cache
 from ..kernels.forward import KernelWeights, resident_weight_bytes
+from ..model.encoder import DecoderEmbedder
 from ..model.model import Model
 from . import memory
 from .config import KV_CACHE_DTYPES, EngineConfig, resolve_kv_cache_dtype
+from .embedding import EncodeRequest
+from .embedding_lane import EmbeddingLane, SharedEmbeddingEngine
 from .errors import EngineFailed, EngineShuttingDown, QueueFull, RequestTooLarge
 from .observers import EngineObserver, EngineStats, notify
 from .output_processor import OutputProcessor
@@ -107,6 +110,18 @@ class Engine:
         self.failure: str | None = None  # why the engine thread ended, if it did on an error
         self._thread: threading.Thread | None = None
 
+    def serve_embeddings(self, embedder: DecoderEmbedder) -> SharedEmbeddingEngine:
+        """Embed with this engine's model too (`--task generate,embed`), before `start`: the inputs share
+        the generation's steps (decoding.engine.embedding_lane). Returns the embedding engine's interface."""
+        if embedder.decoder is not self.model:
+            raise ValueError("the embedder must pool this engine's model")
+        if self._thread is not None:
+            raise RuntimeError("serve_embeddings comes before start()")
+        lane = EmbeddingLane(self.kv, embedder.config, self.config.max_num_seqs,
+                             on_request_done=lambda _: self._request_done())  # fmt: skip
+        self.scheduler.embedding_lane = lane
+        return SharedEmbeddingEngine(self, embedder, min(self.max_model_len, embedder.config.max_context))
+
     def _attach_prefix_tiers(self, ram_bytes: int, root_hash: bytes, model_fingerprint: bytes) -> None:
         cfg = self.config
         directory = Path(cfg.prefix_cache_dir).expanduser() if cfg.prefix_cache_dir else None
@@ -141,12 +156,7 @@ class Engine:
         request_id = request_id or f"req-{next(self._ids)}"
         stream = RequestStream(request_id, loop, self.config.max_unread_bytes, on_drained=self._wake)
         with self._wakeup:
-            if self.failure is not None:
-                raise EngineFailed(f"the engine failed and serves nothing more: {self.failure}")
-            if self._stopping:
-                raise EngineShuttingDown("the engine is shutting down")
-            if self._num_unfinished >= self.config.max_queue:
-                raise QueueFull(f"{self._num_unfinished} requests are running or waiting (max_queue)")
+            self._check_accepting()
             self._num_unfinished += 1
             request = Request(request_id, list(prompt_ids), params, stream, priority=priority)
             if queue_timeout is not None:
@@ -154,6 +164,25 @@ class Engine:
             self._inbox.append(("add", request))
             self._wakeup.notify()
         return stream
+
+    def submit_embedding(self, request: EncodeRequest) -> None:
+        """Queue an embedding request (SharedEmbeddingEngine.submit validated it); its future gets the result."""
+        if self.scheduler.embedding_lane is None:
+            raise RuntimeError("this engine serves no embeddings: see serve_embeddings")
+        with self._wakeup:
+            self._check_accepting()
+            self._num_unfinished += 1
+            self._inbox.append(("embed", request))
+            self._wakeup.notify()
+
+    def _check_accepting(self) -> None:
+        """With `_wakeup` held: raise unless a new request may be queued."""
+        if self.failure is not None:
+            raise EngineFailed(f"the engine failed and serves nothing more: {self.failure}")
+        if self._stopping:
+            raise EngineShuttingDown("the engine is shutting down")
+        if self._num_unfinished >= self.config.max_queue:
+            raise QueueFull(f"{self._num_unfinished} requests are running or waiting (max_queue)")
 
     def _wake(self) -> None:
         """A paused request's reader caught up: schedule it again."""
@@ -260,6 +289,9 @@ class Engine:
         self._drain_inbox()
         for request in list(self.outputs.requests.values()):
             self._end_request(request, FinishReason.ABORT_SHUTDOWN)
+        if self.scheduler.embedding_lane is not None:
+            self.scheduler.embedding_lane.end_all(EngineShuttingDown("the engine shut down before the request "
+                                                                     "finished"))  # fmt: skip
         self._close_prefix_tiers()
 
     def _close_prefix_tiers(self) -> None:
@@ -297,7 +329,7 @@ class Engine:
             self._notify("on_preemption")
         if step.preempted:
             self._is_idle = False  # it admits nothing right after preempting: the next step will
-        if not step.chunks:
+        if step.is_empty:
             return
         self._is_idle = False
         started = time.perf_counter()
@@ -308,6 +340,9 @@ class Engine:
             for request in {id(c.seq.request): c.seq.request for c in step.chunks}.values():
                 self._end_request(request, FinishReason.ERROR, f"internal error while generating: {type(exc).__name__}",
                                   latest_step_ran=False)
+            if step.embeddings:
+                self.scheduler.embedding_lane.abandon(  # type: ignore[union-attr]
+                    step.embeddings, EngineFailed(f"internal error while embedding: {type(exc).__name__}"))
             if isinstance(exc, BrokenPool):
                 raise
             return
@@ -322,6 +357,8 @@ class Engine:
         kernel_started = time.perf_counter()
         logits = self.runner.forward(batch)
         kernel_seconds = time.perf_counter() - kernel_started
+        if step.embeddings:
+            self.scheduler.embedding_lane.finish(step.embeddings, self.runner.pooled_rows(batch))  # type: ignore[union-attr]
         result = sample_step(step, logits, first_rows, self.sampler, self.guide)
         finished = self.outputs.process(step, result)
         self.stats.num_prompt_tokens += self.scheduler.update_from_output(step, result, finished)
@@ -334,7 +371,8 @@ class Engine:
         self.stats.kernel_seconds += kernel_seconds
         self.stats.num_draft_tokens += step.num_draft_tokens
         self.stats.num_accepted_draft_tokens += sum(r.num_accepted_drafts for r in result.chunks)
-        self._notify("on_step", seconds, kernel_seconds, step.num_tokens, len(step.chunks))
+        self._notify("on_step", seconds, kernel_seconds, step.num_tokens + step.num_embedding_tokens,
+                     len(step.chunks) + len(step.embeddings))
         self._notify("on_step_scheduled", step, seconds, kernel_seconds)
 
     def _abort_slow_readers(self) -> None:
@@ -373,6 +411,8 @@ class Engine:
             try:
                 if command == "add":
                     self._add_request(payload)
+                elif command == "embed":
+                    self.scheduler.embedding_lane.add(payload)  # type: ignore[union-attr]
                 elif command == "abort" and payload in self.outputs.requests:
                     self._end_request(self.outputs.requests[payload], FinishReason.ABORT_CLIENT)
                 elif command == "clear_prefix_cache":
@@ -381,6 +421,10 @@ class Engine:
                 log.exception("engine failed to apply %r", command)
                 if isinstance(payload, concurrent.futures.Future):
                     payload.set_exception(exc)
+                    continue
+                if isinstance(payload, EncodeRequest):
+                    self._request_done()
+                    payload.resolve(EngineFailed(f"internal error in the engine: {type(exc).__name__}"))
                     continue
                 request = payload if command == "add" else self.outputs.requests.get(payload)
                 error = f"internal error in the engine: {type(exc).__name__}"
@@ -416,6 +460,9 @@ class Engine:
             for _, payload in pending:
                 if isinstance(payload, concurrent.futures.Future):
                     payload.set_exception(EngineFailed(error))
+                elif isinstance(payload, EncodeRequest):
+                    self._request_done()
+                    payload.resolve(EngineFailed(error))
         for request in requests:
             try:
                 self.outputs.end_stream(request, error)
@@ -424,6 +471,8 @@ class Engine:
         self.outputs.requests.clear()
         self._queue_deadlines.clear()
         self.num_running_requests = self.num_paused_requests = 0
+        if self.scheduler.embedding_lane is not None:  # before free_all: the lane frees its inputs' blocks
+            self.scheduler.embedding_lane.end_all(EngineFailed(error))
         self.scheduler.running.clear()
         self.scheduler.waiting.clear()
         self.kv.free_all(latest_step_ran=False)

@@ -21,8 +21,13 @@ class StepBatch:
 
     token_ids: np.ndarray  # (num_tokens,) int32
     kv: KVBatchArrays  # positions, slot mapping, block tables, context lengths, query starts
-    logit_rows: np.ndarray  # (num_logit_rows,) int32: rows whose logits are needed, in output order
+    logit_rows: np.ndarray  # (num_logit_rows,) int32: rows whose logits are needed, then the pooled rows
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, before the step
+    num_pooled_rows: int = 0  # the last of `logit_rows`: final-normed for an embedding, no logits
+
+    @property
+    def num_head_rows(self) -> int:
+        return int(self.logit_rows.shape[0]) - self.num_pooled_rows
 
     @property
     def num_tokens(self) -> int:
@@ -57,7 +62,8 @@ class ModelRunner:
         self.state = self.state._replace(phase_cycles=phase_counters() if on else no_profile())
 
     def forward(self, batch: StepBatch) -> np.ndarray:
-        """Run one step; returns logits (num_logit_rows, vocab), a view valid until the next step."""
+        """Run one step; returns logits (num_head_rows, vocab), a view valid until the next step (the
+        pooled rows' final hidden states are in `pooled_rows`)."""
         if not 0 < batch.num_tokens <= self.max_num_tokens:
             raise ValueError(f"a step holds 1..{self.max_num_tokens} tokens, got {batch.num_tokens}")
         if batch.logit_rows.shape[0] > self.max_logit_rows:
@@ -67,8 +73,14 @@ class ModelRunner:
         kv = batch.kv
         step = StepInputs(token_ids=batch.token_ids, positions=kv.positions, slot_mapping=kv.slot_mapping,
                           block_tables=kv.block_tables, context_lens=kv.context_lens,
-                          query_start_loc=kv.query_start_loc, logit_rows=batch.logit_rows)
+                          query_start_loc=kv.query_start_loc, logit_rows=batch.logit_rows,
+                          num_head_rows=batch.num_head_rows)
         w = self.weights
         self.pool.run(model_step, self.kernels == "fast", step, w.matrices, w.packed, w.arrays, self.architecture,
                       self.storage.key_cache, self.storage.value_cache, self.state)
-        return self.state.logits[: batch.logit_rows.shape[0]]
+        return self.state.logits[: batch.num_head_rows]
+
+    def pooled_rows(self, batch: StepBatch) -> np.ndarray:
+        """The final-normed hidden states of the batch's pooled rows (num_pooled_rows, dim), after
+        `forward`; a view valid until the next step."""
+        return self.state.final[batch.num_head_rows : batch.logit_rows.shape[0]]

@@ -44,6 +44,7 @@ from collections.abc import Iterable
 
 from kvcache.manager import KVCacheManager
 
+from .embedding_lane import EmbeddingLane
 from .sequence import Sequence, SequenceStatus
 from .speculative import MAX_NGRAM, DraftCostModel, NgramDrafter
 from .step import ScheduledChunk, ScheduledStep, StepResult
@@ -69,10 +70,11 @@ class Scheduler:
         self.num_preemptions = 0
         self.priority_starvation_seconds = priority_starvation_seconds
         self._burst: set[int] = set()  # the sequences of the burst being prefilled (_burst_tokens_left)
+        self.embedding_lane: EmbeddingLane | None = None  # embedding inputs take what prompts leave of a step
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running) or (self.embedding_lane is not None and self.embedding_lane.has_work)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -119,6 +121,8 @@ class Scheduler:
         self._schedule_prefills(out, budget)
         if not out.preempted:  # admitting right after preempting would only trade one for another
             self._admit(out, budget)
+        if self.embedding_lane is not None:
+            out.embeddings = self.embedding_lane.schedule(budget, start_inputs=not out.preempted)
         for chunk in out.chunks:
             for fork in chunk.forks:
                 self.add_running(fork)
@@ -180,7 +184,7 @@ class Scheduler:
     def observe_step(self, scheduled: ScheduledStep, seconds: float) -> None:
         """The engine reports how long a scheduled step took (it sizes later prefill chunks, and
         tells whether drafts pay)."""
-        num_prefill = scheduled.num_tokens - scheduled.num_decode_tokens
+        num_prefill = scheduled.num_tokens + scheduled.num_embedding_tokens - scheduled.num_decode_tokens
         if self.step_costs is not None:
             self.step_costs.observe(scheduled.num_decode_tokens, num_prefill, seconds)
         if num_prefill == 0 and scheduled.num_decode_tokens:

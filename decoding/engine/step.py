@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from kvcache.manager import BlockCopy
 
+from .embedding_lane import EmbeddingChunk
 from .sampling import TokenLogprobs
 from .sequence import Sequence
 
@@ -42,10 +43,20 @@ class ScheduledStep:
     preempted: list[Sequence] = field(default_factory=list)
     num_decode_tokens: int = 0  # decodes and their draft tokens
     num_draft_tokens: int = 0
+    embeddings: list[EmbeddingChunk] = field(default_factory=list)  # after the chunks' rows in the batch
 
     @property
     def num_tokens(self) -> int:
+        """The generation's tokens (the chunks')."""
         return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def num_embedding_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.embeddings)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks and not self.embeddings
 
 
 @dataclass(slots=True)

@@ -16,11 +16,14 @@ def build_step_batch(kv: KVCacheManager, scheduled: ScheduledStep) -> tuple[Step
 
     A chunk needs logits for its last row when it samples, and for every row while a request asks
     for prompt logprobs or when it verifies draft tokens; only those rows go through the final norm
-    and the LM head.
+    and the LM head. The embedding inputs' rows follow the chunks'; the rows their pooling reads go
+    through the final norm only, after the rows with logits.
     """
-    token_ids = np.fromiter((t for c in scheduled.chunks for t in c.token_ids), dtype=np.int32,
-                            count=scheduled.num_tokens)
-    arrays = build_batch_arrays(kv, [c.seq.seq_id for c in scheduled.chunks], [c.num_tokens for c in scheduled.chunks])
+    parts = [*scheduled.chunks, *scheduled.embeddings]
+    num_tokens = scheduled.num_tokens + scheduled.num_embedding_tokens
+    token_ids = np.fromiter((t for c in parts for t in c.token_ids), dtype=np.int32, count=num_tokens)
+    seq_ids = [c.seq.seq_id for c in scheduled.chunks] + [c.input.seq_id for c in scheduled.embeddings]
+    arrays = build_batch_arrays(kv, seq_ids, [c.num_tokens for c in parts])
     logit_rows: list[int] = []
     first_rows: list[int] = []
     row = 0
@@ -35,5 +38,11 @@ def build_step_batch(kv: KVCacheManager, scheduled: ScheduledStep) -> tuple[Step
         else:
             first_rows.append(-1)
         row = end
-    batch = StepBatch(token_ids, arrays, np.asarray(logit_rows, dtype=np.int32), scheduled.block_copies)
+    num_pooled_rows = 0
+    for embedding in scheduled.embeddings:
+        logit_rows.extend(row + offset for offset in embedding.pooled_rows)
+        num_pooled_rows += len(embedding.pooled_rows)
+        row += embedding.num_tokens
+    batch = StepBatch(token_ids, arrays, np.asarray(logit_rows, dtype=np.int32), scheduled.block_copies,
+                      num_pooled_rows)
     return batch, first_rows

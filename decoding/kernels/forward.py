@@ -265,7 +265,8 @@ class StepInputs(NamedTuple):
     block_tables: np.ndarray
     context_lens: np.ndarray
     query_start_loc: np.ndarray
-    logit_rows: np.ndarray  # rows whose logits are needed, in output order
+    logit_rows: np.ndarray  # rows that go through the final norm (scratch.final), in output order
+    num_head_rows: int  # the first rows of those also go through the LM head; the rest are pooled (embeddings)
 
 
 class StepScratch(NamedTuple):
@@ -279,8 +280,8 @@ class StepScratch(NamedTuple):
     attn: np.ndarray  # (max_tokens, n_heads · head_dim) attention output
     hb: np.ndarray  # (max_tokens, hidden_dim) SwiGLU output (no rows in a mixture of experts)
     up: np.ndarray  # (max_tokens, hidden_dim) the up projection, before the fast kernels' SiLU pass
-    final: np.ndarray  # (max_logit_rows, dim) final-normed rows that sample
-    logits: np.ndarray  # (max_logit_rows, vocab)
+    final: np.ndarray  # (max_logit_rows, dim) final-normed rows: those that sample, then those pooled
+    logits: np.ndarray  # (max_logit_rows, vocab) of the rows that sample
     row_buffers: np.ndarray  # (n_threads, 2, max(dim, hidden_dim, q_dim)) dequantized weight rows
     attn_scratch: np.ndarray  # kvcache.attention.attention_scratch
     xq: np.ndarray  # (max(max_tokens, max_logit_rows), widest) int8 quantized activations (fast mode)
@@ -369,7 +370,8 @@ def model_step(tid, nthreads, barrier, fast, step, matrices, packed, weights, ar
     """One engine step on thread `tid` of `nthreads`: `step` (StepInputs) through every layer with
     `weights` (WeightArrays, beside the layers' `matrices` and their `packed` copies) and `arch`
     (Architecture), KV written to and read from the paged caches, `scratch` (StepScratch) for the
-    activations; the logits of `step.logit_rows` end in `scratch.logits`."""
+    activations; `step.logit_rows` final-normed end in `scratch.final`, the logits of the first
+    `step.num_head_rows` of them in `scratch.logits`."""
     token_ids, positions, slot_mapping = step.token_ids, step.positions, step.slot_mapping
     block_tables, context_lens, query_start_loc = step.block_tables, step.context_lens, step.query_start_loc
     logit_rows = step.logit_rows
@@ -522,13 +524,13 @@ def model_step(tid, nthreads, barrier, fast, step, matrices, packed, weights, ar
 
     n_rows = logit_rows.shape[0]
     i0, i1 = split_range(n_rows, tid, nthreads)
-    for i in range(i0, i1):  # final RMSNorm, only for rows that sample
+    for i in range(i0, i1):  # final RMSNorm, only for rows that sample or are pooled
         rmsnorm_row(x[logit_rows[i]], output_norm, rms_eps, final[i])
     quantize_rows(fast, final, dim, i0, i1, xq, xd, xsum)
     barrier_wait(barrier, tid)
     clock = lap(profile, FINAL_NORM, clock)
     vocab = logits.shape[1]  # LM head
     project(fast, lm_head, lm_head_packed, lm_head_qtype, lm_head_packed_qtype, vocab, dim, final, xq, xd, xsum,
-            n_rows, logits, False, tid, nthreads, buf[0], tmp[0])
+            step.num_head_rows, logits, False, tid, nthreads, buf[0], tmp[0])
     lap(profile, LM_HEAD, clock)  # thread 0's share: the pool's end is the step's last barrier
 # fmt: on
