@@ -134,7 +134,7 @@ class InputPreparer:
                 for i, (ids, types) in enumerate(encoded)]  # fmt: skip
 
     def pairs(self, pairs: list[tuple[str, str]], limit: int | None, param: str) -> list[tuple[list[int], list[int]]]:
-        encoded = [self.tokenizer.encode_pair(a, b) for a, b in pairs]
+        encoded = [self.tokenizer.encode_pair(a, b, limit) for a, b in pairs]
         return [self._fit(ids, types, limit, f"{param}[{i}]") for i, (ids, types) in enumerate(encoded)]
 
     def token_ids(self, lists: list[list[int]], limit: int | None) -> list[tuple[list[int], list[int]]]:

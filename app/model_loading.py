@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 from decoding import Model, ModelLoadError, TemplateError
+from decoding.model.decoder_reranker import decoder_reranker, is_reranker
 from decoding.model.encoder import DecoderEmbedder, EncoderModel, decoder_embedder, sentence_transformers_pooling
 from decoding.model.registry import load_any_model
 from decoding.model.tokenizer import Tokenizer
@@ -27,7 +28,18 @@ def load_served_model(settings: ServerSettings) -> Model | EncoderModel | Decode
         if settings.chat_template is not None:
             raise ModelLoadError(f"--chat-template: {model.name} is an encoder (it embeds or scores text) and "
                                  "renders no chat")
+        wanted = {"embed": "embed", "rerank": "classify"}.get(settings.task, model.config.task)
+        if wanted != model.config.task:
+            does = "embeds texts" if model.config.task == "embed" else "scores text pairs (a cross-encoder)"
+            raise ModelLoadError(f"--task {settings.task}: {model.name} {does}")
         return model
+    if settings.task == "rerank" or (settings.task == "auto" and is_reranker(model)):
+        if settings.chat_template is not None:
+            raise ModelLoadError("--chat-template: a reranker renders its own judging prompt, not a chat")
+        context = settings.engine.max_model_len or DECODER_EMBEDDING_CONTEXT
+        logging.getLogger("treadle").info("%s reranks: p(yes) of its answer to the judging prompt, inputs up to %d "
+                                          "tokens", model.name, min(context, model.config.max_context))
+        return decoder_reranker(model, context)
     if settings.task == "embed" or (settings.task == "auto" and model.config.pooling):
         return embedder_of(model, settings)
     if settings.chat_template is not None:

@@ -40,10 +40,12 @@ class ServerSettings:
     model: str = option(DEFAULT_MODEL, "registered model name, .gguf file or Hugging Face directory")
     task: str = option(
         "auto", "what the model is served for: `generate`, `embed` (a generation model's pooled hidden states on "
-        "/v1/embeddings, as Qwen3-Embedding and e5-mistral are served), or `generate,embed` (both: embedding "
-        "inputs share the generation's steps); `auto`: an encoder (BERT) and a file that declares a pooling "
-        "(GGUF's pooling_type, sentence-transformers' modules) embed, anything else generates",
-        one_of(("auto", "generate", "embed", "generate,embed")))  # fmt: skip
+        "/v1/embeddings, as Qwen3-Embedding and e5-mistral are served), `generate,embed` (both: embedding "
+        "inputs share the generation's steps), or `rerank` (a generation model scoring (query, document) pairs "
+        "by its yes/no logits on /v1/rerank and /v1/score, as Qwen3-Reranker is served); `auto`: an encoder "
+        "(BERT) and a file that declares a pooling (GGUF's pooling_type, sentence-transformers' modules) embed "
+        "or rerank as it says, a Qwen3-Reranker directory reranks, anything else generates",
+        one_of(("auto", "generate", "embed", "generate,embed", "rerank")))  # fmt: skip
     pooling: str = option(
         "auto", "how `--task embed` (and `generate,embed`) pools a generation model's final hidden states: `last` "
         "(the last token's: Qwen3-Embedding), `mean`, or `cls` (the first token's); `auto`: what the file "

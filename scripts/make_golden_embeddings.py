@@ -9,6 +9,9 @@ Writes tests/golden/embeddings/:
   extracted to a temporary directory);
 - decoder-qwen3.json: the tiny Qwen3 of tests/golden/architectures served as an embedder, pooled by
   the last token and by the mean, from transformers' final hidden states;
+- tiny-qwen3-reranker/: the tiny Qwen3 with "yes" and "no" added to its tokenizer, scored by Qwen3-Reranker's
+  recipe (its model card: the system prompt, `<Instruct>: ...\n<Query>: ...\n<Document>: ...`, the assistant's
+  empty thinking; p(yes) from the last position's yes/no logits), pairs and scores in golden.json;
 - tiny-bert-embed/ and tiny-bert-cross/: tiny random BERT models saved by transformers (an embedder with
   CLS pooling and normalisation as a sentence-transformers directory, and a BertForSequenceClassification
   cross-encoder) with a cut-down WordPiece vocabulary, and their outputs in golden.json.
@@ -197,6 +200,57 @@ def decoder_golden() -> None:
     print(f"decoder-qwen3: {len(texts)} inputs")
 
 
+# Qwen3-Reranker's recipe, as its model card writes it
+RERANK_PREFIX = ("<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the "
+                 "Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n")
+RERANK_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+RERANK_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+
+
+def decoder_reranker_golden() -> None:
+    """The tiny Qwen3 as a Qwen3-Reranker: its directory (the tokenizer gains "yes" and "no", within the
+    model's vocabulary; a README that names the recipe, as the real model's does) and transformers' scores."""
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    source = ROOT / "tests" / "golden" / "architectures" / "qwen3"
+    directory = OUT / "tiny-qwen3-reranker"
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in ("model.safetensors", "tokenizer_config.json"):
+        shutil.copy(source / name, directory / name)
+    config = json.loads((source / "config.json").read_text(encoding="utf-8"))
+    config["max_position_embeddings"] = 1024  # the recipe's prompt alone is ~200 of the tiny tokenizer's tokens
+    (directory / "config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
+    tokenizer_json = json.loads((source / "tokenizer.json").read_text(encoding="utf-8"))
+    next_id = max([*tokenizer_json["model"]["vocab"].values(), *(t["id"] for t in tokenizer_json["added_tokens"])]) + 1
+    for offset, word in enumerate(("yes", "no")):
+        tokenizer_json["added_tokens"].append({"id": next_id + offset, "content": word, "single_word": False,
+                                               "lstrip": False, "rstrip": False, "normalized": False,
+                                               "special": False})  # fmt: skip
+    (directory / "tokenizer.json").write_text(json.dumps(tokenizer_json, ensure_ascii=False), encoding="utf-8")
+    (directory / "README.md").write_text("# Qwen3-Reranker (tiny, random weights: a test model)\n", encoding="utf-8")
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(directory)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    assert model.config.vocab_size > next_id + 1
+    yes, no = tokenizer.convert_tokens_to_ids("yes"), tokenizer.convert_tokens_to_ids("no")
+    prefix = tokenizer.encode(RERANK_PREFIX, add_special_tokens=False)
+    suffix = tokenizer.encode(RERANK_SUFFIX, add_special_tokens=False)
+    pairs = [("what is a cat", "A cat is a small animal."), ("what is a cat", "def f(x): return x * 2"),
+             ("capital of France", "Paris is the capital of France."), ("数据库", "数据库 search " * 4),
+             ("a", "b")]
+    inputs, scores = [], []
+    for query, document in pairs:
+        body = f"<Instruct>: {RERANK_INSTRUCTION}\n<Query>: {query}\n<Document>: {document}"
+        ids = prefix + tokenizer.encode(body, add_special_tokens=False) + suffix
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1]
+        pair = torch.stack([logits[no], logits[yes]])
+        scores.append(float(torch.nn.functional.log_softmax(pair, dim=0)[1].exp()))
+        inputs.append({"query": query, "document": document, "ids": ids})
+    (directory / "golden.json").write_text(json.dumps({"inputs": inputs, "scores": scores, "yes": yes, "no": no},
+                                                      ensure_ascii=False), encoding="utf-8")  # fmt: skip
+    print(f"tiny-qwen3-reranker: {len(pairs)} pairs")
+
+
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as temp:
@@ -204,6 +258,7 @@ def main() -> None:
         minilm_golden(minilm)
         tiny_goldens(minilm)
     decoder_golden()
+    decoder_reranker_golden()
 
 
 if __name__ == "__main__":

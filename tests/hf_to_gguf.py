@@ -34,10 +34,14 @@ _GEMMA_NORM_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_fee
                      "post_feedforward_layernorm": "post_ffw_norm"}  # fmt: skip
 
 
-def convert(directory: Path, out: Path, qtype: QType = QType.F32, pooling_type: int = 0) -> Path:
+def convert(directory: Path, out: Path, qtype: QType = QType.F32, pooling_type: int = 0,
+            rerank_template: str | None = None) -> Path:
     """`qtype`: how the layers' matrices (and experts) are stored, as llama-quantize would store them;
     the embedding, head, norms and routers stay F32. `pooling_type`: llama.cpp's key for an embedding
-    model (1 mean, 3 last token, as its converter writes Qwen3-Embedding's), with EOS added to inputs."""
+    model (1 mean, 3 last token, as its converter writes Qwen3-Embedding's), with EOS added to inputs.
+    `rerank_template`: a Qwen3-Reranker as llama.cpp's converter writes one: rank pooling, the head's rows
+    of "yes" and "no" as `cls.output.weight` (and no `output.weight`), the template as the "rerank" chat
+    template."""
     cfg = json.loads((directory / "config.json").read_text())
     model_type = cfg["model_type"]
     arch = GGUF_ARCHITECTURE[model_type]
@@ -56,7 +60,10 @@ def convert(directory: Path, out: Path, qtype: QType = QType.F32, pooling_type: 
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     rope = cfg["rope_parameters"]
     writer.add_rope_freq_base((rope["full_attention"] if gemma else rope)["rope_theta"])
-    if pooling_type:
+    if rerank_template is not None:
+        writer.add_pooling_type(gguf.PoolingType.RANK)
+        writer.add_classifier_output_labels(["yes", "no"])
+    elif pooling_type:
         writer.add_pooling_type(gguf.PoolingType(pooling_type))
         writer.add_add_eos_token(True)
     if cfg.get("sliding_window"):
@@ -75,20 +82,25 @@ def convert(directory: Path, out: Path, qtype: QType = QType.F32, pooling_type: 
 
     tok = json.loads((directory / "tokenizer.json").read_text())
     vocab = tok["model"]["vocab"]
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda item: item[1])]
-    specials = {t["content"] for t in tok["added_tokens"]}
+    by_id = {i: t for t, i in vocab.items()} | {t["id"]: t["content"] for t in tok["added_tokens"]}
+    tokens = [by_id[i] for i in range(len(by_id))]
+    specials = {t["content"] for t in tok["added_tokens"] if t["special"]}
+    user_defined = {t["content"] for t in tok["added_tokens"] if not t["special"]}
     n_real = len(tokens)
     tokens += [f"[PAD{i}]" for i in range(n_real, cfg["vocab_size"])]  # the converter pads to the model's rows
     tok_config = json.loads((directory / "tokenizer_config.json").read_text())
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in specials else 1 if i < n_real else 5 for i, t in enumerate(tokens)])
+    writer.add_token_types([3 if t in specials else 4 if t in user_defined else 1 if i < n_real else 5
+                            for i, t in enumerate(tokens)])
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
     writer.add_bos_token_id(cfg["bos_token_id"])
     writer.add_eos_token_id(cfg["eos_token_id"])
     writer.add_add_bos_token(bool(tok_config.get("add_bos_token")))
-    if tok_config.get("chat_template"):
+    if rerank_template is not None:
+        writer.add_chat_template([{"name": "rerank", "template": rerank_template}])
+    elif tok_config.get("chat_template"):
         writer.add_chat_template(tok_config["chat_template"])
     assert HFTokenizer.from_file(str(directory / "tokenizer.json")).get_vocab_size() == n_real
 
@@ -114,7 +126,11 @@ def convert(directory: Path, out: Path, qtype: QType = QType.F32, pooling_type: 
 
     add("token_embd.weight", dense("model.embed_tokens.weight"))
     add("output_norm.weight", norm("model.norm.weight"))
-    if "lm_head.weight" in tensors and not cfg.get("tie_word_embeddings"):
+    untied = "lm_head.weight" in tensors and not cfg.get("tie_word_embeddings")
+    if rerank_template is not None:
+        head = dense("lm_head.weight" if untied else "model.embed_tokens.weight")
+        add("cls.output.weight", np.stack([head[tokens.index(w)] for w in ("yes", "no")]))
+    elif untied:
         add("output.weight", dense("lm_head.weight"))
     if rope.get("rope_type") == "llama3":
         add("rope_freqs.weight", np.array(llama3_frequency_factors(rope, head_dim), dtype=np.float32))

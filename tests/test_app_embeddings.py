@@ -234,3 +234,27 @@ def test_a_server_that_generates_and_embeds_answers_both_at_once():
         assert "treadle_generation_tokens_total" in metrics
         too_long = httpx.post(server.base_url + "/v1/embeddings", json={"input": [[1], [1] * 5000]})
         assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "input[1]"
+
+
+def test_a_decoder_reranker_serves_rerank_and_score_as_its_recipe_scores():
+    golden = json.loads((GOLDEN / "tiny-qwen3-reranker" / "golden.json").read_text(encoding="utf-8"))
+    pairs = [(x["query"], x["document"]) for x in golden["inputs"]][:2]
+    with running_server(["--model", str(GOLDEN / "tiny-qwen3-reranker"), "--kernels", "exact"]) as server:
+        url = server.base_url
+        answer = httpx.post(url + "/v1/rerank", json={"query": pairs[0][0], "documents": [d for _, d in pairs],
+                                                      "return_documents": True}).json()  # fmt: skip
+        by_index = {r["index"]: r for r in answer["results"]}
+        np.testing.assert_allclose([by_index[i]["relevance_score"] for i in range(2)], golden["scores"][:2],
+                                   rtol=1e-4)  # fmt: skip
+        assert [r["index"] for r in answer["results"]] == list(np.argsort(golden["scores"][:2])[::-1])
+        assert by_index[1]["document"]["text"] == pairs[1][1]
+        assert answer["usage"]["total_tokens"] == sum(len(x["ids"]) for x in golden["inputs"][:2])
+        scored = httpx.post(url + "/v1/score", json={"text_1": pairs[0][0], "text_2": pairs[0][1]}).json()
+        assert scored["data"][0]["score"] == pytest.approx(golden["scores"][0], rel=1e-4)
+        cut = httpx.post(url + "/v1/rerank", json={"query": "q", "documents": ["word " * 400],
+                                                   "truncate_prompt_tokens": 300}).json()  # fmt: skip
+        assert 280 < cut["usage"]["total_tokens"] <= 300
+        too_long = httpx.post(url + "/v1/rerank", json={"query": "q", "documents": ["a", "word " * 2000]})
+        assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "documents[1]"
+        embeddings = httpx.post(url + "/v1/embeddings", json={"input": "hi"})
+        assert embeddings.status_code == 400 and "needs an embedding model" in embeddings.json()["error"]["message"]

@@ -244,3 +244,57 @@ def test_a_gguf_that_declares_a_pooling_is_served_as_an_embedder(tmp_path):
     plain = load_served_model(ServerSettings(model=str(QWEN3), task="embed", pooling="mean"))
     assert isinstance(plain, DecoderEmbedder) and plain.config.pooling == "mean"
     assert isinstance(load_served_model(ServerSettings(model=str(QWEN3))), Model)  # declares nothing: generates
+
+
+RERANKER = GOLDEN / "tiny-qwen3-reranker"
+
+
+@pytest.mark.parametrize("source", ["directory", "gguf"])
+@pytest.mark.parametrize("kernels, rtol", [("exact", 1e-4), ("fast", 3e-3)])
+def test_a_decoder_reranker_scores_as_qwen3_rerankers_recipe_does(tmp_path, source, kernels, rtol):
+    from app.model_loading import load_served_model
+    from app.settings import ServerSettings
+    from decoding.model.decoder_reranker import QWEN3_RERANK_TEMPLATE
+
+    golden = json.loads((RERANKER / "golden.json").read_text(encoding="utf-8"))
+    path = RERANKER if source == "directory" else convert(RERANKER, tmp_path / "reranker.gguf",
+                                                            rerank_template=QWEN3_RERANK_TEMPLATE)  # fmt: skip
+    served = load_served_model(ServerSettings(model=str(path)))  # a README or rank pooling says what it is
+    assert isinstance(served, DecoderEmbedder) and served.config.task == "classify"
+    inputs = [served.tokenizer.encode_pair(x["query"], x["document"]) for x in golden["inputs"]]
+    assert [ids for ids, _ in inputs] == [x["ids"] for x in golden["inputs"]]  # the recipe's tokens
+    engine = EmbeddingEngine(served, EngineConfig(kernels=kernels)).start()
+    try:
+        together = engine.encode(inputs)
+        alone = np.concatenate([engine.encode([x]) for x in inputs])
+    finally:
+        engine.shutdown()
+    assert together.shape == (len(inputs), 1) and np.array_equal(alone, together)
+    np.testing.assert_allclose(together[:, 0], golden["scores"], rtol=rtol)
+    assert np.argsort(together[:, 0]).tolist() == np.argsort(golden["scores"]).tolist()
+
+
+def test_a_reranker_cuts_the_document_never_the_prompts_end():
+    from decoding.model.decoder_reranker import decoder_reranker
+
+    reranker = decoder_reranker(load_model(RERANKER), 4096)
+    whole, _ = reranker.tokenizer.encode_pair("what is a cat", "A cat is a small animal. " * 20)
+    cut, _ = reranker.tokenizer.encode_pair("what is a cat", "A cat is a small animal. " * 20, max_tokens=300)
+    assert len(whole) > 300 >= len(cut) > 280
+    tail = reranker.tokenizer.tokenizer.backend.encode("<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
+                                                       add_special_tokens=False).ids  # fmt: skip
+    assert cut[-len(tail) :] == tail and cut[:200] == whole[:200]
+
+
+def test_task_refusals_say_what_the_model_is():
+    from app.model_loading import load_served_model
+    from app.settings import ServerSettings
+
+    with pytest.raises(ModelLoadError, match='no single tokens "yes" and "no"'):
+        load_served_model(ServerSettings(model=str(QWEN3), task="rerank"))
+    assert isinstance(load_served_model(ServerSettings(model=str(QWEN3))), Model)  # no README hint: it generates
+    assert isinstance(load_served_model(ServerSettings(model=str(RERANKER), task="generate")), Model)
+    with pytest.raises(ModelLoadError, match="scores text pairs"):
+        load_served_model(ServerSettings(model=str(GOLDEN / "tiny-bert-cross"), task="embed"))
+    with pytest.raises(ModelLoadError, match="embeds texts"):
+        load_served_model(ServerSettings(model=str(GOLDEN / "tiny-bert-embed"), task="rerank"))

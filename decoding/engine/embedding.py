@@ -82,9 +82,11 @@ class EncoderStats:
     num_requests: int = 0
 
 
-def pool_hidden(cfg: EncoderConfig, weights: EncoderWeights | None, hidden: np.ndarray) -> np.ndarray:
+def pool_hidden(cfg: EncoderConfig, weights: EncoderWeights | None, hidden: np.ndarray,
+                score_rows: np.ndarray | None = None) -> np.ndarray:
     """One input's output from its last hidden states (n, dim): the pooled (and normalised) vector of an
-    embedder, or a cross-encoder's scores (the [CLS] state through the pooler and classifier)."""
+    embedder, a cross-encoder's scores (the [CLS] state through the pooler and classifier), or a decoder
+    reranker's (its pooled state through `score_rows`: see finish_pooled)."""
     if cfg.task == "classify" and weights is not None:
         pooled = np.tanh(weights.pooler @ hidden[0] + weights.pooler_bias)
         scores = weights.classifier @ pooled + weights.classifier_bias
@@ -95,11 +97,15 @@ def pool_hidden(cfg: EncoderConfig, weights: EncoderWeights | None, hidden: np.n
         vector = hidden[-1]
     else:
         vector = hidden.mean(axis=0, dtype=np.float32)
-    return finish_pooled(cfg, vector)
+    return finish_pooled(cfg, vector, score_rows)
 
 
-def finish_pooled(cfg: EncoderConfig, vector: np.ndarray) -> np.ndarray:
-    """A pooled vector as the model's output: float32, L2-normalised where the model says so."""
+def finish_pooled(cfg: EncoderConfig, vector: np.ndarray, score_rows: np.ndarray | None = None) -> np.ndarray:
+    """A pooled vector as the model's output: float32, L2-normalised where the model says so; or, for a
+    decoder reranker, p(yes) of the softmax over its two logits (`score_rows`: yes, no)."""
+    if score_rows is not None:
+        yes, no = score_rows.astype(np.float64) @ vector.astype(np.float64)
+        return np.array([1.0 / (1.0 + np.exp(no - yes))], dtype=np.float32)
     vector = vector.astype(np.float32)  # a copy: the step's scratch is written again next step
     if cfg.normalize:
         vector /= max(float(np.linalg.norm(vector)), 1e-12)  # sentence-transformers' F.normalize eps
@@ -125,8 +131,7 @@ def _pooled_rows(cfg: EncoderConfig, lengths: np.ndarray, starts: np.ndarray) ->
     """The rows of a step's hidden states each input's pooling reads: all of them for the mean, else one."""
     if cfg.task == "embed" and cfg.pooling == "mean":
         return np.arange(int(starts[-1]), dtype=np.int32)
-    last = cfg.task == "embed" and cfg.pooling == "last"
-    return (starts[1:] - 1 if last else starts[:-1]).astype(np.int32)
+    return (starts[1:] - 1 if cfg.pooling == "last" else starts[:-1]).astype(np.int32)
 
 
 class EncoderForward:
@@ -205,7 +210,8 @@ class DecoderForward:
         if cfg.pooling == "mean":
             bounds = zip(starts[:-1], starts[1:], strict=True)
             return [pool_hidden(cfg, None, final[begin:end]) for begin, end in bounds]
-        return [pool_hidden(cfg, None, final[i : i + 1]) for i in range(len(inputs))]
+        score_rows = self.model.score_rows
+        return [pool_hidden(cfg, None, final[i : i + 1], score_rows) for i in range(len(inputs))]
 
 
 class EmbeddingEngine:

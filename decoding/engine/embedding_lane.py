@@ -27,7 +27,7 @@ import numpy as np
 
 from kvcache.manager import KVCacheManager
 
-from ..model.encoder import DecoderEmbedder, EncoderConfig
+from ..model.encoder import DecoderEmbedder
 from .config import EngineConfig
 from .embedding import EncodeRequest, EncoderInput, finish_pooled, validate_inputs
 from .step_costs import PrefillBudget
@@ -74,10 +74,11 @@ class EmbeddingChunk:
 class EmbeddingLane:
     """The embedding requests of a generation engine; engine thread only (the engine's inbox adds)."""
 
-    def __init__(self, kv: KVCacheManager, config: EncoderConfig, max_inputs: int,
+    def __init__(self, kv: KVCacheManager, embedder: DecoderEmbedder, max_inputs: int,
                  on_request_done: Callable[[EncodeRequest], None]) -> None:  # fmt: skip
         self.kv = kv
-        self.config = config
+        self.config = embedder.config
+        self.score_rows = embedder.score_rows  # a reranker's
         self.max_inputs = max_inputs  # inputs under way at once (each holds blocks until its last chunk)
         self.requests: deque[EncodeRequest] = deque()
         self.in_progress: list[InputInProgress] = []
@@ -159,7 +160,7 @@ class EmbeddingLane:
             request = item.request
             assert item.pooled is not None, "every pooling reads a row of the input's first or last chunk"
             count = len(item.token_ids) if self.config.pooling == "mean" else 1
-            request.outputs[item.index] = finish_pooled(self.config, item.pooled / count)
+            request.outputs[item.index] = finish_pooled(self.config, item.pooled / count, self.score_rows)
             request.num_done += 1
             if request.num_done == len(request.inputs) and request in self.requests:
                 self.requests.remove(request)

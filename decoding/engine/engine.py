@@ -117,7 +117,7 @@ class Engine:
             raise ValueError("the embedder must pool this engine's model")
         if self._thread is not None:
             raise RuntimeError("serve_embeddings comes before start()")
-        lane = EmbeddingLane(self.kv, embedder.config, self.config.max_num_seqs,
+        lane = EmbeddingLane(self.kv, embedder, self.config.max_num_seqs,
                              on_request_done=lambda _: self._request_done())  # fmt: skip
         self.scheduler.embedding_lane = lane
         return SharedEmbeddingEngine(self, embedder, min(self.max_model_len, embedder.config.max_context))

@@ -54,7 +54,8 @@ class ModelConfig:
     n_experts_used: int = 0
     norm_topk_prob: bool = True  # the chosen experts' router probabilities renormalised to sum to one
     # an embedding model's file says how it pools its last hidden states (GGUF's pooling_type, or
-    # sentence-transformers' modules): "mean", "cls" or "last"; "" for a generation model
+    # sentence-transformers' modules): "mean", "cls" or "last"; "rank" for a reranker (its score read
+    # from two logits: decoding.model.decoder_reranker); "" for a generation model
     pooling: str = ""
     add_eos_token: bool = False  # the tokenizer ends each input with EOS (embedders pooling the last token)
 

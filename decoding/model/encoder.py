@@ -136,7 +136,8 @@ class EncoderTokenizer:
         encoding = self._backend.encode(text)
         return encoding.ids, encoding.type_ids
 
-    def encode_pair(self, first: str, second: str) -> tuple[list[int], list[int]]:
+    def encode_pair(self, first: str, second: str, max_tokens: int | None = None) -> tuple[list[int], list[int]]:
+        """[CLS] first [SEP] second [SEP] with token types 0 and 1 (the caller cuts to `max_tokens`)."""
         encoding = self._backend.encode(first, second)
         return encoding.ids, encoding.type_ids
 
@@ -437,12 +438,14 @@ def is_encoder_gguf(path: Path) -> bool:
 class DecoderEmbeddingTokenizer:
     """A generation model's tokenizer as an embedder uses it: the tokenizer's own special tokens (BOS where
     the model adds one), and EOS at the end where the model asks for it (`add_eos_token`: an embedder
-    pooling the last token reads that token's state, as Qwen3-Embedding does)."""
+    pooling the last token reads that token's state, as Qwen3-Embedding does). A reranker's tokenizer
+    renders a (query, document) pair into its `pair_template` (`{query}`, `{document}`) as one input."""
 
-    def __init__(self, tokenizer: Tokenizer, add_eos: bool) -> None:
+    def __init__(self, tokenizer: Tokenizer, add_eos: bool, pair_template: str | None = None) -> None:
         self.tokenizer = tokenizer
         self.eos = tokenizer.eos_token_ids[0] if add_eos and tokenizer.eos_token_ids else None
         self.vocab_size = tokenizer.vocab_size
+        self.pair_template = pair_template
 
     def encode(self, text: str) -> tuple[list[int], list[int]]:
         # tokenizer.json's own post-processor first (a sentence-transformers directory's: Qwen3-Embedding's
@@ -455,8 +458,25 @@ class DecoderEmbeddingTokenizer:
             ids.append(self.eos)
         return ids, [0] * len(ids)
 
-    def encode_pair(self, first: str, second: str) -> tuple[list[int], list[int]]:
-        raise ModelLoadError("a decoder embedder scores pairs by the cosine of their embeddings, not as one input")
+    def encode_pair(self, first: str, second: str, max_tokens: int | None = None) -> tuple[list[int], list[int]]:
+        """A reranker's input for (query, document): the template rendered with both, special tokens as
+        tokens. With `max_tokens`, the document is cut (at a token, from its end) until the input fits:
+        the template's tail is what the score is read after, so it is never the part cut."""
+        if self.pair_template is None:
+            raise ModelLoadError("a decoder embedder scores pairs by the cosine of their embeddings, not as one input")
+        ids = self._render(first, second)
+        if max_tokens is not None and len(ids) > max_tokens:
+            document = self.tokenizer.backend.encode(second, add_special_tokens=False).ids
+            keep = len(document) - (len(ids) - max_tokens)
+            while keep > 0 and len(ids := self._render(first, self.tokenizer.decode(document[:keep]))) > max_tokens:
+                keep -= 1
+            if keep <= 0:
+                ids = self._render(first, "")
+        return ids, [0] * len(ids)
+
+    def _render(self, query: str, document: str) -> list[int]:
+        text = self.pair_template.replace("{query}", query).replace("{document}", document)  # type: ignore[union-attr]
+        return self.tokenizer.backend.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[tuple[list[int], list[int]]]:
         return [self.encode(text) for text in texts]
@@ -483,7 +503,10 @@ class DecoderEmbedder:
     tokenizer: DecoderEmbeddingTokenizer
     path: Path
     name: str
-    weights: EncoderWeights | None = None  # the decoder's live in `decoder`; no classifier head
+    weights: EncoderWeights | None = None  # the decoder's live in `decoder`; no BERT classifier head
+    # a reranker (config.task "classify"): the rows of the LM head whose logits score a pair, "yes" then
+    # "no" (Qwen3-Reranker's recipe); the score is softmax over the two, p(yes) = sigmoid(yes - no)
+    score_rows: np.ndarray | None = None
 
 
 def decoder_embedder(model: Model, pooling: str, normalize: bool, max_context: int) -> DecoderEmbedder:

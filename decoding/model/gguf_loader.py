@@ -58,8 +58,8 @@ def _require(reader: Any, key: str) -> Any:
     return value
 
 
-# llama.cpp's pooling_type: 0 none (a generation model), 1 mean, 2 CLS, 3 last token (4 rank: a reranker's head)
-_POOLING_TYPES = {1: "mean", 2: "cls", 3: "last"}
+# llama.cpp's pooling_type: 0 none (a generation model), 1 mean, 2 CLS, 3 last token, 4 rank (a reranker's head)
+_POOLING_TYPES = {1: "mean", 2: "cls", 3: "last", 4: "rank"}
 
 # ggml's llama files have their Q and K rows permuted to pair adjacent dimensions; every other
 # architecture keeps Hugging Face's order, rotated as (i, i + head_dim/2) ("NEOX" in llama.cpp).
@@ -347,3 +347,18 @@ def load_gguf(path: Path) -> tuple[ModelConfig, ModelWeights, GGUFTokenizerData]
         raise
     except Exception as exc:
         raise ModelLoadError(f"{path.name}: malformed GGUF ({type(exc).__name__}: {exc})") from None
+
+
+def read_rerank_head(path: Path) -> tuple[str | None, np.ndarray | None]:
+    """A reranker GGUF's prompt template (`tokenizer.chat_template.rerank`) and its `cls.output.weight`
+    as float32 rows, each None where the file lacks it."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    template = _field(reader, "tokenizer.chat_template.rerank")
+    tensor = next((t for t in reader.tensors if t.name == "cls.output.weight"), None)
+    rows = None
+    if tensor is not None:
+        n_cols, n_rows = (int(d) for d in tensor.shape[:2]) if len(tensor.shape) >= 2 else (int(tensor.shape[0]), 1)
+        rows = np.ascontiguousarray(_to_matrix(tensor, (n_rows, n_cols)).dequantize(), dtype=np.float32)
+    return (None if template is None else str(template)), rows
