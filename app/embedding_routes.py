@@ -341,8 +341,9 @@ async def retrieval_refused(request: Request) -> Response:
     """On a generation server: the retrieval routes say what it serves instead."""
     state = serving(request)
     raise APIError(400, f"this server runs the generation model {state.model_name}: it serves no embeddings, "
-                        f"reranking or scores (start `treadle serve --model all-minilm-l6-v2`, or another "
-                        f"embedding model, for {request.url.path})", code="unsupported_model")  # fmt: skip
+                        f"reranking or scores (for {request.url.path}, start it with `--task generate,embed`, or "
+                        "serve an embedding model: `treadle serve --model all-minilm-l6-v2`)",
+                   code="unsupported_model")  # fmt: skip
 
 
 RETRIEVAL_PATHS = ("/v1/embeddings", "/v1/rerank", "/rerank", "/v2/rerank", "/v1/score", "/score", "/api/embed",

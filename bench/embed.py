@@ -4,6 +4,7 @@ llama-server.
     .venv/bin/treadle bench embed [--model all-minilm-l6-v2] [--batches 1,32,256] [--threads 2]
                                   [--kernels fast] [--peer-python .venv-golden/bin/python]
                                   [--gguf MODEL.gguf] [--json PATH]
+    .venv/bin/treadle bench embed --model qwen2.5-coder-0.5b-instruct [--pooling last]
 
 The inputs are texts of 16..128 tokens (seeded; words drawn from the golden sentences), the same for
 every engine. Batch 1 is one request per input (the latency a retrieval query sees); batch N is one
@@ -15,6 +16,10 @@ request of N inputs. Three ways of running the same weights, one after another (
   enters treadle's environment;
 - with `--gguf` (the model converted by llama.cpp's convert_hf_to_gguf.py), llama-server `--embedding`
   through the same /v1/embeddings client (scripts/build_llama_server.sh builds it).
+
+A generation model's GGUF (`--model` a decoder) is benchmarked as an embedder (`--task embed`, `--pooling`):
+in process, served, served with `--task generate,embed` (the inputs in the generation engine's steps), and
+llama-server `--embedding` on the same file; sentence-transformers has no part (it does not read GGUF).
 
 Each figure is the median of `--repeats` runs.
 """
@@ -40,7 +45,8 @@ from bench.servers import free_port, stop, wait_until_ready
 from bench.side_by_side import llama_server_binary
 from decoding.engine.config import EngineConfig
 from decoding.engine.embedding import EmbeddingEngine
-from decoding.model.encoder import EncoderModel
+from decoding.model.encoder import DecoderEmbedder, EncoderModel, decoder_embedder
+from decoding.model.model import Model
 from decoding.model.registry import load_any_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -73,7 +79,7 @@ print(json.dumps({"seconds": out, "torch": torch.__version__, "threads": torch.g
 """
 
 
-def bench_texts(model: EncoderModel, count: int, seed: int = 0) -> list[str]:
+def bench_texts(model: EncoderModel | DecoderEmbedder, count: int, seed: int = 0) -> list[str]:
     """`count` texts of 16..128 tokens each, built from the words of the golden sentences."""
     words = " ".join(json.loads(WORDS_FROM.read_text(encoding="utf-8"))["sentences"][:20]).split()
     rng = np.random.default_rng(seed)
@@ -172,13 +178,18 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--peer-python", default=str(default_peer) if default_peer.exists() else "",
                         help="a python with torch and sentence-transformers ('' skips the peer)")
     parser.add_argument("--gguf", type=Path, help="the model converted by llama.cpp, for llama-server --embedding")
+    parser.add_argument("--pooling", choices=("last", "mean", "cls"), default="last",
+                        help="how a generation model (--model a decoder) is pooled")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
 
-    model = load_any_model(args.model)
-    if not isinstance(model, EncoderModel):
-        parser.error(f"{args.model} is not an embedding model")
+    loaded = load_any_model(args.model)
+    model = decoder_embedder(loaded, args.pooling, True, 8192) if isinstance(loaded, Model) else loaded
+    decoder = isinstance(loaded, Model)
+    if decoder:
+        args.gguf = args.gguf or (loaded.path if loaded.path.suffix == ".gguf" else None)
+        args.peer_python = ""  # sentence-transformers does not read a GGUF
     texts = bench_texts(model, max(max(batches), args.single_requests))
     inputs = [model.tokenizer.encode(text) for text in texts]
     engine = EmbeddingEngine(model, EngineConfig(kernels=args.kernels, n_threads=args.threads)).start()
@@ -187,9 +198,14 @@ def main(argv: list[str]) -> int:
         treadle = {b: time_treadle(engine, inputs, b, args.repeats, args.single_requests) for b in batches}
     finally:
         engine.shutdown()
-    served = serve_and_time([sys.executable, "-m", "app.cli", "serve", "--model", str(model.path), "--threads",
-                             str(args.threads), "--kernels", args.kernels, "--max-queue", "1024"],
-                            texts, batches, args.repeats, args.single_requests)  # fmt: skip
+    serve = [sys.executable, "-m", "app.cli", "serve", "--model", str(model.path), "--threads", str(args.threads),
+             "--kernels", args.kernels, "--max-queue", "1024"]
+    as_embedder = ["--task", "embed", "--pooling", args.pooling] if decoder else []
+    served = serve_and_time([*serve, *as_embedder], texts, batches, args.repeats, args.single_requests)
+    # without prefix caching: a repeat would find its inputs' blocks from the last one (last-token pooling)
+    shared = (serve_and_time([*serve, "--task", "generate,embed", "--pooling", args.pooling,
+                              "--no-enable-prefix-caching"], texts, batches, args.repeats,
+                             args.single_requests) if decoder else None)  # fmt: skip
     peer = (time_peer(args.peer_python, model.path, texts, batches, args.threads, args.repeats,
                       args.single_requests) if args.peer_python else None)  # fmt: skip
     llama = None
@@ -198,11 +214,11 @@ def main(argv: list[str]) -> int:
         if binary is None:
             print("llama-server is not built (scripts/build_llama_server.sh): skipped", file=sys.stderr)
         else:
-            slots = 32
+            slots, per_slot = 32, min(model.config.max_positions, 512)  # the inputs have at most 128 tokens
             llama = serve_and_time([str(binary), "--model", str(args.gguf), "--embedding", "--pooling",
                                     model.config.pooling, "--threads", str(args.threads), "--threads-batch",
                                     str(args.threads), "--parallel", str(slots), "--ctx-size",
-                                    str(slots * model.config.max_positions), "--batch-size", "4096",
+                                    str(slots * per_slot), "--batch-size", "4096",
                                     "--ubatch-size", "4096", "--host", "127.0.0.1"],
                                    texts, batches, args.repeats, args.single_requests)  # fmt: skip
 
@@ -215,6 +231,8 @@ def main(argv: list[str]) -> int:
                                "treadle_tokens_per_s": tokens / treadle[batch]}
         if served is not None:
             row["served_inputs_per_s"] = n / served[batch]
+        if shared is not None:
+            row["served_beside_generation_inputs_per_s"] = n / shared[batch]
         if llama is not None:
             row["llama_server_inputs_per_s"] = n / llama[batch]
             if served is not None:
@@ -237,6 +255,8 @@ def main(argv: list[str]) -> int:
         header += f" {'s-t in/s':>10} {'tok/s':>9} {'ratio':>6}"
     if served is not None:
         header += f" {'served in/s':>12}"
+    if shared is not None:
+        header += f" {'generate,embed':>15}"
     if llama is not None:
         header += f" {'llama-server in/s':>18} {'ratio':>6}"
     print(header)
@@ -247,6 +267,8 @@ def main(argv: list[str]) -> int:
             line += f" {row['st_inputs_per_s']:>10.1f} {row['st_tokens_per_s']:>9.0f} {row['ratio']:>5.2f}x"
         if served is not None:
             line += f" {row['served_inputs_per_s']:>12.1f}"
+        if shared is not None:
+            line += f" {row['served_beside_generation_inputs_per_s']:>15.1f}"
         if llama is not None:
             line += f" {row['llama_server_inputs_per_s']:>18.1f} {row.get('ratio_llama_server', 0):>5.2f}x"
         print(line)

@@ -226,8 +226,10 @@ class Engine:
 
     @property
     def num_waiting_requests(self) -> int:
-        """Submitted and not yet running: in the inbox, or waiting for admission (or preempted)."""
-        return max(0, self._num_unfinished - self.num_running_requests)
+        """Generation requests submitted and not yet running: in the inbox, or waiting for admission (or
+        preempted). Embedding requests are not counted."""
+        lane = self.scheduler.embedding_lane
+        return max(0, self._num_unfinished - self.num_running_requests - (lane.num_requests if lane else 0))
 
     def shutdown(self) -> None:
         with self._wakeup:
