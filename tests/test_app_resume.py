@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import msgpack
@@ -29,14 +29,17 @@ def chat_body(**extra) -> dict:
             "max_tokens": 48, "ignore_eos": True, "stream": True, **extra}
 
 
-def read_events(chunks: Iterator[bytes], decoder: SSEDecoder,
-                stop_after: int | None = None) -> list[tuple[int | None, str]]:
-    """(event id, data) of each event, up to `stop_after` events (then the caller cuts the connection)."""
+def read_events(chunks: Iterator[bytes], decoder: SSEDecoder, stop_after: int | None = None,
+                stop_at: Callable[[str], bool] | None = None) -> list[tuple[int | None, str]]:
+    """(event id, data) of each event, up to `stop_after` events or the first whose data `stop_at` accepts
+    (then the caller cuts the connection)."""
     events: list[tuple[int | None, str]] = []
     for chunk in chunks:
         for data in decoder.feed(chunk):
             event_id = decoder.event_ids[len(decoder.event_types) - 1]
             events.append((None if event_id is None else int(event_id), data))
+            if stop_at is not None and stop_at(data):
+                return events
         if stop_after is not None and len(events) >= stop_after:
             break
     return events
