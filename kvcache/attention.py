@@ -51,8 +51,11 @@ from kvcache.attention_simd import (
     require_c_contiguous,
 )
 from kvcache.fastmath import as_f32, exp_f32, f16_bits_to_f32, f32_to_f16_bits, is_int8, like, round_half_away
+from kvcache.hadamard_simd import HADAMARD_SIZE, hadamard32
 from kvcache.prefetch import prefetch_tile
 from kvcache.storage import Q8_GROUP
+
+assert Q8_GROUP == HADAMARD_SIZE, "a group's rotation is the 32-point transform"
 
 # One query head's row of scratch: its scaled query, its output accumulator, one block's scores
 # (then softmax weights), and the running max and running sum of the online softmax.
@@ -115,19 +118,8 @@ def rotate_q8_groups(row, n):
     Measured on Qwen2.5-Coder-0.5B (docs/performance.md): top-1 agreement with a float32 cache 95% →
     97%; rotating whole heads, rotating values too, or groups of 16 did no better.
     """
-    norm = np.float32(1.0 / np.sqrt(Q8_GROUP))
     for first in range(0, n, Q8_GROUP):
-        h = 1
-        while h < Q8_GROUP:
-            for i in range(first, first + Q8_GROUP, 2 * h):
-                for j in range(i, i + h):
-                    a = row[j]
-                    b = row[j + h]
-                    row[j] = a + b
-                    row[j + h] = a - b
-            h *= 2
-        for j in range(first, first + Q8_GROUP):
-            row[j] *= norm
+        hadamard32(row, first)  # `row` a C-contiguous float32 vector, `n` a multiple of Q8_GROUP
 
 
 @njit(nogil=True, cache=True, fastmath=False, inline="always")

@@ -421,3 +421,47 @@ def test_the_int8_rotation_is_orthonormal_per_group_of_32() -> None:
     twice = rk.copy()
     rotate_q8_groups(twice, 128)
     np.testing.assert_allclose(twice, k, rtol=1e-5, atol=1e-5)
+
+
+def butterfly_reference(row: np.ndarray) -> np.ndarray:
+    """The fast Walsh-Hadamard transform of each 32 values in float32, stage by stride 1, 2, ..., 16, then
+    the 1/sqrt(32) scale: the order of operations the vector IR must reproduce bit for bit."""
+    out = row.astype(np.float32).reshape(-1, 32).copy()
+    stride = 1
+    while stride < 32:
+        lanes = np.arange(32)
+        low = lanes[(lanes & stride) == 0]
+        a, b = out[:, low].copy(), out[:, low + stride].copy()
+        out[:, low], out[:, low + stride] = a + b, a - b
+        stride *= 2
+    return (out * np.float32(1.0 / np.sqrt(32))).reshape(row.shape)
+
+
+def test_the_vector_rotation_is_the_butterfly_bit_for_bit() -> None:
+    from kvcache.attention import rotate_q8_groups
+
+    rng = np.random.default_rng(5)
+    rows = (rng.standard_normal((64, 256)) * rng.choice([1e-3, 1.0, 1e3], size=(64, 256))).astype(np.float32)
+    rows[3, 17] = 65000.0  # an outlier of a half float's range
+    rows[4, :32] = 0.0
+    for row in rows:
+        rotated = row.copy()
+        rotate_q8_groups(rotated, 256)
+        np.testing.assert_array_equal(rotated, butterfly_reference(row))
+    hadamard = np.array([[(-1) ** bin(i & j).count("1") for j in range(32)] for i in range(32)]) / np.sqrt(32)
+    np.testing.assert_allclose(butterfly_reference(rows[0]).reshape(-1, 32), rows[0].reshape(-1, 32) @ hadamard,
+                               rtol=1e-5, atol=1e-4)  # fmt: skip
+
+
+def test_the_vector_rotation_refuses_a_strided_row() -> None:
+    from numba import njit
+    from numba.core.errors import TypingError
+
+    from kvcache.hadamard_simd import hadamard32
+
+    @njit
+    def rotate_column(matrix):
+        hadamard32(matrix[:, 0], 0)
+
+    with pytest.raises(TypingError, match="C-contiguous float32 vector"):
+        rotate_column(np.zeros((32, 2), dtype=np.float32))
