@@ -204,3 +204,39 @@ def test_cli_prints_one_line_and_exits_2_for_a_bad_model(tmp_path, tiny_gguf, mo
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("treadle: error:"), result.stderr
     assert "Traceback" not in result.stderr
+
+
+def _gguf_string(text: str) -> bytes:
+    import struct
+
+    data = text.encode()
+    return struct.pack("<Q", len(data)) + data
+
+
+def test_the_architecture_is_read_from_the_header_as_gguf_reads_it(tmp_path):
+    """Keys before `general.architecture` (a string array, numbers, a nested array) are skipped by their
+    sizes; gguf-py's full reader is the oracle. A truncated or foreign file has no architecture."""
+    import struct
+
+    import gguf
+
+    from decoding.model.gguf_loader import gguf_architecture
+
+    kvs = [
+        _gguf_string("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, 3)
+        + b"".join(map(_gguf_string, ["a", "bc", "é"])),
+        _gguf_string("some.count") + struct.pack("<IQ", 10, 7),
+        _gguf_string("some.scores") + struct.pack("<IIQ", 9, 6, 2) + struct.pack("<2f", 0.5, -1.0),
+        _gguf_string("nested") + struct.pack("<IIQ", 9, 9, 1) + struct.pack("<IQ", 7, 2) + b"\x01\x00",
+        _gguf_string("general.architecture") + struct.pack("<I", 8) + _gguf_string("qwen3moe"),
+    ]  # fmt: skip
+    header = b"GGUF" + struct.pack("<IQQ", 3, 0, len(kvs))
+    path = tmp_path / "late.gguf"
+    path.write_bytes(header + b"".join(kvs))
+    assert gguf.GGUFReader(path).fields["general.architecture"].contents() == "qwen3moe"
+    assert gguf_architecture(path) == "qwen3moe"
+
+    path.write_bytes(header + b"".join(kvs)[:-5])
+    assert gguf_architecture(path) is None
+    path.write_bytes(b"PK\x03\x04 not a gguf")
+    assert gguf_architecture(path) is None

@@ -427,11 +427,11 @@ def load_encoder_gguf(path: Path, name: str | None = None) -> EncoderModel:
 
 def is_encoder_gguf(path: Path) -> bool:
     """Whether a GGUF file's architecture is an encoder's (read from its header alone)."""
-    from .gguf_loader import _field, _reader
+    from .gguf_loader import gguf_architecture
 
     try:
-        return _field(_reader(path), "general.architecture") in ENCODER_ARCHITECTURES
-    except Exception:  # noqa: BLE001 - an unreadable file is for the decoder loader to refuse with its reason
+        return gguf_architecture(path) in ENCODER_ARCHITECTURES
+    except OSError:  # an unreadable file is for the decoder loader to refuse with its reason
         return False
 
 
