@@ -1,3 +1,4 @@
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -207,8 +208,6 @@ def test_cli_prints_one_line_and_exits_2_for_a_bad_model(tmp_path, tiny_gguf, mo
 
 
 def _gguf_string(text: str) -> bytes:
-    import struct
-
     data = text.encode()
     return struct.pack("<Q", len(data)) + data
 
@@ -216,8 +215,6 @@ def _gguf_string(text: str) -> bytes:
 def test_the_architecture_is_read_from_the_header_as_gguf_reads_it(tmp_path):
     """Keys before `general.architecture` (a string array, numbers, a nested array) are skipped by their
     sizes; gguf-py's full reader is the oracle. A truncated or foreign file has no architecture."""
-    import struct
-
     import gguf
 
     from decoding.model.gguf_loader import gguf_architecture

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,8 +54,6 @@ def gguf_architecture(path: Path) -> str | None:
     """`general.architecture` of a GGUF file, read from the start of its header without parsing the rest
     (a full parse of a 150k-token vocabulary takes seconds); None where the file is not a little-endian
     GGUF of version 2 or later, or lacks the key."""
-    import struct
-
     with open(path, "rb") as file:
         def read_bytes(size: int) -> bytes:
             data = file.read(size)
