@@ -7,8 +7,9 @@ import logging
 from pathlib import Path
 
 from decoding import Model, ModelLoadError, TemplateError
+from decoding.model.decoder_embedder import DecoderEmbedder, decoder_embedder
 from decoding.model.decoder_reranker import decoder_reranker, is_reranker
-from decoding.model.encoder import DecoderEmbedder, EncoderModel, decoder_embedder, sentence_transformers_pooling
+from decoding.model.encoder import EncoderModel, sentence_transformers_pooling
 from decoding.model.registry import load_any_model
 from decoding.model.tokenizer import Tokenizer
 

@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode, models_json_schema
 
-from .responses_protocol import ResponsesRequest
+from .responses_schemas import ResponsesRequest
 from .schemas import REQUEST_MODELS
 
 _POST_BODIES: dict[str, type[BaseModel]] = {**REQUEST_MODELS, "/v1/responses": ResponsesRequest}

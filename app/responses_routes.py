@@ -29,7 +29,8 @@ from .prompting import (
     with_tools,
 )
 from .response_store import StoredResponse
-from .responses_protocol import ResponsesFormatter, ResponsesRequest, ResponseState, new_id
+from .responses_protocol import ResponsesFormatter, ResponseState
+from .responses_schemas import ResponsesRequest, new_id
 from .resuming import last_event_id, resume_from
 from .runs import Run
 from .server import serving

@@ -27,7 +27,8 @@ import uvicorn
 from decoding import ModelLoadError
 from decoding.engine.embedding import EmbeddingEngine
 from decoding.engine.engine import Engine
-from decoding.model.encoder import DecoderEmbedder, EncoderModel
+from decoding.model.decoder_embedder import DecoderEmbedder
+from decoding.model.encoder import EncoderModel
 
 from .application import build_app, build_encoder_app
 from .embedding_routes import EncoderServing

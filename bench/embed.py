@@ -45,7 +45,8 @@ from bench.servers import free_port, stop, wait_until_ready
 from bench.side_by_side import llama_server_binary
 from decoding.engine.config import EngineConfig
 from decoding.engine.embedding import EmbeddingEngine
-from decoding.model.encoder import DecoderEmbedder, EncoderModel, decoder_embedder
+from decoding.model.decoder_embedder import DecoderEmbedder, decoder_embedder
+from decoding.model.encoder import EncoderModel
 from decoding.model.model import Model
 from decoding.model.registry import load_any_model
 

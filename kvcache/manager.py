@@ -28,6 +28,8 @@ allocated block, published at once (its KV is whole), and counts as computed.
 
 from __future__ import annotations
 
+import logging
+import time
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,6 +42,8 @@ from kvcache.errors import CacheTooSmall, KVCacheError, OutOfBlocks, SequenceToo
 
 if TYPE_CHECKING:
     from kvcache.prefix_tiers import PrefixTiers
+
+log = logging.getLogger(__name__)
 
 # (source block id, destination block id): a copy the runner performs, on every layer's K and V,
 # before this step's KV writes (`KVCacheStorage.copy_blocks`).
@@ -103,6 +107,22 @@ class KVCacheManager:
     def flush_tiers(self) -> bool:
         """Write what the disk tier lacks (a graceful shutdown); True if all of it reached the disk."""
         return self.tiers.flush(self.pool.hashed_blocks()) if self.tiers is not None else True
+
+    def close_tiers(self) -> None:
+        """At a graceful shutdown: write what the disk tier lacks, within its time bound, and close it.
+        A failing disk costs the cache, never the shutdown."""
+        tiers = self.tiers
+        if tiers is None or tiers.disk is None:
+            return
+        started = time.monotonic()
+        try:
+            complete = self.flush_tiers()
+            tiers.close()
+        except Exception:  # noqa: BLE001 - the disk is a cache: a shutdown still ends
+            log.exception("could not write the prefix cache to disk")
+            return
+        log.info("prefix cache on disk: %d blocks in %s (%s in %.1f s)", tiers.disk.num_blocks, tiers.disk.directory,
+                 "all written" if complete else "the flush ran out of time", time.monotonic() - started)
 
     def clear_prefix_cache(self) -> dict[str, int]:
         """Forget every cached prefix, in the pool and in the tiers; returns the blocks each dropped.

@@ -16,7 +16,7 @@ from decoding.engine.embedding import InputTooLong
 from decoding.engine.engine import Engine, EngineConfig, EngineFailed, EngineShuttingDown
 from decoding.engine.params import SamplingParams
 from decoding.engine.step import ScheduledStep
-from decoding.model.encoder import decoder_embedder
+from decoding.model.decoder_embedder import decoder_embedder
 
 QWEN3 = Path(__file__).parent / "golden" / "architectures" / "qwen3"
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "embeddings" / "decoder-qwen3.json").read_text("utf-8"))

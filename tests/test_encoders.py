@@ -16,13 +16,8 @@ from decoding.engine.config import EngineConfig
 from decoding.engine.embedding import EmbeddingEngine, InputTooLong, pool_hidden
 from decoding.kernels.reference import encoder_hidden
 from decoding.model.catalog import KNOWN_MODELS, locate, missing_requirements, pull
-from decoding.model.encoder import (
-    DecoderEmbedder,
-    EncoderModel,
-    decoder_embedder,
-    load_encoder_directory,
-    read_encoder_config,
-)
+from decoding.model.decoder_embedder import DecoderEmbedder, decoder_embedder
+from decoding.model.encoder import EncoderModel, load_encoder_directory, read_encoder_config
 from decoding.model.model import Model
 from decoding.model.quant import QType
 from decoding.model.registry import load_any_model, load_model

@@ -29,7 +29,8 @@ from threadpool import SpinPool
 from ..kernels import weight_cache
 from ..kernels.encoder import EncoderArchitecture, EncoderInputs, EncoderKernelWeights, EncoderScratch, encoder_step
 from ..kernels.forward import Architecture, KernelWeights, StepInputs, StepScratch, model_step
-from ..model.encoder import DecoderEmbedder, EncoderConfig, EncoderModel, EncoderWeights
+from ..model.decoder_embedder import DecoderEmbedder
+from ..model.encoder import EncoderConfig, EncoderModel, EncoderWeights
 from .config import EngineConfig, resolve_kv_cache_dtype
 from .errors import EngineFailed, EngineShuttingDown, QueueFull, RequestTooLarge
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from kvcache.manager import KVCacheManager
 
-from ..model.encoder import DecoderEmbedder
+from ..model.decoder_embedder import DecoderEmbedder
 from .config import EngineConfig
 from .embedding import EncodeRequest, EncoderInput, finish_pooled, validate_inputs
 from .step_costs import PrefillBudget

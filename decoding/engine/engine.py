@@ -6,9 +6,10 @@
 `Engine` keeps what is no stage's: the inbox, the thread, the queue deadlines and fatal failure.
 
 `submit()` and `abort()` may be called from any thread or from the asyncio loop: they only put
-commands in a bounded inbox. The engine thread owns all engine state and applies the inbox before
-anything else in every step. It is the pool's thread 0, so it takes part in every model step, and it
-parks on a condition while there is nothing to do: an idle server burns no CPU.
+commands in a bounded inbox (decoding.engine.inbox). The engine thread owns all engine state and
+applies the inbox before anything else in every step. It is the pool's thread 0, so it takes part
+in every model step, and it parks on a condition while there is nothing to do: an idle server burns
+no CPU.
 """
 
 from __future__ import annotations
@@ -20,25 +21,22 @@ import itertools
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from kvcache.manager import KVCacheManager
-from kvcache.prefix_tiers import PrefixTiers, TierSettings, file_fingerprint, namespace
-from kvcache.storage import KVCacheSpec, KVCacheStorage
 from threadpool import BrokenPool, SpinPool
 
 from ..kernels import weight_cache
 from ..kernels.forward import KernelWeights, resident_weight_bytes
-from ..model.encoder import DecoderEmbedder
+from ..model.decoder_embedder import DecoderEmbedder
 from ..model.model import Model
 from . import memory
 from .config import KV_CACHE_DTYPES, EngineConfig, resolve_kv_cache_dtype
 from .embedding import EncodeRequest
 from .embedding_lane import EmbeddingLane, SharedEmbeddingEngine
 from .errors import EngineFailed, EngineShuttingDown, QueueFull, RequestTooLarge
+from .inbox import Inbox
+from .kv_setup import build_kv_cache, kv_cache_spec
 from .observers import EngineObserver, EngineStats, notify
 from .output_processor import OutputProcessor
 from .outputs import FinishReason, RequestOutput, RequestStream
@@ -50,8 +48,8 @@ from .sequence import Request
 from .step import ScheduledStep, StepResult
 from .step_batch import build_step_batch
 from .step_sampling import sample_step
-from .structured import Guide, StructuredOutputError
-from .validation import validate_request
+from .structured import Guide
+from .validation import validate_constraints, validate_request
 
 # The engine's configuration and refusals travel with it: `from decoding.engine.engine import ...`.
 __all__ = ["KV_CACHE_DTYPES", "Engine", "EngineConfig", "EngineFailed", "EngineObserver", "EngineShuttingDown",
@@ -60,17 +58,13 @@ __all__ = ["KV_CACHE_DTYPES", "Engine", "EngineConfig", "EngineFailed", "EngineO
 log = logging.getLogger(__name__)
 
 
-_Command = tuple[str, Any]
-
-
 class Engine:
     def __init__(self, model: Model, config: EngineConfig | None = None) -> None:
         self.model = model
         self.config = cfg = config or EngineConfig()
         self.max_model_len = min(cfg.max_model_len or model.config.max_context, model.config.max_context)
         mc = model.config
-        spec = KVCacheSpec(n_layers=mc.n_layers, n_kv_heads=mc.n_kv_heads, head_dim=mc.head_dim,
-                           block_size=cfg.block_size, dtype=resolve_kv_cache_dtype(cfg))
+        spec = kv_cache_spec(model, cfg)
         weights_bytes = resident_weight_bytes(model.weights, fast=cfg.kernels == "fast")
         num_blocks = memory.num_kv_blocks(cfg, spec, weights_bytes, self.max_model_len)
         prefix_ram_bytes = memory.prefix_ram_bytes(cfg, weights_bytes, num_blocks * spec.bytes_per_block)
@@ -78,13 +72,7 @@ class Engine:
         # before the KV cache is touched, that passing peak does not stack on the cache's.
         cache = weight_cache.cache_file(model.path) if cfg.weight_cache and model.path.is_file() else None
         weights = KernelWeights.build(mc, model.weights, fast=cfg.kernels == "fast", cache=cache)
-        self.storage = KVCacheStorage.allocate(spec, num_blocks)
-        model_fingerprint = file_fingerprint(model.path) if model.path.exists() else bytes(16)
-        root_hash = namespace(model_fingerprint, spec.dtype, spec.block_size, cfg.kernels)
-        self.kv = KVCacheManager(num_blocks, cfg.block_size, self.max_model_len, cfg.enable_prefix_caching,
-                                 root_hash)
-        if cfg.enable_prefix_caching:
-            self._attach_prefix_tiers(prefix_ram_bytes, root_hash, model_fingerprint)
+        self.storage, self.kv = build_kv_cache(model, cfg, spec, num_blocks, self.max_model_len, prefix_ram_bytes)
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_itl_stretch,
                                    cfg.speculative, cfg.speculative_max_tokens, cfg.priority_starvation_seconds)
         self.pool = SpinPool(cfg.n_threads, pin=cfg.pin_threads)
@@ -96,18 +84,13 @@ class Engine:
         self.stats = EngineStats()
         self.observers: list[EngineObserver] = []
         self.fault_hook: Callable[[ScheduledStep], None] | None = None  # tests inject step failures here
+        self.inbox = Inbox(cfg.max_queue)
         self.outputs = OutputProcessor(model.tokenizer, self.guide, mc.eos_token_ids, self.max_model_len, self.stats,
-                                       self.observers, on_request_done=self._request_done)  # engine thread only
+                                       self.observers, on_request_done=self.inbox.request_done)  # engine thread only
         self._queue_deadlines: list[tuple[float, int, Request]] = []  # a heap; engine thread only
-        self._inbox: deque[_Command] = deque()
-        self._wakeup = threading.Condition()
-        self._num_unfinished = 0  # submitted and not yet finished; guarded by _wakeup
         self.num_running_requests = 0  # requests with a sequence in the running queue, after the last step
         self.num_paused_requests = 0  # of those, requests waiting for their client to read
         self._ids = itertools.count()
-        self._stopping = False
-        self._is_idle = False  # the last step scheduled nothing (every running request's reader lags)
-        self.failure: str | None = None  # why the engine thread ended, if it did on an error
         self._thread: threading.Thread | None = None
 
     def serve_embeddings(self, embedder: DecoderEmbedder) -> SharedEmbeddingEngine:
@@ -118,21 +101,9 @@ class Engine:
         if self._thread is not None:
             raise RuntimeError("serve_embeddings comes before start()")
         lane = EmbeddingLane(self.kv, embedder, self.config.max_num_seqs,
-                             on_request_done=lambda _: self._request_done())  # fmt: skip
+                             on_request_done=lambda _: self.inbox.request_done())  # fmt: skip
         self.scheduler.embedding_lane = lane
         return SharedEmbeddingEngine(self, embedder, min(self.max_model_len, embedder.config.max_context))
-
-    def _attach_prefix_tiers(self, ram_bytes: int, root_hash: bytes, model_fingerprint: bytes) -> None:
-        cfg = self.config
-        directory = Path(cfg.prefix_cache_dir).expanduser() if cfg.prefix_cache_dir else None
-        if directory is not None and not self.model.path.exists():
-            log.warning("no prefix cache on disk: the model has no file to name its blocks after")
-            directory = None
-        settings = TierSettings(ram_bytes, directory, int(cfg.prefix_cache_disk_mb * memory.MIB))
-        tiers = PrefixTiers(self.storage, settings, root_hash, model_fingerprint, cfg.kernels)
-        if tiers.is_enabled:
-            self.kv.attach_tiers(tiers)
-            log.info(tiers.describe())
 
     # ---- any thread -------------------------------------------------------------------------------
 
@@ -154,87 +125,55 @@ class Engine:
         if queue_timeout is not None and not queue_timeout > 0:
             raise InvalidParams("timeout", f"timeout must be positive, got {queue_timeout}")
         request_id = request_id or f"req-{next(self._ids)}"
-        stream = RequestStream(request_id, loop, self.config.max_unread_bytes, on_drained=self._wake)
-        with self._wakeup:
-            self._check_accepting()
-            self._num_unfinished += 1
-            request = Request(request_id, list(prompt_ids), params, stream, priority=priority)
-            if queue_timeout is not None:
-                request.queue_deadline = request.arrival_time + queue_timeout
-            self._inbox.append(("add", request))
-            self._wakeup.notify()
+        stream = RequestStream(request_id, loop, self.config.max_unread_bytes, on_drained=self.inbox.wake)
+        request = Request(request_id, list(prompt_ids), params, stream, priority=priority)
+        if queue_timeout is not None:
+            request.queue_deadline = request.arrival_time + queue_timeout
+        self.inbox.put("add", request, new_request=True)
         return stream
 
     def submit_embedding(self, request: EncodeRequest) -> None:
         """Queue an embedding request (SharedEmbeddingEngine.submit validated it); its future gets the result."""
         if self.scheduler.embedding_lane is None:
             raise RuntimeError("this engine serves no embeddings: see serve_embeddings")
-        with self._wakeup:
-            self._check_accepting()
-            self._num_unfinished += 1
-            self._inbox.append(("embed", request))
-            self._wakeup.notify()
-
-    def _check_accepting(self) -> None:
-        """With `_wakeup` held: raise unless a new request may be queued."""
-        if self.failure is not None:
-            raise EngineFailed(f"the engine failed and serves nothing more: {self.failure}")
-        if self._stopping:
-            raise EngineShuttingDown("the engine is shutting down")
-        if self._num_unfinished >= self.config.max_queue:
-            raise QueueFull(f"{self._num_unfinished} requests are running or waiting (max_queue)")
-
-    def _wake(self) -> None:
-        """A paused request's reader caught up: schedule it again."""
-        with self._wakeup:
-            self._is_idle = False
-            self._wakeup.notify()
+        self.inbox.put("embed", request, new_request=True)
 
     def abort(self, request_id: str) -> None:
-        with self._wakeup:
-            self._inbox.append(("abort", request_id))
-            self._wakeup.notify()
+        self.inbox.put("abort", request_id)
 
     def clear_prefix_cache(self, timeout: float = 60.0) -> dict[str, int]:
         """Forget every cached prefix (the KV pool's, host memory's and the disk's), between two steps;
         returns the blocks each dropped."""
         done: concurrent.futures.Future[dict[str, int]] = concurrent.futures.Future()
-        with self._wakeup:
-            if self._stopping or self.failure is not None:
-                raise EngineShuttingDown("the engine is not running")
-            self._inbox.append(("clear_prefix_cache", done))
-            self._wakeup.notify()
+        if self.inbox.stopping:
+            raise EngineShuttingDown("the engine is not running")
+        self.inbox.put("clear_prefix_cache", done)
         return done.result(timeout)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise `RequestTooLarge` or `InvalidParams` for what could never be served."""
         validate_request(prompt_ids, params, self.model.config.vocab_size, self.max_model_len,
                          self.config.max_num_seqs, self.kv)
-        forced_end = params.reasoning.markers.end_constraint() if params.reasoning is not None else None
-        for constraint in (params.constraint, params.call_trigger.arguments if params.call_trigger else None,
-                           forced_end if params.reasoning and params.reasoning.budget is not None else None):
-            if constraint is None:
-                continue
-            try:
-                self.guide.compile(constraint)  # compiled once per grammar text, then cached
-            except StructuredOutputError as exc:
-                raise InvalidParams(constraint.field, f"{constraint.field} cannot be compiled: {exc}") from None
+        validate_constraints(params, self.guide)
 
     @property
     def num_unfinished(self) -> int:
-        return self._num_unfinished
+        return self.inbox.num_unfinished
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine thread ended, if it did on an error."""
+        return self.inbox.failure
 
     @property
     def num_waiting_requests(self) -> int:
         """Generation requests submitted and not yet running: in the inbox, or waiting for admission (or
         preempted). Embedding requests are not counted."""
         lane = self.scheduler.embedding_lane
-        return max(0, self._num_unfinished - self.num_running_requests - (lane.num_requests if lane else 0))
+        return max(0, self.inbox.num_unfinished - self.num_running_requests - (lane.num_requests if lane else 0))
 
     def shutdown(self) -> None:
-        with self._wakeup:
-            self._stopping = True
-            self._wakeup.notify()
+        self.inbox.stop()
         if self._thread is not None:
             self._thread.join()
         self.pool.close()
@@ -245,12 +184,12 @@ class Engine:
     def is_failed(self) -> bool:
         """The engine thread ended on an error (or died): nothing it holds will ever finish."""
         return self.failure is not None or (self._thread is not None and not self._thread.is_alive()
-                                            and not self._stopping)
+                                            and not self.inbox.stopping)
 
     def _loop(self) -> None:
         failure: BaseException | None = None
         try:
-            while self._wait_for_work():
+            while self.inbox.wait_for_work(lambda: self.scheduler.has_work, self.PAUSED_RECHECK_SECONDS):
                 try:
                     self.step()
                 except BrokenPool:
@@ -268,24 +207,11 @@ class Engine:
     # (a reader catching up wakes it at once); each look ends requests paused past their timeout.
     PAUSED_RECHECK_SECONDS = 1.0
 
-    def _wait_for_work(self) -> bool:
-        with self._wakeup:
-            while not self._inbox and not self._stopping:
-                if not self.scheduler.has_work:
-                    self._wakeup.wait()
-                elif not self._is_idle:
-                    break
-                elif not self._wakeup.wait(self.PAUSED_RECHECK_SECONDS):
-                    break  # time to check the paused requests' timeouts
-            return not self._stopping
-
     def _close(self, failure: BaseException | None) -> None:
         """The thread's last act: end every request it holds or will never take from the inbox."""
         if failure is not None:
             log.critical("the engine thread died: %s: %s", type(failure).__name__, failure)
-            with self._wakeup:
-                self.failure = f"{type(failure).__name__}: {failure}"
-                self._stopping = True  # submit() refuses from now on, so the inbox only shrinks
+            self.inbox.stop(failure=f"{type(failure).__name__}: {failure}")
             self._fail_everything(f"the engine failed: {type(failure).__name__}", include_inbox=True)
             return
         self._drain_inbox()
@@ -294,22 +220,7 @@ class Engine:
         if self.scheduler.embedding_lane is not None:
             self.scheduler.embedding_lane.end_all(EngineShuttingDown("the engine shut down before the request "
                                                                      "finished"))  # fmt: skip
-        self._close_prefix_tiers()
-
-    def _close_prefix_tiers(self) -> None:
-        """Write to disk what the disk tier still lacks, within its time bound (a graceful shutdown)."""
-        tiers = self.kv.tiers
-        if tiers is None or tiers.disk is None:
-            return
-        started = time.monotonic()
-        try:
-            complete = self.kv.flush_tiers()
-            tiers.close()
-        except Exception:  # noqa: BLE001 - the disk is a cache: a shutdown still ends
-            log.exception("could not write the prefix cache to disk")
-            return
-        log.info("prefix cache on disk: %d blocks in %s (%s in %.1f s)", tiers.disk.num_blocks, tiers.disk.directory,
-                 "all written" if complete else "the flush ran out of time", time.monotonic() - started)
+        self.kv.close_tiers()
 
     def step(self) -> None:
         """One turn: apply the inbox and the deadlines, then the step's stages."""
@@ -324,16 +235,15 @@ class Engine:
             self.num_paused_requests = len({id(seq.request) for seq in running if seq.is_paused})
 
     def _step(self) -> None:
-        with self._wakeup:
-            self._is_idle = True  # until this step schedules something; a reader catching up meanwhile clears it
+        self.inbox.mark_idle()
         step = self.scheduler.schedule()
         for _ in step.preempted:
             self._notify("on_preemption")
         if step.preempted:
-            self._is_idle = False  # it admits nothing right after preempting: the next step will
+            self.inbox.is_idle = False  # it admits nothing right after preempting: the next step will
         if step.is_empty:
             return
-        self._is_idle = False
+        self.inbox.is_idle = False
         started = time.perf_counter()
         try:
             result, kernel_seconds = self._run_stages(step)
@@ -405,11 +315,8 @@ class Engine:
                                                                  "past its timeout, and was not started")  # fmt: skip
 
     def _drain_inbox(self) -> None:
-        while True:
-            with self._wakeup:
-                if not self._inbox:
-                    return
-                command, payload = self._inbox.popleft()
+        while (taken := self.inbox.take()) is not None:
+            command, payload = taken
             try:
                 if command == "add":
                     self._add_request(payload)
@@ -425,7 +332,7 @@ class Engine:
                     payload.set_exception(exc)
                     continue
                 if isinstance(payload, EncodeRequest):
-                    self._request_done()
+                    self.inbox.request_done()
                     payload.resolve(EngineFailed(f"internal error in the engine: {type(exc).__name__}"))
                     continue
                 request = payload if command == "add" else self.outputs.requests.get(payload)
@@ -456,14 +363,13 @@ class Engine:
         `include_inbox` (the thread is ending)."""
         requests = list(self.outputs.requests.values())
         if include_inbox:
-            with self._wakeup:
-                pending, self._inbox = list(self._inbox), deque()
+            pending = self.inbox.take_all()
             requests += [payload for command, payload in pending if command == "add"]
             for _, payload in pending:
                 if isinstance(payload, concurrent.futures.Future):
                     payload.set_exception(EngineFailed(error))
                 elif isinstance(payload, EncodeRequest):
-                    self._request_done()
+                    self.inbox.request_done()
                     payload.resolve(EngineFailed(error))
         for request in requests:
             try:
@@ -478,10 +384,6 @@ class Engine:
         self.scheduler.running.clear()
         self.scheduler.waiting.clear()
         self.kv.free_all(latest_step_ran=False)
-
-    def _request_done(self) -> None:
-        with self._wakeup:
-            self._num_unfinished -= 1
 
     def _notify(self, method: str, *args: Any) -> None:
         notify(self.observers, method, *args)

@@ -7,6 +7,7 @@ from kvcache.manager import KVCacheManager
 
 from .errors import RequestTooLarge
 from .params import InvalidParams, SamplingParams
+from .structured import Guide, StructuredOutputError
 
 
 def validate_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
@@ -33,3 +34,17 @@ def validate_request(prompt_ids: list[int], params: SamplingParams, vocab_size: 
         kv.check_fits(total)
     except KVCacheError as exc:
         raise RequestTooLarge(str(exc)) from None
+
+
+def validate_constraints(params: SamplingParams, guide: Guide) -> None:
+    """Compile each grammar the request may be held to (its answer's, its tool calls' arguments', a
+    thinking budget's forced end), so one that cannot compile is refused before it is queued."""
+    forced_end = params.reasoning.markers.end_constraint() if params.reasoning is not None else None
+    for constraint in (params.constraint, params.call_trigger.arguments if params.call_trigger else None,
+                       forced_end if params.reasoning and params.reasoning.budget is not None else None):
+        if constraint is None:
+            continue
+        try:
+            guide.compile(constraint)  # compiled once per grammar text, then cached
+        except StructuredOutputError as exc:
+            raise InvalidParams(constraint.field, f"{constraint.field} cannot be compiled: {exc}") from None

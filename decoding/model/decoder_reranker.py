@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .encoder import DecoderEmbedder, DecoderEmbeddingTokenizer, EncoderConfig
+from .decoder_embedder import DecoderEmbedder, DecoderEmbeddingTokenizer
+from .encoder import EncoderConfig
 from .errors import ModelLoadError
 from .gguf_loader import read_rerank_head
 from .model import Model

@@ -94,15 +94,15 @@ def gguf_architecture(path: Path) -> str | None:
     return None
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
+def field_value(reader: Any, key: str, default: Any = None) -> Any:
     field = reader.fields.get(key)
     if field is None:
         return default
     return field.contents()
 
 
-def _require(reader: Any, key: str) -> Any:
-    value = _field(reader, key)
+def required_field(reader: Any, key: str) -> Any:
+    value = field_value(reader, key)
     if value is None:
         raise ModelLoadError(f"GGUF metadata lacks '{key}'")
     return value
@@ -122,9 +122,9 @@ def _architecture_switches(reader: Any, arch: str, n_layers: int, dim: int, n_he
                            tensors: set[str]) -> dict[str, Any]:  # fmt: skip
     """The ModelConfig switches one architecture sets, read from the file where the file says them."""
     switches: dict[str, Any] = {"rope_neox": arch not in _ADJACENT_PAIR_ROPE}
-    scaling_type = _field(reader, f"{arch}.rope.scaling.type")
+    scaling_type = field_value(reader, f"{arch}.rope.scaling.type")
     if scaling_type == "linear":
-        switches["rope_linear_factor"] = float(_require(reader, f"{arch}.rope.scaling.factor"))
+        switches["rope_linear_factor"] = float(required_field(reader, f"{arch}.rope.scaling.factor"))
     elif scaling_type not in (None, "none"):
         raise ModelLoadError(f"rope scaling {scaling_type!r} is not supported (treadle runs linear and llama3)")
     if arch == "qwen2":
@@ -132,8 +132,8 @@ def _architecture_switches(reader: Any, arch: str, n_layers: int, dim: int, n_he
     elif arch in ("qwen3", "qwen3moe"):
         switches["qk_norm"] = True
     elif arch == "gemma3":
-        window = int(_require(reader, f"{arch}.attention.sliding_window"))
-        pattern = int(_field(reader, f"{arch}.attention.sliding_window_pattern", GEMMA3_SLIDING_PATTERN))
+        window = int(required_field(reader, f"{arch}.attention.sliding_window"))
+        pattern = int(field_value(reader, f"{arch}.attention.sliding_window_pattern", GEMMA3_SLIDING_PATTERN))
         switches.update(
             qk_norm=True, post_norms=True, activation="gelu_tanh", embedding_scale=float(np.sqrt(np.float32(dim))),
             # the 27B model scales by dim / n_heads; every other size by head_dim (as llama.cpp does)
@@ -141,10 +141,10 @@ def _architecture_switches(reader: Any, arch: str, n_layers: int, dim: int, n_he
             sliding_window=window, sliding_layers=tuple(i % pattern < pattern - 1 for i in range(n_layers)),
             rope_theta_local=GEMMA3_LOCAL_ROPE_THETA,
         )  # fmt: skip
-    window = _field(reader, f"{arch}.attention.sliding_window")
+    window = field_value(reader, f"{arch}.attention.sliding_window")
     if window and arch != "gemma3":  # a mistral-style window on every layer
         switches["sliding_window"] = int(window)
-    scale = _field(reader, f"{arch}.attention.scale")
+    scale = field_value(reader, f"{arch}.attention.scale")
     if scale:  # a file that states its query scale (Gemma 3's is otherwise derived above)
         switches["attention_scale"] = float(scale)
     if "rope_freqs.weight" in tensors:  # llama 3.1+ scaling, as per-pair frequency divisors
@@ -156,19 +156,19 @@ def _architecture_switches(reader: Any, arch: str, n_layers: int, dim: int, n_he
 def _experts(reader: Any, arch: str, tensors: set[str]) -> dict[str, Any]:
     """A mixture of experts' switches (none for a dense file). llama.cpp renormalises the chosen
     experts' weights for both architectures here (its `norm_w` for llama and qwen3moe)."""
-    n_experts = int(_field(reader, f"{arch}.expert_count", 0) or 0)
+    n_experts = int(field_value(reader, f"{arch}.expert_count", 0) or 0)
     if not n_experts:
         if arch == "qwen3moe":
             raise ModelLoadError("a qwen3moe file without qwen3moe.expert_count")
         return {}
-    if _field(reader, f"{arch}.expert_shared_count"):
+    if field_value(reader, f"{arch}.expert_shared_count"):
         raise ModelLoadError("shared experts are not supported (treadle runs qwen3moe and Mixtral-style experts)")
     if "blk.0.ffn_gate_exps.weight" not in tensors:
         raise ModelLoadError("experts stored one tensor each (an old Mixtral conversion) are not supported: "
                              "convert again with llama.cpp's convert_hf_to_gguf.py, which stacks them")
-    used = int(_require(reader, f"{arch}.expert_used_count"))
+    used = int(required_field(reader, f"{arch}.expert_used_count"))
     switches: dict[str, Any] = {"n_experts": n_experts, "n_experts_used": used}
-    width = _field(reader, f"{arch}.expert_feed_forward_length")
+    width = field_value(reader, f"{arch}.expert_feed_forward_length")
     if width:  # qwen3moe's feed_forward_length is its dense width, unused
         switches["hidden_dim"] = int(width)
     return switches
@@ -180,44 +180,44 @@ def _rope_freq_factors(reader: Any) -> np.ndarray:
 
 
 def _read_config(reader: Any, name: str) -> ModelConfig:
-    arch = _field(reader, "general.architecture")
+    arch = field_value(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(f"unsupported architecture {arch!r} (treadle runs {', '.join(SUPPORTED_ARCHITECTURES)})")
-    n_heads = int(_require(reader, f"{arch}.attention.head_count"))
-    n_layers = int(_require(reader, f"{arch}.block_count"))
-    dim = int(_require(reader, f"{arch}.embedding_length"))
-    head_dim = int(_field(reader, f"{arch}.attention.key_length", dim // n_heads))
-    if int(_field(reader, f"{arch}.attention.value_length", head_dim)) != head_dim:
+    n_heads = int(required_field(reader, f"{arch}.attention.head_count"))
+    n_layers = int(required_field(reader, f"{arch}.block_count"))
+    dim = int(required_field(reader, f"{arch}.embedding_length"))
+    head_dim = int(field_value(reader, f"{arch}.attention.key_length", dim // n_heads))
+    if int(field_value(reader, f"{arch}.attention.value_length", head_dim)) != head_dim:
         raise ModelLoadError("keys and values of different widths are not supported")
-    if int(_field(reader, f"{arch}.rope.dimension_count", head_dim)) != head_dim:
+    if int(field_value(reader, f"{arch}.rope.dimension_count", head_dim)) != head_dim:
         raise ModelLoadError("RoPE over part of a head is not supported")
-    tokens = _require(reader, "tokenizer.ggml.tokens")
+    tokens = required_field(reader, "tokenizer.ggml.tokens")
     tensor_names = {t.name for t in reader.tensors}
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    eot = _field(reader, "tokenizer.ggml.eot_token_id")
+    eos = field_value(reader, "tokenizer.ggml.eos_token_id")
+    bos = field_value(reader, "tokenizer.ggml.bos_token_id")
+    eot = field_value(reader, "tokenizer.ggml.eot_token_id")
     eos_ids = tuple(dict.fromkeys(int(t) for t in (eos, eot) if t is not None))
     switches = _architecture_switches(reader, arch, n_layers, dim, n_heads, head_dim, tensor_names)
-    switches.setdefault("hidden_dim", int(_require(reader, f"{arch}.feed_forward_length")))
+    switches.setdefault("hidden_dim", int(required_field(reader, f"{arch}.feed_forward_length")))
     try:
         return ModelConfig(
             architecture=arch,
             n_layers=n_layers,
             dim=dim,
             n_heads=n_heads,
-            n_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", n_heads)),
+            n_kv_heads=int(field_value(reader, f"{arch}.attention.head_count_kv", n_heads)),
             head_dim=head_dim,
-            vocab_size=int(_field(reader, f"{arch}.vocab_size", len(tokens))),
-            max_context=int(_require(reader, f"{arch}.context_length")),
-            rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-            rms_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+            vocab_size=int(field_value(reader, f"{arch}.vocab_size", len(tokens))),
+            max_context=int(required_field(reader, f"{arch}.context_length")),
+            rope_theta=float(field_value(reader, f"{arch}.rope.freq_base", 10000.0)),
+            rms_eps=float(field_value(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
             tied_embeddings="output.weight" not in tensor_names,
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
-            add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", True)),
-            add_eos_token=bool(_field(reader, "tokenizer.ggml.add_eos_token", False)),
-            pooling=_POOLING_TYPES.get(int(_field(reader, f"{arch}.pooling_type", 0) or 0), ""),
-            name=str(_field(reader, "general.name", name)),
+            add_bos_token=bool(field_value(reader, "tokenizer.ggml.add_bos_token", True)),
+            add_eos_token=bool(field_value(reader, "tokenizer.ggml.add_eos_token", False)),
+            pooling=_POOLING_TYPES.get(int(field_value(reader, f"{arch}.pooling_type", 0) or 0), ""),
+            name=str(field_value(reader, "general.name", name)),
             **switches,
         )
     except ValueError as exc:
@@ -225,25 +225,25 @@ def _read_config(reader: Any, name: str) -> ModelConfig:
 
 
 def _read_tokenizer(reader: Any) -> GGUFTokenizerData:
-    model = str(_require(reader, "tokenizer.ggml.model"))
+    model = str(required_field(reader, "tokenizer.ggml.model"))
     return GGUFTokenizerData(
         model=model,
-        pre=str(_field(reader, "tokenizer.ggml.pre", "default")),
-        tokens=list(_require(reader, "tokenizer.ggml.tokens")),
-        token_types=[int(t) for t in _field(reader, "tokenizer.ggml.token_type", [])],
-        merges=list(_field(reader, "tokenizer.ggml.merges", [])),
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
-        add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", True)),
-        chat_template=_field(reader, "tokenizer.chat_template"),
-        scores=[float(s) for s in _field(reader, "tokenizer.ggml.scores", [])],
-        unknown_token_id=_field(reader, "tokenizer.ggml.unknown_token_id"),
+        pre=str(field_value(reader, "tokenizer.ggml.pre", "default")),
+        tokens=list(required_field(reader, "tokenizer.ggml.tokens")),
+        token_types=[int(t) for t in field_value(reader, "tokenizer.ggml.token_type", [])],
+        merges=list(field_value(reader, "tokenizer.ggml.merges", [])),
+        bos_token_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=field_value(reader, "tokenizer.ggml.eos_token_id"),
+        add_bos_token=bool(field_value(reader, "tokenizer.ggml.add_bos_token", True)),
+        chat_template=field_value(reader, "tokenizer.chat_template"),
+        scores=[float(s) for s in field_value(reader, "tokenizer.ggml.scores", [])],
+        unknown_token_id=field_value(reader, "tokenizer.ggml.unknown_token_id"),
         # llama.cpp's default for SentencePiece vocabularies is to add it; Gemma's files say not to
-        add_space_prefix=bool(_field(reader, "tokenizer.ggml.add_space_prefix", model == "llama")),
+        add_space_prefix=bool(field_value(reader, "tokenizer.ggml.add_space_prefix", model == "llama")),
     )
 
 
-def _to_matrix(tensor: Any, expected_shape: tuple[int, int]) -> WeightMatrix:
+def tensor_matrix(tensor: Any, expected_shape: tuple[int, int]) -> WeightMatrix:
     """A GGUF tensor (ggml dims are reversed: ne0 = columns) as a stored-form WeightMatrix."""
     import gguf
 
@@ -287,10 +287,10 @@ def _stored_matrix(data: np.ndarray, qtype: QType, n_rows: int, n_cols: int) -> 
 
 def _to_router(tensor: Any, n_experts: int, dim: int) -> np.ndarray:
     """The router's (n_experts, dim) scores as float32 (F32 in llama.cpp's files; any stored type read)."""
-    return np.ascontiguousarray(_to_matrix(tensor, (n_experts, dim)).dequantize(), dtype=np.float32)
+    return np.ascontiguousarray(tensor_matrix(tensor, (n_experts, dim)).dequantize(), dtype=np.float32)
 
 
-def _to_vector(tensor: Any, length: int) -> np.ndarray:
+def tensor_vector(tensor: Any, length: int) -> np.ndarray:
     if int(tensor.tensor_type) != QType.F32 or tensor.data.size != length:
         raise ModelLoadError(f"tensor {tensor.name} should be F32 of {length} values")
     return np.asarray(tensor.data, dtype=np.float32).reshape(length)
@@ -305,16 +305,16 @@ def _read_weights(reader: Any, cfg: ModelConfig) -> ModelWeights:
         return tensors[name]
 
     def optional_vector(name: str, length: int, present: bool) -> np.ndarray | None:
-        return _to_vector(get(name), length) if present else None
+        return tensor_vector(get(name), length) if present else None
 
     d, q, kv, h, hd = cfg.dim, cfg.q_dim, cfg.kv_dim, cfg.hidden_dim, cfg.head_dim
     e = cfg.n_experts
 
     def feed_forward(p: str) -> dict[str, Any]:
         if not e:
-            return dict(w_gate=_to_matrix(get(p + "ffn_gate.weight"), (h, d)),
-                        w_up=_to_matrix(get(p + "ffn_up.weight"), (h, d)),
-                        w_down=_to_matrix(get(p + "ffn_down.weight"), (d, h)))  # fmt: skip
+            return dict(w_gate=tensor_matrix(get(p + "ffn_gate.weight"), (h, d)),
+                        w_up=tensor_matrix(get(p + "ffn_up.weight"), (h, d)),
+                        w_down=tensor_matrix(get(p + "ffn_down.weight"), (d, h)))  # fmt: skip
         return dict(w_gate=_to_expert_matrix(get(p + "ffn_gate_exps.weight"), e, (h, d)),
                     w_up=_to_expert_matrix(get(p + "ffn_up_exps.weight"), e, (h, d)),
                     w_down=_to_expert_matrix(get(p + "ffn_down_exps.weight"), e, (d, h)),
@@ -325,12 +325,12 @@ def _read_weights(reader: Any, cfg: ModelConfig) -> ModelWeights:
         p = f"blk.{i}."
         layers.append(
             LayerWeights(
-                attn_norm=_to_vector(get(p + "attn_norm.weight"), d),
-                wq=_to_matrix(get(p + "attn_q.weight"), (q, d)),
-                wk=_to_matrix(get(p + "attn_k.weight"), (kv, d)),
-                wv=_to_matrix(get(p + "attn_v.weight"), (kv, d)),
-                wo=_to_matrix(get(p + "attn_output.weight"), (d, q)),
-                ffn_norm=_to_vector(get(p + "ffn_norm.weight"), d),
+                attn_norm=tensor_vector(get(p + "attn_norm.weight"), d),
+                wq=tensor_matrix(get(p + "attn_q.weight"), (q, d)),
+                wk=tensor_matrix(get(p + "attn_k.weight"), (kv, d)),
+                wv=tensor_matrix(get(p + "attn_v.weight"), (kv, d)),
+                wo=tensor_matrix(get(p + "attn_output.weight"), (d, q)),
+                ffn_norm=tensor_vector(get(p + "ffn_norm.weight"), d),
                 **feed_forward(p),
                 q_bias=optional_vector(p + "attn_q.bias", q, cfg.qkv_bias),
                 k_bias=optional_vector(p + "attn_k.bias", kv, cfg.qkv_bias),
@@ -341,9 +341,9 @@ def _read_weights(reader: Any, cfg: ModelConfig) -> ModelWeights:
                 post_ffn_norm=optional_vector(p + "post_ffw_norm.weight", d, cfg.post_norms),
             )
         )
-    embedding = _to_matrix(get("token_embd.weight"), (cfg.vocab_size, d))
-    lm_head = embedding if cfg.tied_embeddings else _to_matrix(get("output.weight"), (cfg.vocab_size, d))
-    return ModelWeights(embedding, tuple(layers), _to_vector(get("output_norm.weight"), d), lm_head)
+    embedding = tensor_matrix(get("token_embd.weight"), (cfg.vocab_size, d))
+    lm_head = embedding if cfg.tied_embeddings else tensor_matrix(get("output.weight"), (cfg.vocab_size, d))
+    return ModelWeights(embedding, tuple(layers), tensor_vector(get("output_norm.weight"), d), lm_head)
 
 
 def _check_extent(reader: Any, path: Path) -> None:
@@ -354,7 +354,7 @@ def _check_extent(reader: Any, path: Path) -> None:
             raise ModelLoadError(f"{path.name} is truncated: tensor {t.name} ends past the file's {size} bytes")
 
 
-def _reader(path: Path) -> Any:
+def gguf_reader(path: Path) -> Any:
     import gguf
 
     class PlainViewGGUFReader(gguf.GGUFReader):  # type: ignore[misc]
@@ -375,7 +375,7 @@ def _reader(path: Path) -> Any:
 def read_gguf_tokenizer(path: Path) -> GGUFTokenizerData:
     """Only the tokenizer of a GGUF file, whatever its architecture (no weights are touched)."""
     try:
-        return _read_tokenizer(_reader(path))
+        return _read_tokenizer(gguf_reader(path))
     except ModelLoadError:
         raise
     except Exception as exc:  # noqa: BLE001 - the gguf package raises many kinds on bad bytes
@@ -384,7 +384,7 @@ def read_gguf_tokenizer(path: Path) -> GGUFTokenizerData:
 
 def load_gguf(path: Path) -> tuple[ModelConfig, ModelWeights, GGUFTokenizerData]:
     try:
-        reader = _reader(path)
+        reader = gguf_reader(path)
     except ModelLoadError:
         raise
     except Exception as exc:  # the gguf package raises ValueError, KeyError, IndexError… on bad bytes
@@ -405,10 +405,10 @@ def read_rerank_head(path: Path) -> tuple[str | None, np.ndarray | None]:
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
-    template = _field(reader, "tokenizer.chat_template.rerank")
+    template = field_value(reader, "tokenizer.chat_template.rerank")
     tensor = next((t for t in reader.tensors if t.name == "cls.output.weight"), None)
     rows = None
     if tensor is not None:
         n_cols, n_rows = (int(d) for d in tensor.shape[:2]) if len(tensor.shape) >= 2 else (int(tensor.shape[0]), 1)
-        rows = np.ascontiguousarray(_to_matrix(tensor, (n_rows, n_cols)).dequantize(), dtype=np.float32)
+        rows = np.ascontiguousarray(tensor_matrix(tensor, (n_rows, n_cols)).dequantize(), dtype=np.float32)
     return (None if template is None else str(template)), rows

@@ -8,14 +8,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from .catalog import DEFAULT_MODEL, KNOWN_MODELS, PackagedModel, SplitModel, resolve_known
-from .encoder import (
-    EncoderModel,
-    is_encoder_directory,
-    is_encoder_gguf,
-    load_encoder_directory,
-    load_encoder_gguf,
-    sentence_transformers_pooling,
-)
+from .encoder import EncoderModel, is_encoder_directory, load_encoder_directory, sentence_transformers_pooling
+from .encoder_gguf import is_encoder_gguf, load_encoder_gguf
 from .errors import ModelLoadError
 from .gguf_loader import load_gguf
 from .model import Model
