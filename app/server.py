@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import anyio
+from llvmlite import binding
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -40,16 +41,24 @@ WARM_UP_PARAMS = (
 )
 
 
+def kernel_target() -> str:
+    """The CPU numba compiles the kernels for (the host's name and instruction sets): vector widths and
+    fused multiply-adds decide the order and rounding of float operations, so logits, and with them a
+    seeded draw or a near-tie under greedy, can differ between targets."""
+    return f"{binding.get_host_cpu_name()}:{binding.get_host_cpu_features().flatten()}"
+
+
 def system_fingerprint(engine: Engine) -> str:
     """OpenAI's `system_fingerprint`: `fp_treadle_` and a hash of what decides the numbers — the model,
-    treadle's version, the kernels and the KV cache's type. It changes when one of them does, so a
-    client can tell why a seeded request stopped repeating itself; served names (aliases) leave it as is."""
+    treadle's version, the kernels, the KV cache's type and the CPU the kernels were compiled for. It
+    changes when one of them does, so a client can tell why a seeded request stopped repeating itself;
+    served names (aliases) leave it as is."""
     try:
         version = importlib.metadata.version("treadle")
     except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
         version = "unknown"
     config = engine.config
-    identity = f"{engine.model.name}|{version}|{config.kernels}|{resolve_kv_cache_dtype(config)}"
+    identity = f"{engine.model.name}|{version}|{config.kernels}|{resolve_kv_cache_dtype(config)}|{kernel_target()}"
     return "fp_treadle_" + hashlib.sha256(identity.encode()).hexdigest()[:10]
 
 

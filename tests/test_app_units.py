@@ -357,3 +357,22 @@ def test_every_engine_option_is_reachable_from_the_command_line_and_checked_in_c
         EngineConfig(max_itl_stretch=0.5)
     with pytest.raises(SystemExit):
         parse_settings(["--max-itl-stretch", "0.5"])
+
+
+def test_the_system_fingerprint_names_the_cpu_the_kernels_were_compiled_for(monkeypatch):
+    """Float rounding follows the compile target, so seeded outputs repeat only where the fingerprint
+    does: it changes with the CPU, the kernels and the KV type, not with anything else."""
+    from types import SimpleNamespace
+
+    from app import server
+    from decoding.engine.config import EngineConfig
+
+    def fingerprint(**config: object) -> str:
+        return server.system_fingerprint(SimpleNamespace(model=SimpleNamespace(name="m"),
+                                                         config=EngineConfig(**config)))  # type: ignore[arg-type]
+
+    here = fingerprint()
+    assert here == fingerprint() and here.startswith("fp_treadle_")
+    assert fingerprint(kernels="exact") != here and fingerprint(kv_cache_dtype="int8") != here
+    monkeypatch.setattr(server.binding, "get_host_cpu_name", lambda: "not-this-cpu")
+    assert fingerprint() != here
