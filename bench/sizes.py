@@ -1,7 +1,7 @@
 """`treadle bench sizes FILE.gguf ...`: treadle beside llama-server on a model file, and both beside the roofs.
 
     .venv/bin/treadle bench sizes /tmp/qwen2.5-1.5b.gguf /tmp/qwen2.5-7b.gguf [--threads 2]
-        [--streams 1,8,32] [--prompt-tokens 512] [--json PATH]
+        [--streams 1,8,32] [--prompt-tokens 512] [--contexts 1024,8192,32768] [--json PATH]
 
 Made for the sizes people serve (files from `treadle bench synth`, or real ones). For each file, one
 server at a time on loopback, the file's pages warm in the page cache:
@@ -12,6 +12,10 @@ server at a time on loopback, the file's pages warm in the page cache:
 - one stream decoding 128 tokens (time per output token), then `--streams` levels of streams decoding
   together (aggregate tokens/s), then one prompt of --prompt-tokens tokens (its time to first token:
   prompt tokens/s);
+- with --contexts, long contexts: a server with one slot that holds the longest (llama-server with
+  flash attention on), and for each length one prompt of about that many tokens (prefill tokens/s
+  from its time to first token) and 32 tokens decoded after it (time per token at that context);
+  treadle and llama-server each with a float16 and an int8 (q8_0) KV cache;
 - after the servers, the roofs on the same threads: the read bandwidth of the pool's threads and the
   int8 rate of the fast kernels (bench/engine_rooflines.py). A single stream's share of the memory roof
   is the bytes of weights treadle reads per token (its repacked form) over time per token against the
@@ -63,12 +67,12 @@ REQUESTS_ALONE = 3
 
 
 def _run_levels(base_url: str, levels: list[int], max_tokens: int, prompt_tokens: int, ignore_eos: bool,
-                extra_body: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+                extra_body: dict[str, Any], requests: int = REQUESTS_ALONE, warmup: int = 1) -> dict[str, Any]:
     if not levels:
         return {"levels": []}
-    config = BenchConfig(base_url=base_url, model=None, chat=False, concurrency=levels, requests=REQUESTS_ALONE,
+    config = BenchConfig(base_url=base_url, model=None, chat=False, concurrency=levels, requests=requests,
                          max_tokens=max_tokens, prompt_tokens=prompt_tokens, temperature=0.0, ignore_eos=ignore_eos,
-                         warmup=1, seed=0, timeout_s=3600, knee_metric="ttft", knee_factor=1.5, progress=False,
+                         warmup=warmup, seed=0, timeout_s=3600, knee_metric="ttft", knee_factor=1.5, progress=False,
                          extra_body=extra_body)  # fmt: skip
     return asyncio.run(run_bench(config))
 
@@ -112,6 +116,71 @@ def measure_server(name: str, gguf: Path, threads: int, streams: list[int], prom
         return result
     finally:
         stop(process, timeout_s=30)
+
+
+# llama-server's and treadle's options for the long-context servers: one slot holding the longest
+# context, flash attention on (llama.cpp's long-context path; its q8_0 V cache needs it)
+KV_OPTIONS = {"llama-server": {"float16": ["-fa", "on"], "int8": ["-fa", "on", "-ctk", "q8_0", "-ctv", "q8_0"]},
+              "treadle": {"float16": ["--kv-cache-dtype", "float16"], "int8": ["--kv-cache-dtype", "int8"]}}
+CONTEXT_DECODE_TOKENS = 32
+
+
+def measure_contexts(name: str, gguf: Path, threads: int, contexts: list[int], kv_dtype: str) -> dict[str, Any]:
+    """Prefill speed and time per decoded token with `contexts` tokens already in the KV cache."""
+    peer = PEERS[name]
+    port = free_port()
+    argv = peer.command(port, gguf, threads, 1)
+    if argv is None:
+        return {"skipped": peer.why_missing}
+    room = max(contexts) + CONTEXT_DECODE_TOKENS + 64
+    if "--ctx-size" in argv:
+        argv[argv.index("--ctx-size") + 1] = str(room)
+    else:
+        argv += ["--max-model-len", str(room), "--max-num-seqs", "1", "--no-enable-prefix-caching"]
+    argv += KV_OPTIONS[name][kv_dtype]
+    log = tempfile.NamedTemporaryFile(prefix=f"sizes-{name}-ctx-", suffix=".log", delete=False)
+    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **peer.env(threads)})
+    try:
+        why_not = wait_until_ready(process, f"http://127.0.0.1:{port}{peer.ready_path}", 1800, poll_s=0.1)
+        if why_not is not None:
+            return {"skipped": f"{why_not} (log: {log.name})"}
+        result: dict[str, Any] = {"command": " ".join(argv), "contexts": {}}
+        for context in contexts:
+            # word salad is about a token a word: 2% fewer words keeps the prompt inside the context
+            words = int(context * 0.98)
+            try:
+                level = _run_levels(f"http://127.0.0.1:{port}", [1], CONTEXT_DECODE_TOKENS, words, peer.ignore_eos,
+                                    peer.extra_body(CONTEXT_DECODE_TOKENS), requests=1, warmup=0)["levels"][0]
+            except RuntimeError as exc:
+                result["contexts"][context] = {"error": str(exc)}
+                print(f"{gguf.name}: {name} {kv_dtype} at {context}: {exc} (log: {log.name})", file=sys.stderr)
+                continue
+            tokens = level["mean_prompt_tokens"] or words
+            result["contexts"][context] = {"prompt_tokens": tokens, "ttft_ms": level["ttft_ms"]["p50"],
+                                           "prefill_tokens_per_s": tokens * 1000 / level["ttft_ms"]["p50"],
+                                           "decode_ms_per_token": level["tpot_ms"]["p50"]}  # fmt: skip
+            print(f"{gguf.name}: {name} {kv_dtype} KV at {tokens} tokens: prefill "
+                  f"{result['contexts'][context]['prefill_tokens_per_s']:.1f} tokens/s, decode "
+                  f"{level['tpot_ms']['p50']:.1f} ms/token", flush=True)
+        result["peak_rss_mb"] = (_vm_kib(process.pid, "VmHWM") or 0) / 1024
+        return result
+    finally:
+        stop(process, timeout_s=30)
+
+
+def context_table(path: Path, runs: dict[str, dict[str, Any]], contexts: list[int]) -> str:
+    names = [n for n in runs if "skipped" not in runs[n]]
+    header = _row("", [f"{c} tokens: prefill tok/s, decode ms/token" for c in contexts])
+    lines = [f"**{path.name}** at long contexts (one slot; llama-server with flash attention)", "", header,
+             "|" + " --- |" * len(contexts) + " --- |"]
+    for name in names:
+        cells = []
+        for c in contexts:
+            r = runs[name]["contexts"].get(c) or runs[name]["contexts"].get(str(c)) or {}
+            cells.append(f"{r['prefill_tokens_per_s']:.1f}, {r['decode_ms_per_token']:.1f}" if "ttft_ms" in r
+                         else "—")
+        lines.append(_row(name, cells))
+    return "\n".join(lines)
 
 
 def model_costs(gguf: Path, threads: int) -> dict[str, Any]:
@@ -197,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", default="1,8,32", help="levels of concurrent streams (default %(default)s)")
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--peers", default="treadle,llama-server")
+    parser.add_argument("--contexts", default="", help="long contexts to measure, e.g. 1024,8192,32768 (default none)")
+    parser.add_argument("--contexts-only", action="store_true", help="only the long contexts: no start, streams "
+                                                                     "or prompt figures")  # fmt: skip
     parser.add_argument("--json", type=Path, help="also write every figure here")
     args = parser.parse_args(argv)
     streams = sorted({int(s) for s in args.streams.split(",")})
@@ -204,10 +276,11 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"machine": machine_description(), "date": time.strftime("%Y-%m-%d %H:%M"),
                                "command": " ".join(["treadle bench sizes", *(argv or sys.argv[1:])]), "files": {}}
     tables = []
+    contexts = sorted({int(c) for c in args.contexts.split(",") if c})
     for path in args.files:
         _warm_page_cache(path)
         runs: dict[str, dict[str, Any]] = {}
-        for peer in peers:
+        for peer in [] if args.contexts_only else peers:
             if peer == "treadle":  # the first start repacks into an empty weight cache, the second maps it
                 cache = Path(tempfile.mkdtemp(prefix="sizes-weights-"))
                 env = {"TREADLE_WEIGHT_CACHE_DIR": str(cache)}
@@ -220,10 +293,16 @@ def main(argv: list[str] | None = None) -> int:
             for name, run in runs.items():
                 if "skipped" in run:
                     print(f"{path.name}: {name} skipped ({run['skipped']})", file=sys.stderr)
+        context_runs = {f"{peer} {kv}": measure_contexts(peer, path, args.threads, contexts, kv)
+                        for peer in peers if contexts for kv in ("float16", "int8")}  # fmt: skip
         costs = model_costs(path, args.threads)
-        results["files"][str(path)] = {"costs": costs, "runs": runs}
-        tables.append(report_table(path, costs, runs, streams))
-        print(tables[-1] + "\n", flush=True)
+        results["files"][str(path)] = {"costs": costs, "runs": runs, "contexts": context_runs}
+        if runs:
+            tables.append(report_table(path, costs, runs, streams))
+            print(tables[-1] + "\n", flush=True)
+        if context_runs:
+            tables.append(context_table(path, context_runs, contexts))
+            print(tables[-1] + "\n", flush=True)
         if args.json:  # after each file: a 7B file's run is long, and what was measured is kept if it is cut
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(results, indent=2) + "\n")
