@@ -9,13 +9,27 @@ from decoding.engine.engine import Engine, EngineConfig
 from decoding.engine.params import SamplingParams
 from decoding.model.model import Model
 
+CORPUS_MODULES = ("argparse", "json", "logging", "textwrap", "typing", "unittest", "email", "collections", "inspect",
+                  "pickle")
+
+
+def corpus_text() -> str:
+    """Real English text written by people: the standard library's module documentation, then (for more
+    than its ~3,000 tokens) the documentation of those modules' public classes and functions."""
+    modules = [importlib.import_module(name) for name in CORPUS_MODULES]
+    parts = [module.__doc__ or "" for module in modules]
+    for module in modules:
+        for name in sorted(vars(module)):
+            member = getattr(module, name)
+            doc = getattr(member, "__doc__", None)
+            if not name.startswith("_") and getattr(member, "__module__", None) == module.__name__ and doc:
+                parts.append(doc)
+    return "\n\n".join(parts)
+
 
 def quality_corpus(model: Model, num_tokens: int, chunk: int = 512) -> list[list[int]]:
-    """Real English text (the standard library's module documentation), cut in chunks of token ids."""
-    names = ("argparse", "json", "logging", "textwrap", "typing", "unittest", "email", "collections", "inspect",
-             "pickle")
-    text = "\n\n".join(importlib.import_module(name).__doc__ or "" for name in names)
-    ids = model.tokenizer.encode(text)[:num_tokens]
+    """`num_tokens` of `corpus_text()` as token ids, cut in chunks."""
+    ids = model.tokenizer.encode(corpus_text())[:num_tokens]
     return [ids[i : i + chunk] for i in range(0, len(ids) - 1, chunk)]
 
 
@@ -66,5 +80,10 @@ def kv_cache_agreement(model: Model, num_tokens: int, dtypes: tuple[str, str] = 
             predictions[dtype] = top1_predictions(engine, chunks)
         finally:
             engine.shutdown()
+    def second_halves(rows: list[list[int]]) -> list[list[int]]:  # the positions llama-perplexity scores
+        return [row[chunk // 2 :] for row in rows]
+
     return {"positions": sum(len(c) for c in chunks), "reference": dtypes[0], "compared": dtypes[1],
-            "top1_agreement": agreement(predictions[dtypes[1]], predictions[dtypes[0]])}
+            "top1_agreement": agreement(predictions[dtypes[1]], predictions[dtypes[0]]),
+            "top1_agreement_second_halves": agreement(second_halves(predictions[dtypes[1]]),
+                                                      second_halves(predictions[dtypes[0]]))}

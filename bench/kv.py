@@ -17,9 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import subprocess
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from itertools import product
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -257,6 +261,36 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+QUALITY_CHUNK = 1024
+
+
+def llama_cpp_kv_agreement(gguf: Path, positions: int, threads: int = 2) -> dict[str, Any]:
+    """llama.cpp's own answer to the same question: `llama-perplexity` over the same text in chunks of
+    QUALITY_CHUNK tokens (it scores each chunk's second half), a float16 KV cache's logits as the base,
+    then its q8_0 cache (keys and values; keys only; values only) against them: "Same top p"."""
+    from bench.engine_quality import corpus_text
+    from bench.side_by_side import llama_server_binary
+
+    server = llama_server_binary()
+    binary = server.parent / "llama-perplexity" if server else None
+    if binary is None or not binary.exists():
+        return {"skipped": "llama-perplexity is not built (scripts/build_llama_server.sh builds it)"}
+    chunks = max(1, positions // QUALITY_CHUNK)
+    with tempfile.TemporaryDirectory() as tmp:
+        text, base = Path(tmp) / "corpus.txt", Path(tmp) / "base.kld"
+        text.write_text(corpus_text())
+        common = [str(binary), "-m", str(gguf), "-f", str(text), "-c", str(QUALITY_CHUNK), "--chunks", str(chunks),
+                  "-t", str(threads), "-fa", "on", "--kl-divergence-base", str(base)]  # fmt: skip
+        subprocess.run(common, capture_output=True, check=True)
+        result: dict[str, Any] = {"positions": chunks * QUALITY_CHUNK // 2}
+        for label, types in (("k_and_v", ["-ctk", "q8_0", "-ctv", "q8_0"]), ("k_only", ["-ctk", "q8_0"]),
+                             ("v_only", ["-ctv", "q8_0"])):  # fmt: skip
+            run = subprocess.run([*common, *types, "--kl-divergence"], capture_output=True, text=True, check=True)
+            same = re.search(r"Same top p:\s*([\d.]+)", run.stdout + run.stderr)
+            result[f"q8_0_{label}_top1_agreement"] = float(same.group(1)) / 100 if same else None
+    return result
+
+
 def _kv_quality(models: list[str], positions: int, json_path: str | None) -> int:
     from bench.engine_quality import kv_cache_agreement
     from decoding import load_model
@@ -265,12 +299,23 @@ def _kv_quality(models: list[str], positions: int, json_path: str | None) -> int
     for name in models:
         model = load_model(name)
         started = time.perf_counter()
-        row = {"model": model.config.name, **kv_cache_agreement(model, positions)}
+        row = {"model": model.config.name, **kv_cache_agreement(model, positions, chunk=QUALITY_CHUNK)}
         row["seconds"] = round(time.perf_counter() - started, 1)
+        print(f"{row['model']}: treadle's int8 KV cache agrees with float16 on the top-1 token at "
+              f"{100 * row['top1_agreement']:.2f}% of {row['positions']} positions of real text "
+              f"({100 * row['top1_agreement_second_halves']:.2f}% on each chunk's second half)", flush=True)
+        if model.path.suffix == ".gguf":
+            peer = row["llama_cpp"] = llama_cpp_kv_agreement(model.path, positions)
+            if "skipped" in peer:
+                print(f"  llama.cpp skipped: {peer['skipped']}")
+            else:
+                print(f"  llama.cpp's q8_0 cache against its float16 one, the same second halves: keys and values "
+                      f"{100 * peer['q8_0_k_and_v_top1_agreement']:.2f}%, keys only "
+                      f"{100 * peer['q8_0_k_only_top1_agreement']:.2f}%, values only "
+                      f"{100 * peer['q8_0_v_only_top1_agreement']:.2f}%", flush=True)
         rows.append(row)
-        print(f"{row['model']}: int8 KV cache agrees with float16 on the top-1 token at "
-              f"{100 * row['top1_agreement']:.2f}% of {row['positions']} positions of real text", flush=True)
     if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         with open(json_path, "w") as file:
             json.dump(rows, file, indent=2)
     return 0

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # llama.cpp's own server (llama-server), built once from the llama.cpp sources vendored in the
-# llama-cpp-python sdist that .venv pins, for the serving side-by-side (bench/side_by_side.py).
+# llama-cpp-python sdist that .venv pins, for the serving side-by-side (bench/side_by_side.py), and
+# llama-perplexity beside it (the KV cache's agreement, `treadle bench kv --quality`).
 #
 #   scripts/build_llama_server.sh          # prints the binary's path; builds it the first time (~7 min on 2 cores)
 #   scripts/build_llama_server.sh --where  # prints where it is or would be, builds nothing
@@ -17,7 +18,7 @@ BUILD="$CACHE/build-$(echo "$CMAKE_ARGS" | sha1sum | cut -c1-10)"
 BINARY="$BUILD/bin/llama-server"
 PYTHON="${PYTHON:-.venv/bin/python}"
 
-if [ -x "$BINARY" ] || [ "${1:-}" = "--where" ]; then
+if { [ -x "$BINARY" ] && [ -x "$BUILD/bin/llama-perplexity" ]; } || [ "${1:-}" = "--where" ]; then
     echo "$BINARY"
     exit 0
 fi
@@ -32,5 +33,5 @@ fi
 cmake -S "$CACHE/src/vendor/llama.cpp" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
     -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF \
     $CMAKE_ARGS >&2
-cmake --build "$BUILD" --target llama-server -j "$(nproc)" >&2
+cmake --build "$BUILD" --target llama-server llama-perplexity -j "$(nproc)" >&2
 echo "$BINARY"
