@@ -136,7 +136,8 @@ def measure_contexts(name: str, gguf: Path, threads: int, contexts: list[int], k
     if "--ctx-size" in argv:
         argv[argv.index("--ctx-size") + 1] = str(room)
     else:
-        argv += ["--max-model-len", str(room), "--max-num-seqs", "1", "--no-enable-prefix-caching"]
+        argv += ["--max-model-len", str(room), "--max-num-seqs", "1", "--no-enable-prefix-caching",
+                 "--kv-cache-mb", "auto"]
     argv += KV_OPTIONS[name][kv_dtype]
     log = tempfile.NamedTemporaryFile(prefix=f"sizes-{name}-ctx-", suffix=".log", delete=False)
     process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **peer.env(threads)})
@@ -154,6 +155,11 @@ def measure_contexts(name: str, gguf: Path, threads: int, contexts: list[int], k
             except RuntimeError as exc:
                 result["contexts"][context] = {"error": str(exc)}
                 print(f"{gguf.name}: {name} {kv_dtype} at {context}: {exc} (log: {log.name})", file=sys.stderr)
+                continue
+            if level["ttft_ms"]["p50"] is None:
+                result["contexts"][context] = {"error": level.get("errors")}
+                print(f"{gguf.name}: {name} {kv_dtype} at {context}: {level.get('errors')} (log: {log.name})",
+                      file=sys.stderr)
                 continue
             tokens = level["mean_prompt_tokens"] or words
             result["contexts"][context] = {"prompt_tokens": tokens, "ttft_ms": level["ttft_ms"]["p50"],

@@ -272,12 +272,12 @@ def _make_attend_group(head_dim: int, group_size: int):  # type: ignore[no-untyp
     return attend_group
 
 
-# (head_dim, GQA group size) → intrinsic; `attention._attend_row_group` picks one or calls the group
-# size 1 version once per head
+# (head_dim, heads per call) → intrinsic; `attention._attend_group_simd` cuts a GQA group into calls
 attend_group_64_1 = _make_attend_group(64, 1)
 attend_group_64_2 = _make_attend_group(64, 2)
 attend_group_64_3 = _make_attend_group(64, 3)
 attend_group_64_4 = _make_attend_group(64, 4)
 attend_group_128_1 = _make_attend_group(128, 1)
 attend_group_128_2 = _make_attend_group(128, 2)
+attend_group_128_3 = _make_attend_group(128, 3)
 attend_group_128_4 = _make_attend_group(128, 4)

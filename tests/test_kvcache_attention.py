@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -162,7 +162,12 @@ CASES = [
     ([3, 17, 31, 50], [1, 16, 2, 50], 16, 8, 2, 64),  # mixed decode and prefill
     ([40, 17], [3, 17], 16, 4, 2, 128),  # head_dim 128 (Llama-sized): the other vector-IR shape, groups of 2
     ([33, 5], [33, 1], 16, 8, 2, 128),  # groups of 4
-    ([21, 40], [4, 1], 16, 5, 1, 64),  # a group size without its own vector-IR version: a head at a time
+    ([21, 40], [4, 1], 16, 5, 1, 64),  # a group of 5 at 64: calls of 4 and 1 heads
+    ([45, 20], [1, 20], 16, 12, 2, 128),  # groups of 6 (Qwen2.5-1.5B): calls of 3 and 3
+    ([38], [2], 16, 28, 4, 128),  # groups of 7 (Qwen2.5-7B): 4 and 3
+    ([50, 3], [1, 3], 16, 16, 2, 128),  # groups of 8 (Qwen2.5-3B): 4 and 4
+    ([29], [29], 16, 10, 2, 128),  # groups of 5: 3 and 2
+    ([33], [1], 16, 12, 2, 64),  # groups of 6 at 64: 4 and 2
     ([30], [30], 16, 4, 4, 64),  # groups of 1 (no GQA)
 ]
 
@@ -188,6 +193,21 @@ def test_paged_attention_equals_dense_causal_attention(
         [dense(case, seq, query_len) for seq, query_len in zip(seqs, query_lens, strict=True)]
     )
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("storage", STORAGE)
+@pytest.mark.parametrize(("group_size", "head_dim"), [(5, 128), (6, 128), (7, 128), (8, 128), (6, 64), (5, 64)])
+def test_how_a_large_group_is_cut_into_calls_changes_no_output(group_size: int, head_dim: int, storage: str) -> None:
+    """A group too large for one vector-IR call is served in calls of up to four heads: each head's
+    output is bit for bit what it is alone (a group of one over the same keys and values)."""
+    rng = np.random.default_rng(group_size * head_dim)
+    context_lens, query_lens = [70, 19], [1, 19]
+    case = make_case(rng, context_lens, 16, 2 * group_size, 2, head_dim, storage)
+    grouped = run_paged(case, [0, 1], context_lens, query_lens)
+    for head in range(group_size):  # heads `head` and `group_size + head` read KV heads 0 and 1
+        alone = replace(case, queries=[q[:, [head, group_size + head]] for q in case.queries])
+        single = run_paged(alone, [0, 1], context_lens, query_lens)
+        np.testing.assert_array_equal(single, grouped[:, [head, group_size + head]])
 
 
 def dense(case: PagedCase, seq: int, query_len: int, window: int = 0) -> np.ndarray:
