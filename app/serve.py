@@ -86,7 +86,7 @@ def _configure_logging(settings: ServerSettings) -> None:
     level = logging.DEBUG if settings.log_level == "trace" else getattr(logging, settings.log_level.upper())
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("treadle: %(message)s"))
-    for name in ("treadle", "app", "decoding"):
+    for name in ("treadle", "app", "decoding", "kvcache", "threadpool"):
         logger = logging.getLogger(name)
         logger.setLevel(level)
         logger.addHandler(handler)
