@@ -182,7 +182,7 @@ def context_table(path: Path, runs: dict[str, dict[str, Any]], contexts: list[in
     for name in names:
         cells = []
         for c in contexts:
-            r = runs[name]["contexts"].get(c) or runs[name]["contexts"].get(str(c)) or {}
+            r = runs[name]["contexts"].get(c, {})
             cells.append(f"{r['prefill_tokens_per_s']:.1f}, {r['decode_ms_per_token']:.1f}" if "ttft_ms" in r
                          else "—")
         lines.append(_row(name, cells))

@@ -279,32 +279,35 @@ def _attend_group_simd(work, keys, values, num_keys, head_dim, group_size):
     reads and widens each K/V row twice, not once per head. A head's arithmetic is the same in a call
     of any size, so how a group is cut changes no output."""
     g = 0
-    if head_dim == 64:
-        while g + 4 <= group_size:
-            attend_group_64_4(work[g : g + 4], keys, values, num_keys)
-            g += 4
-        if group_size - g == 3:
-            attend_group_64_3(work[g:], keys, values, num_keys)
-        elif group_size - g == 2:
-            attend_group_64_2(work[g:], keys, values, num_keys)
-        elif group_size - g == 1:
-            attend_group_64_1(work[g:], keys, values, num_keys)
-        return
     while group_size - g > 4:  # 5 → 3 + 2, 6 → 3 + 3, 7 → 4 + 3, 8 → 4 + 4: never a call of one head
-        if group_size - g < 7:
-            attend_group_128_3(work[g : g + 3], keys, values, num_keys)
-            g += 3
+        heads = 3 if group_size - g < 7 else 4
+        _attend_heads(work[g : g + heads], keys, values, num_keys, head_dim)
+        g += heads
+    if g < group_size:
+        _attend_heads(work[g:], keys, values, num_keys, head_dim)
+
+
+@njit(nogil=True, cache=True, fastmath=False, inline="always")
+def _attend_heads(work, keys, values, num_keys, head_dim):
+    """One vector-IR call for the 1-4 query heads whose rows `work` holds."""
+    heads = work.shape[0]
+    if head_dim == 64:
+        if heads == 4:
+            attend_group_64_4(work, keys, values, num_keys)
+        elif heads == 3:
+            attend_group_64_3(work, keys, values, num_keys)
+        elif heads == 2:
+            attend_group_64_2(work, keys, values, num_keys)
         else:
-            attend_group_128_4(work[g : g + 4], keys, values, num_keys)
-            g += 4
-    if group_size - g == 4:
-        attend_group_128_4(work[g:], keys, values, num_keys)
-    elif group_size - g == 3:
-        attend_group_128_3(work[g:], keys, values, num_keys)
-    elif group_size - g == 2:
-        attend_group_128_2(work[g:], keys, values, num_keys)
-    elif group_size - g == 1:
-        attend_group_128_1(work[g:], keys, values, num_keys)
+            attend_group_64_1(work, keys, values, num_keys)
+    elif heads == 4:
+        attend_group_128_4(work, keys, values, num_keys)
+    elif heads == 3:
+        attend_group_128_3(work, keys, values, num_keys)
+    elif heads == 2:
+        attend_group_128_2(work, keys, values, num_keys)
+    else:
+        attend_group_128_1(work, keys, values, num_keys)
 
 
 @njit(nogil=True, cache=True, fastmath=False, inline="always")

@@ -162,12 +162,12 @@ CASES = [
     ([3, 17, 31, 50], [1, 16, 2, 50], 16, 8, 2, 64),  # mixed decode and prefill
     ([40, 17], [3, 17], 16, 4, 2, 128),  # head_dim 128 (Llama-sized): the other vector-IR shape, groups of 2
     ([33, 5], [33, 1], 16, 8, 2, 128),  # groups of 4
-    ([21, 40], [4, 1], 16, 5, 1, 64),  # a group of 5 at 64: calls of 4 and 1 heads
+    ([21, 40], [4, 1], 16, 5, 1, 64),  # a group of 5 at 64: calls of 3 and 2 heads
     ([45, 20], [1, 20], 16, 12, 2, 128),  # groups of 6 (Qwen2.5-1.5B): calls of 3 and 3
     ([38], [2], 16, 28, 4, 128),  # groups of 7 (Qwen2.5-7B): 4 and 3
     ([50, 3], [1, 3], 16, 16, 2, 128),  # groups of 8 (Qwen2.5-3B): 4 and 4
     ([29], [29], 16, 10, 2, 128),  # groups of 5: 3 and 2
-    ([33], [1], 16, 12, 2, 64),  # groups of 6 at 64: 4 and 2
+    ([33], [1], 16, 12, 2, 64),  # groups of 6 at 64: 3 and 3
     ([30], [30], 16, 4, 4, 64),  # groups of 1 (no GQA)
 ]
 
