@@ -59,8 +59,14 @@ from kvcache.storage import Q8_GROUP
 assert Q8_GROUP == HADAMARD_SIZE, "a group's rotation is the 32-point transform"
 
 # One query head's row of scratch: its scaled query, its output accumulator, one block's scores
-# (then softmax weights), and the running max and running sum of the online softmax.
+# (then softmax weights), the running max and running sum of the online softmax, and (int8 caches)
+# the query quantized like a key: head_dim int8 values, then per group its scale and 128 · Σq.
 _NUM_SOFTMAX_STATS = 2
+
+
+def query_q8_floats(head_dim: int) -> int:
+    """float32 slots of a scratch row that hold the int8 query: its bytes, its scales, its offsets."""
+    return head_dim // 4 + 2 * (head_dim // Q8_GROUP)
 
 
 def attention_scratch(
@@ -68,12 +74,12 @@ def attention_scratch(
 ) -> np.ndarray:
     """Per-thread scratch for `paged_attention_rows`, allocated once at start.
 
-    Shape (max_threads, n_heads // n_kv_heads, 2 * head_dim + block_size + 2) float32.
+    Shape (max_threads, n_heads // n_kv_heads, 2 * head_dim + block_size + 2 + query_q8_floats) float32.
     """
     if n_heads % n_kv_heads:
         raise ValueError(f"{n_heads} query heads do not split into groups over {n_kv_heads} KV heads")
     group_size = n_heads // n_kv_heads
-    width = 2 * head_dim + block_size + _NUM_SOFTMAX_STATS
+    width = 2 * head_dim + block_size + _NUM_SOFTMAX_STATS + query_q8_floats(head_dim)
     return np.zeros((max_threads, group_size, width), dtype=np.float32)
 
 
@@ -147,6 +153,28 @@ def _store_q8_key(x, tile, offset, head_dim):
 
 
 @njit(nogil=True, cache=True, fastmath=False)
+def quantize_query_q8(work_row, head_dim, first):
+    """The scaled query work_row[:head_dim] as int8 per group of Q8_GROUP (a key's rounding, a float32
+    scale), stored from float slot `first` of the row: the bytes, the groups' scales, and each group's
+    128 · Σq as a float (exact), which the vector IR's unsigned keys (k + 128) take back."""
+    q8 = work_row[first : first + head_dim // 4].view(np.int8)
+    groups = head_dim // Q8_GROUP
+    scales = work_row[first + head_dim // 4 : first + head_dim // 4 + groups]
+    offsets = work_row[first + head_dim // 4 + groups : first + head_dim // 4 + 2 * groups]
+    for g in range(groups):
+        amax = np.float32(0.0)
+        for d in range(g * Q8_GROUP, (g + 1) * Q8_GROUP):
+            amax = max(amax, abs(work_row[d]))
+        inverse = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+        total = 0
+        for d in range(g * Q8_GROUP, (g + 1) * Q8_GROUP):
+            q8[d] = min(max(round_half_away(work_row[d] * inverse), -127), 127)
+            total += q8[d]
+        scales[g] = amax / np.float32(127.0)
+        offsets[g] = np.float32(128 * total)
+
+
+@njit(nogil=True, cache=True, fastmath=False)
 def _store_q8_value(x, row, head_dim):
     """An int8 V row: head_dim values, then its groups' fp16 scales."""
     scales = row[head_dim:].view(np.uint16)
@@ -203,9 +231,9 @@ def paged_attention_rows(
 def _attend_row_group(out, query, key_cache, value_cache, block_table, row, position, kv_head, work, scale, window):
     """Outputs of query row `row` (at `position`) for the query heads of `kv_head`'s group.
 
-    work: (group_size, 2 * head_dim + block_size + 2) float32; row g serves query head
-    kv_head * group_size + g and holds
-    [scaled query | output accumulator | one block's scores, then weights | running max, running sum].
+    work: (group_size, ≥ 2 * head_dim + block_size + 2 + query_q8_floats) float32; row g serves query
+    head kv_head * group_size + g and holds [scaled query | output accumulator | one block's scores,
+    then weights | running max, running sum | the int8 query, with an int8 cache].
     Every inner loop runs over a unit-stride 1-D view with a plain loop index, so numba proves the
     indices non-negative and vectorises. (Views are sliced inline: returning them in a tuple from a
     helper costs numba reference counting in the innermost loop, twice the kernel's time.)
@@ -216,6 +244,7 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
     quantized = is_int8(key_cache[0, 0, 0, 0])
     first_head = kv_head * group_size
     acc_begin, weights_begin, stats_begin = head_dim, 2 * head_dim, 2 * head_dim + block_size
+    q8_begin = stats_begin + 2
     scale = np.float32(scale)
     for g in range(group_size):
         work_row = work[g]
@@ -225,6 +254,8 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
             work_row[acc_begin + d] = 0.0
         work_row[stats_begin] = -np.inf  # running max
         work_row[stats_begin + 1] = 0.0  # running sum of exp(score - running max)
+        if quantized:  # an int8 cache's scores are int8 dot products, as llama.cpp's q8_0 cache's
+            quantize_query_q8(work_row, head_dim, q8_begin)
 
     last_block = position // block_size
     first_key = max(0, position - window + 1) if window > 0 else 0
@@ -248,7 +279,7 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
             weights = work_row[weights_begin:stats_begin]
             # where the window opens inside this block, only its later keys count
             if quantized:
-                _block_scores_q8(weights, keys, work_row[:acc_begin], skipped, num_keys - skipped, head_dim)
+                _block_scores_q8(weights, keys, work_row[q8_begin:], skipped, num_keys - skipped, head_dim)
             elif skipped > 0:
                 _block_scores(weights, keys[:, skipped:], work_row[:acc_begin], num_keys - skipped)
             else:
@@ -381,19 +412,23 @@ def _accumulate_values(acc, values, weights, num_keys):
 
 
 @njit(nogil=True, cache=True, fastmath=False, inline="always")
-def _block_scores_q8(scores, tile, q_scaled, first, num_keys, head_dim):
-    """`_block_scores` over an int8 K tile, keys first..first + num_keys into scores[0..num_keys): per
-    key, each group's sum of q·k times the group's scale, groups added in order."""
+def _block_scores_q8(scores, tile, query_q8, first, num_keys, head_dim):
+    """`_block_scores` over an int8 K tile with the int8 query (`quantize_query_q8`'s, from
+    query_q8[0]), keys first..first + num_keys into scores[0..num_keys): per key, each group's
+    integer q·k times the query's and the key's scales, groups added in order."""
     block_size = tile.shape[1]
+    groups = head_dim // Q8_GROUP
     scales = tile.reshape(-1)[head_dim * block_size :].view(np.uint16)
+    q8 = query_q8[: head_dim // 4].view(np.int8)
+    q_scales = query_q8[head_dim // 4 : head_dim // 4 + groups]
     for t in range(num_keys):
         key = first + t
         total = np.float32(0.0)
-        for g in range(head_dim // Q8_GROUP):
-            group_sum = np.float32(0.0)
+        for g in range(groups):
+            group_sum = 0
             for d in range(g * Q8_GROUP, (g + 1) * Q8_GROUP):
-                group_sum += q_scaled[d] * np.float32(tile[d, key])
-            total += group_sum * f16_bits_to_f32(scales[g * block_size + key])
+                group_sum += np.int32(q8[d]) * np.int32(tile[d, key])
+            total += np.float32(group_sum) * q_scales[g] * f16_bits_to_f32(scales[g * block_size + key])
         scores[t] = total
 
 

@@ -30,6 +30,7 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
 from kvcache.fastmath import EXP_MAX, EXP_MIN, EXP_POLYNOMIAL, LN2_HI, LN2_LO, LOG2E
+from kvcache.int8_dot import dpbusd_emitter
 
 SIMD_BLOCK_SIZE = 16
 _LANES = SIMD_BLOCK_SIZE
@@ -126,6 +127,55 @@ def require_c_contiguous(typingctx, key_cache, value_cache, scratch):  # type: i
     return types.void(key_cache, value_cache, scratch), codegen
 
 
+def _float_scores(builder: ir.IRBuilder, rows: list[ir.Value], key_base: ir.Value, element: ir.Type, head_dim: int,
+                  fma: ir.Function) -> list[ir.Value]:  # fmt: skip
+    """Each head's 16 scores Σ_d q[d]·K[d, t]: four partial sums over d (d mod 4), then (s0 + s1) + (s2 + s3)."""
+    partial = [[_const(0.0)] * 4 for _ in rows]
+    for d in range(head_dim):
+        k_d = _load_row(builder, key_base, element, ir.Constant(_i64, d * _LANES))
+        for g, row in enumerate(rows):
+            q_d = builder.load(builder.gep(row, [ir.Constant(_i64, d)]))
+            partial[g][d % 4] = builder.call(fma, [_splat(builder, q_d), k_d, partial[g][d % 4]])
+    return [builder.fadd(builder.fadd(p[0], p[1]), builder.fadd(p[2], p[3])) for p in partial]
+
+
+# a quad of K rows d..d+3 holds bytes [d'][t]; vpdpbusd wants each key's four bytes together: [t][d']
+_QUAD_TO_KEYS = ir.Constant(ir.VectorType(_i32, 64), [(i % 4) * _LANES + i // 4 for i in range(64)])
+_UNSIGNED = ir.Constant(ir.VectorType(_i8, 64), [-128] * 64)  # xor 0x80: k + 128 as an unsigned byte
+
+
+def _int8_scores(builder: ir.IRBuilder, rows: list[ir.Value], key_base: ir.Value, head_dim: int) -> list[ir.Value]:
+    """Each head's 16 scores from the int8 K tile and its int8 query: per group of Q8_GROUP, the exact
+    integer Σ (k + 128)·q from `vpdpbusd`s less 128·Σq, as float32, times the query's then the keys'
+    scale; the groups added in order (`attention._block_scores_q8`'s arithmetic)."""
+    dpbusd = dpbusd_emitter(builder, 255)
+    groups = head_dim // Q8_GROUP
+    q8_first = 2 * head_dim + _LANES + 2  # float slot of the int8 query in a work row
+    v16i32 = ir.VectorType(_i32, _LANES)
+    query_words = [builder.bitcast(builder.gep(row, [ir.Constant(_i64, q8_first)]), _i32.as_pointer()) for row in rows]
+    totals: list[ir.Value | None] = [None] * len(rows)
+    for group in range(groups):
+        sums = [ir.Constant(v16i32, [0] * _LANES)] * len(rows)
+        for quad in range(group * Q8_GROUP // 4, (group + 1) * Q8_GROUP // 4):
+            pointer = builder.gep(key_base, [ir.Constant(_i64, quad * 4 * _LANES)])
+            raw = builder.load(builder.bitcast(pointer, ir.VectorType(_i8, 64).as_pointer()), align=1)
+            keys = builder.xor(builder.shuffle_vector(raw, raw, _QUAD_TO_KEYS), _UNSIGNED)
+            for g, words in enumerate(query_words):
+                word = builder.load(builder.gep(words, [ir.Constant(_i64, quad)]), align=4)
+                query = builder.bitcast(builder.shuffle_vector(
+                    builder.insert_element(ir.Constant(v16i32, ir.Undefined), word, ir.Constant(_i32, 0)),
+                    ir.Constant(v16i32, ir.Undefined), ir.Constant(v16i32, [0] * _LANES)), ir.VectorType(_i8, 64))
+                sums[g] = dpbusd(sums[g], keys, query)
+        key_scales = _half_at(builder, key_base, ir.Constant(_i64, head_dim * _LANES + 2 * _LANES * group), _LANES)
+        for g, row in enumerate(rows):
+            q_scale = builder.load(builder.gep(row, [ir.Constant(_i64, q8_first + head_dim // 4 + group)]))
+            offset = builder.load(builder.gep(row, [ir.Constant(_i64, q8_first + head_dim // 4 + groups + group)]))
+            exact = builder.fsub(builder.sitofp(sums[g], _V), _splat(builder, offset))
+            value = builder.fmul(builder.fmul(exact, _splat(builder, q_scale)), key_scales)
+            totals[g] = value if totals[g] is None else builder.fadd(totals[g], value)
+    return totals  # type: ignore[return-value]
+
+
 def _make_attend_group(head_dim: int, group_size: int):  # type: ignore[no-untyped-def]
     chunks = head_dim // _LANES
 
@@ -134,11 +184,12 @@ def _make_attend_group(head_dim: int, group_size: int):  # type: ignore[no-untyp
         """Fold one block into the online softmax of each query head of a GQA group.
 
         work: (group_size, ≥ 2·head_dim + 18) float32, C-contiguous rows; row g =
-        [scaled query | accumulator | 16 scratch | max, sum] of the group's head g
+        [scaled query | accumulator | 16 scratch | max, sum | int8 query] of the group's head g
         (`attention._attend_row_group`'s layout); keys: (head_dim, 16) and values: (16, head_dim),
-        C-contiguous, float32 or uint16 half floats; num_keys: the block's keys to use (1..16).
-        Each K and V row is loaded (and widened) once for all the group's heads; each head's
-        arithmetic is the same as if it were alone.
+        C-contiguous, float32, uint16 half floats or int8 with their scales (an int8 cache's
+        tiles, scored against the int8 query: `attention.quantize_query_q8`); num_keys: the
+        block's keys to use (1..16). Each K and V row is loaded (and widened) once for all the
+        group's heads; each head's arithmetic is the same as if it were alone.
         """
         for name, array in (("work", work), ("keys", keys), ("values", values)):
             _check_c_contiguous(name, array)
@@ -161,26 +212,10 @@ def _make_attend_group(head_dim: int, group_size: int):  # type: ignore[no-untyp
             value_base = builder.bitcast(context.make_array(signature.args[2])(context, builder, values_value).data,
                                          element.as_pointer())
             count = context.cast(builder, count, signature.args[3], types.int64)
+            fma = _intrinsic_fn(builder, "llvm.fma.v16f32", 3)
 
-            # scores[t] = Σ_d q[d]·K[d, t]: four partial sums over d (d mod 4), then (s0 + s1) + (s2 + s3);
-            # int8: so per group of Q8_GROUP rows, times the group's scales, the groups added in order
-            totals: list[ir.Value | None] = [None] * group_size
-            spans = [(g * Q8_GROUP, (g + 1) * Q8_GROUP) for g in range(groups)] if quantized else [(0, head_dim)]
-            for span, (first_d, last_d) in enumerate(spans):
-                partial = [[_const(0.0)] * 4 for _ in range(group_size)]
-                for d in range(first_d, last_d):
-                    k_d = _load_row(builder, key_base, element, ir.Constant(_i64, d * _LANES))
-                    for g, row in enumerate(rows):
-                        q_d = builder.load(builder.gep(row, [ir.Constant(_i64, d)]))
-                        partial[g][d % 4] = builder.fadd(partial[g][d % 4], builder.fmul(_splat(builder, q_d), k_d))
-                scale = (_half_at(builder, key_base, ir.Constant(_i64, head_dim * _LANES + 2 * _LANES * span), _LANES)
-                         if quantized else None)  # fmt: skip
-                for g in range(group_size):
-                    p = partial[g]
-                    sums = builder.fadd(builder.fadd(p[0], p[1]), builder.fadd(p[2], p[3]))
-                    if scale is not None:
-                        sums = builder.fmul(sums, scale)
-                    totals[g] = sums if totals[g] is None else builder.fadd(totals[g], sums)
+            totals = _int8_scores(builder, rows, key_base, head_dim) if quantized else \
+                _float_scores(builder, rows, key_base, element, head_dim, fma)  # fmt: skip
             lane = ir.Constant(ir.VectorType(_i64, _LANES), list(range(_LANES)))
             count_splat = builder.shuffle_vector(
                 builder.insert_element(ir.Constant(ir.VectorType(_i64, _LANES), ir.Undefined), count,
@@ -242,7 +277,7 @@ def _make_attend_group(head_dim: int, group_size: int):  # type: ignore[no-untyp
                     chunk_weights = [group_weights[i * _LANES // Q8_GROUP] for i in range(chunks)]
                 else:
                     chunk_weights = [_splat(builder, weight)] * chunks
-                updated.append([builder.fadd(phi, builder.fmul(chunk_weights[i], value_rows[i]))
+                updated.append([builder.call(fma, [chunk_weights[i], value_rows[i], phi])
                                 for i, phi in enumerate(phis[g])])
             next_t = builder.add(t, ir.Constant(_i64, 1))
             t.add_incoming(next_t, loop)

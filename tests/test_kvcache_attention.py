@@ -211,7 +211,23 @@ def test_how_a_large_group_is_cut_into_calls_changes_no_output(group_size: int, 
 
 
 def dense(case: PagedCase, seq: int, query_len: int, window: int = 0) -> np.ndarray:
-    return dense_causal_attention(case.keys[seq], case.values[seq], case.queries[seq], query_len, window)
+    queries = case.queries[seq]
+    if case.key_cache.dtype == np.int8:
+        queries = int8_queries(queries)
+    return dense_causal_attention(case.keys[seq], case.values[seq], queries, query_len, window)
+
+
+def int8_queries(queries: np.ndarray) -> np.ndarray:
+    """The queries an int8 cache's scores see: q / sqrt(head_dim) in float32, quantized per group of
+    Q8_GROUP like a key but with a float32 scale (max|x| / 127), then the 1 / sqrt(head_dim) taken
+    back for `dense_causal_attention` to apply again."""
+    head_dim = queries.shape[-1]
+    scale = np.float32(1.0 / np.sqrt(head_dim))
+    scaled = queries.astype(np.float32) * scale
+    ints, _ = quantized_q8(scaled)
+    amax = np.abs(scaled.reshape(*scaled.shape[:-1], -1, Q8_GROUP)).max(axis=-1, keepdims=True)
+    values = ints.astype(np.float64) * (amax / np.float32(127.0)).astype(np.float32)
+    return values.reshape(queries.shape) / np.float64(scale)
 
 
 # (context_lens, query_lens, block_size, n_heads, n_kv_heads, head_dim, window)
