@@ -21,6 +21,7 @@ BENCHMARKS = {
     "churn": "bench.churn",
     "synth": "bench.synth",
     "sizes": "bench.sizes",
+    "long-decode": "bench.long_decode",
     "embed": "bench.embed",
     "prefix-tiers": "bench.prefix_tiers",
     "serve": "bench.serve",

@@ -25,8 +25,10 @@ The softmax is online (flash-attention's running max and sum, rescaled per block
 scales with the context; per-thread scratch comes from `attention_scratch`, sized once.
 
 With 16-key blocks and head_dim 64 or 128 (the default shapes) each block is folded in by explicit
-vector IR (`kvcache.attention_simd`), one call for the whole GQA group; the loops below serve every
-other shape with the same semantics. (What each path measures: docs/performance.md.)
+vector IR (`kvcache.attention_simd`), in calls of up to four heads of the GQA group; the loops below
+serve every other shape with the same semantics. With an int8 cache both paths score the query
+quantized per group of 32 against the int8 keys in exact integers (`quantize_query_q8`), as llama.cpp's
+q8_0 cache does. (What each path measures: docs/performance.md.)
 
 fastmath stays off, so LLVM never reorders a sum. The kernels choose the order themselves: a score
 adds eight head_dim terms at a time as a fixed tree, the value sum four keys at a time, because
@@ -37,7 +39,8 @@ kept in memory waits on store-to-load forwarding.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.extending import overload
 
 from kvcache.attention_simd import (
     SIMD_BLOCK_SIZE,
@@ -50,6 +53,8 @@ from kvcache.attention_simd import (
     attend_group_128_3,
     attend_group_128_4,
     require_c_contiguous,
+    widen_q8_values_64,
+    widen_q8_values_128,
 )
 from kvcache.fastmath import as_f32, exp_f32, f16_bits_to_f32, f32_to_f16_bits, is_int8, like, round_half_away
 from kvcache.hadamard_simd import HADAMARD_SIZE, hadamard32
@@ -74,13 +79,16 @@ def attention_scratch(
 ) -> np.ndarray:
     """Per-thread scratch for `paged_attention_rows`, allocated once at start.
 
-    Shape (max_threads, n_heads // n_kv_heads, 2 * head_dim + block_size + 2 + query_q8_floats) float32.
+    Shape (max_threads, group_size + tile rows, width) float32: a row per query head of a GQA group
+    (width 2 * head_dim + block_size + 2 + query_q8_floats), then enough rows to hold one block's
+    values as float32 (an int8 cache's block, widened once for every head of the group).
     """
     if n_heads % n_kv_heads:
         raise ValueError(f"{n_heads} query heads do not split into groups over {n_kv_heads} KV heads")
     group_size = n_heads // n_kv_heads
     width = 2 * head_dim + block_size + _NUM_SOFTMAX_STATS + query_q8_floats(head_dim)
-    return np.zeros((max_threads, group_size, width), dtype=np.float32)
+    tile_rows = -(-block_size * head_dim // width)
+    return np.zeros((max_threads, group_size + tile_rows, width), dtype=np.float32)
 
 
 @njit(nogil=True, cache=True, fastmath=False)
@@ -174,6 +182,25 @@ def quantize_query_q8(work_row, head_dim, first):
         offsets[g] = np.float32(128 * total)
 
 
+def simd_values(values, tile, num_keys, head_dim):  # type: ignore[no-untyped-def]
+    """The value tile the vector IR reads: a float or half tile as it is; an int8 one widened into
+    `tile` (a (block_size, head_dim) float32 view of scratch) and that returned."""
+
+
+@overload(simd_values, jit_options={"nogil": True})
+def _simd_values(values, tile, num_keys, head_dim):  # type: ignore[no-untyped-def]
+    if values.dtype == types.int8:
+        def widened(values, tile, num_keys, head_dim):  # type: ignore[no-untyped-def]
+            if head_dim == 64:
+                widen_q8_values_64(values, num_keys, tile)
+            else:
+                widen_q8_values_128(values, num_keys, tile)
+            return tile
+
+        return widened
+    return lambda values, tile, num_keys, head_dim: values
+
+
 @njit(nogil=True, cache=True, fastmath=False)
 def _store_q8_value(x, row, head_dim):
     """An int8 V row: head_dim values, then its groups' fp16 scales."""
@@ -238,9 +265,10 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
     indices non-negative and vectorises. (Views are sliced inline: returning them in a tuple from a
     helper costs numba reference counting in the innermost loop, twice the kernel's time.)
     """
-    group_size = work.shape[0]
     head_dim = query.shape[2]
     block_size = value_cache.shape[2]
+    group_size = query.shape[1] // key_cache.shape[1]
+    value_tile = work[group_size:].reshape(-1)[: block_size * head_dim].reshape((block_size, head_dim))
     quantized = is_int8(key_cache[0, 0, 0, 0])
     first_head = kv_head * group_size
     acc_begin, weights_begin, stats_begin = head_dim, 2 * head_dim, 2 * head_dim + block_size
@@ -271,7 +299,8 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
         num_keys = min(block_size, position + 1 - logical_block * block_size)  # causal within the last block
         skipped = max(0, first_key - logical_block * block_size)  # keys before the window, in its first block
         if skipped == 0 and block_size == SIMD_BLOCK_SIZE and (head_dim == 64 or head_dim == 128):  # vector IR
-            _attend_group_simd(work, keys, values, num_keys, head_dim, group_size)
+            _attend_group_simd(work, keys, simd_values(values, value_tile, num_keys, head_dim), num_keys, head_dim,
+                               group_size)
             continue
         for g in range(group_size):
             work_row = work[g]
@@ -315,7 +344,7 @@ def _attend_group_simd(work, keys, values, num_keys, head_dim, group_size):
         _attend_heads(work[g : g + heads], keys, values, num_keys, head_dim)
         g += heads
     if g < group_size:
-        _attend_heads(work[g:], keys, values, num_keys, head_dim)
+        _attend_heads(work[g:group_size], keys, values, num_keys, head_dim)
 
 
 @njit(nogil=True, cache=True, fastmath=False, inline="always")
@@ -434,11 +463,12 @@ def _block_scores_q8(scores, tile, query_q8, first, num_keys, head_dim):
 
 @njit(nogil=True, cache=True, fastmath=False, inline="always")
 def _accumulate_values_q8(acc, values, weights, first, num_keys, head_dim):
-    """`_accumulate_values` over an int8 V tile: row first + t, weighted by weights[t] times each group's scale."""
+    """`_accumulate_values` over an int8 V tile: row first + t, each value times its group's scale (as
+    the vector IR's `widen_q8_values` does), weighted by weights[t]."""
     for t in range(num_keys):
         row = values[first + t]
         scales = row[head_dim:].view(np.uint16)
         for g in range(head_dim // Q8_GROUP):
-            weight = weights[t] * f16_bits_to_f32(scales[g])
+            scale = f16_bits_to_f32(scales[g])
             for d in range(g * Q8_GROUP, (g + 1) * Q8_GROUP):
-                acc[d] += weight * np.float32(row[d])
+                acc[d] += weights[t] * (scale * np.float32(row[d]))

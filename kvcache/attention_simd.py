@@ -1,10 +1,17 @@
-"""One block of paged attention for a GQA group's query heads, as LLVM vector IR (a numba intrinsic).
+"""One block of paged attention for a GQA group's query heads, as LLVM vector IR (numba intrinsics).
 
 The numba kernel's loops run over a block's 16 keys, so LLVM vectorises each of them as one vector
 iteration wrapped in run-time alias checks and scalar remainders, many times per block; attention
 then cost ~10 ns per key and head. Here the block is explicit `<16 x float>` arithmetic: the 16
 scores are one vector accumulated over head_dim, the mask, max, exp and sum act on that vector, and
-the weighted sum of value rows updates head_dim / 16 accumulator vectors.
+the weighted sum of value rows runs as passes over the keys, two 16-value chunks of head_dim at a
+time, each head's weight for a key broadcast from its row of scratch into fused multiply-adds.
+
+An int8 cache's scores are integer dot products (`vpdpbusd` where the CPU has VNNI): the query is
+quantized per group of 32 like a key (`attention.quantize_query_q8`), each quad of key rows is
+transposed so that a key's four bytes share a lane, and the exact integer sums are scaled by the
+query's and the keys' scales. Its value tile is widened to float32 once a block for the whole group
+(`widen_q8_values`), each value times its group's scale.
 
 The arithmetic is the numba kernel's (`attention._block_scores` etc.) in a fixed order of its own,
 which depends only on the block's keys: outputs stay independent of the batch, the thread count and
@@ -16,9 +23,8 @@ Every array is read by pointer, assuming C-contiguous tiles and rows: other layo
 when the kernel is typed (`require_c_contiguous`), never misread.
 
 Specialised for 16-key blocks and head_dim 64 or 128; other shapes use the numba path. One call
-serves a whole GQA group (each K and V row is loaded and widened once for all its query heads) for
-group sizes 1-4 at head_dim 64 and 1, 2, 4 at 128 (Llama-family shapes); other group sizes are
-served a head at a time.
+serves one to four query heads of a group (each K and V row loaded once for all of them);
+`attention._attend_group_simd` cuts larger groups into calls of three or four.
 """
 
 from __future__ import annotations
@@ -84,26 +90,19 @@ def _reduce(builder: ir.IRBuilder, vector: ir.Value, combine) -> ir.Value:  # ty
 
 
 def _load_row(builder: ir.IRBuilder, base: ir.Value, element: ir.Type, index: ir.Value) -> ir.Value:
-    """16 consecutive elements from `base` + index elements, as float32 (half floats widened, int8
-    converted)."""
+    """16 consecutive elements from `base` + index elements, as float32 (half floats widened)."""
     pointer = builder.gep(base, [index])
     if element == _half:
         raw = builder.load(builder.bitcast(pointer, ir.VectorType(ir.IntType(16), _LANES).as_pointer()), align=2)
         return builder.fpext(builder.bitcast(raw, ir.VectorType(_half, _LANES)), _V)
-    if element == _i8:
-        raw = builder.load(builder.bitcast(pointer, ir.VectorType(_i8, _LANES).as_pointer()), align=1)
-        return builder.sitofp(raw, _V)
     return builder.load(builder.bitcast(pointer, _V.as_pointer()), align=4)
 
 
-def _half_at(builder: ir.IRBuilder, byte_base: ir.Value, byte_offset: ir.Value, lanes: int) -> ir.Value:
-    """`lanes` fp16 values at a byte offset (int8 caches' scales), as float32 (a scalar for 1 lane)."""
+def _halves_at(builder: ir.IRBuilder, byte_base: ir.Value, byte_offset: ir.Value) -> ir.Value:
+    """16 fp16 values at a byte offset (an int8 K tile's scales), as float32."""
     pointer = builder.gep(byte_base, [byte_offset])
-    if lanes == 1:
-        raw = builder.load(builder.bitcast(pointer, ir.IntType(16).as_pointer()), align=2)
-        return builder.fpext(builder.bitcast(raw, _half), _f32)
-    raw = builder.load(builder.bitcast(pointer, ir.VectorType(ir.IntType(16), lanes).as_pointer()), align=2)
-    return builder.fpext(builder.bitcast(raw, ir.VectorType(_half, lanes)), ir.VectorType(_f32, lanes))
+    raw = builder.load(builder.bitcast(pointer, ir.VectorType(ir.IntType(16), _LANES).as_pointer()), align=2)
+    return builder.fpext(builder.bitcast(raw, ir.VectorType(_half, _LANES)), _V)
 
 
 def _check_c_contiguous(name: str, array: types.Type) -> None:
@@ -166,7 +165,7 @@ def _int8_scores(builder: ir.IRBuilder, rows: list[ir.Value], key_base: ir.Value
                     builder.insert_element(ir.Constant(v16i32, ir.Undefined), word, ir.Constant(_i32, 0)),
                     ir.Constant(v16i32, ir.Undefined), ir.Constant(v16i32, [0] * _LANES)), ir.VectorType(_i8, 64))
                 sums[g] = dpbusd(sums[g], keys, query)
-        key_scales = _half_at(builder, key_base, ir.Constant(_i64, head_dim * _LANES + 2 * _LANES * group), _LANES)
+        key_scales = _halves_at(builder, key_base, ir.Constant(_i64, head_dim * _LANES + 2 * _LANES * group))
         for g, row in enumerate(rows):
             q_scale = builder.load(builder.gep(row, [ir.Constant(_i64, q8_first + head_dim // 4 + group)]))
             offset = builder.load(builder.gep(row, [ir.Constant(_i64, q8_first + head_dim // 4 + groups + group)]))
@@ -174,6 +173,109 @@ def _int8_scores(builder: ir.IRBuilder, rows: list[ir.Value], key_base: ir.Value
             value = builder.fmul(builder.fmul(exact, _splat(builder, q_scale)), key_scales)
             totals[g] = value if totals[g] is None else builder.fadd(totals[g], value)
     return totals  # type: ignore[return-value]
+
+
+def _make_widen_q8_values(head_dim: int):  # type: ignore[no-untyped-def]
+    chunks, row_width = head_dim // _LANES, head_dim + 2 * (head_dim // Q8_GROUP)
+
+    @intrinsic
+    def widen_q8_values(typingctx, values, num_keys, tile):  # type: ignore[no-untyped-def]
+        """tile[t, :head_dim] = row t of an int8 V tile (16, head_dim + its fp16 group scales) as
+        float32, each value times its group's scale, for t < num_keys; both C-contiguous."""
+        for name, array in (("values", values), ("tile", tile)):
+            _check_c_contiguous(name, array)
+        if values.dtype != types.int8 or tile.dtype != types.float32:
+            return None
+        sig = types.void(values, num_keys, tile)
+
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            values_value, count, tile_value = args
+            source = context.make_array(signature.args[0])(context, builder, values_value).data
+            target = context.make_array(signature.args[2])(context, builder, tile_value).data
+            count = context.cast(builder, count, signature.args[1], types.int64)
+            entry = builder.block
+            loop, done = builder.append_basic_block("rows"), builder.append_basic_block("rows_done")
+            builder.cbranch(builder.icmp_signed(">", count, ir.Constant(_i64, 0)), loop, done)
+            builder.position_at_end(loop)
+            t = builder.phi(_i64)
+            t.add_incoming(ir.Constant(_i64, 0), entry)
+            row = builder.gep(source, [builder.mul(t, ir.Constant(_i64, row_width))])
+            out = builder.gep(target, [builder.mul(t, ir.Constant(_i64, head_dim))])
+            # the row's scales as one vector load (a scalar fp16 load merges into a register, which
+            # chains every chunk of the tile behind the one before)
+            groups = head_dim // Q8_GROUP
+            scale_bits = builder.load(builder.bitcast(builder.gep(row, [ir.Constant(_i64, head_dim)]),
+                                                      ir.VectorType(ir.IntType(16), groups).as_pointer()), align=1)
+            group_floats = ir.VectorType(_f32, groups)
+            scales = builder.fpext(builder.bitcast(scale_bits, ir.VectorType(_half, groups)), group_floats)
+            for chunk in range(chunks):
+                scale = builder.shuffle_vector(scales, ir.Constant(group_floats, ir.Undefined), ir.Constant(
+                    ir.VectorType(_i32, _LANES), [chunk * _LANES // Q8_GROUP] * _LANES))
+                raw = builder.load(builder.bitcast(builder.gep(row, [ir.Constant(_i64, chunk * _LANES)]),
+                                                   ir.VectorType(_i8, _LANES).as_pointer()), align=1)
+                builder.store(builder.fmul(scale, builder.sitofp(raw, _V)), builder.bitcast(
+                    builder.gep(out, [ir.Constant(_i64, chunk * _LANES)]), _V.as_pointer()), align=4)
+            next_t = builder.add(t, ir.Constant(_i64, 1))
+            t.add_incoming(next_t, loop)
+            builder.cbranch(builder.icmp_signed("<", next_t, count), loop, done)
+            builder.position_at_end(done)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return widen_q8_values
+
+
+# an int8 V tile widened once a block for every head of its GQA group (`attention.simd_values`)
+widen_q8_values_64 = _make_widen_q8_values(64)
+widen_q8_values_128 = _make_widen_q8_values(128)
+
+
+def _accumulate_chunks(builder: ir.IRBuilder, rows: list[ir.Value], value_base: ir.Value, value_element: ir.Type,
+                       corrections: list[ir.Value], count: ir.Value, fma: ir.Function, head_dim: int,
+                       chunks: range) -> None:  # fmt: skip
+    """acc[chunk] = acc[chunk] · correction + Σ_{t < count} weight[t] · V[t, chunk] for each head's row
+    and each of `chunks` (16 values of head_dim each), keys in order, weights from the row's block
+    scratch."""
+    pointers = [[builder.bitcast(builder.gep(row, [ir.Constant(_i64, head_dim + c * _LANES)]), _V.as_pointer())
+                 for c in chunks] for row in rows]  # fmt: skip
+    starts = [[builder.fmul(builder.load(pointer, align=4), correction) for pointer in head]
+              for head, correction in zip(pointers, corrections, strict=True)]  # fmt: skip
+    entry = builder.block
+    loop, done = builder.append_basic_block("keys"), builder.append_basic_block("keys_done")
+    builder.cbranch(builder.icmp_signed(">", count, ir.Constant(_i64, 0)), loop, done)
+    builder.position_at_end(loop)
+    t = builder.phi(_i64)
+    t.add_incoming(ir.Constant(_i64, 0), entry)
+    phis = []
+    for head in starts:
+        head_phis = [builder.phi(_V) for _ in head]
+        for phi, start in zip(head_phis, head, strict=True):
+            phi.add_incoming(start, entry)
+        phis.append(head_phis)
+    row_start = builder.mul(t, ir.Constant(_i64, head_dim))
+    values = [_load_row(builder, value_base, value_element, builder.add(row_start, ir.Constant(_i64, c * _LANES)))
+              for c in chunks]  # fmt: skip
+    updated = []
+    for row, head_phis in zip(rows, phis, strict=True):
+        weight = _splat(builder, builder.load(builder.gep(row, [builder.add(t, ir.Constant(_i64, 2 * head_dim))])))
+        updated.append([builder.call(fma, [weight, value, phi]) for value, phi in zip(values, head_phis, strict=True)])
+    next_t = builder.add(t, ir.Constant(_i64, 1))
+    t.add_incoming(next_t, loop)
+    for head_phis, head_updated in zip(phis, updated, strict=True):
+        for phi, value in zip(head_phis, head_updated, strict=True):
+            phi.add_incoming(value, loop)
+    builder.cbranch(builder.icmp_signed("<", next_t, count), loop, done)
+    builder.position_at_end(done)
+    finals = []  # every phi first: LLVM wants them at the top of the block
+    for head_starts, head_updated in zip(starts, updated, strict=True):
+        for start, value in zip(head_starts, head_updated, strict=True):
+            final = builder.phi(_V)
+            final.add_incoming(start, entry)
+            final.add_incoming(value, loop)
+            finals.append(final)
+    for pointer, final in zip([p for head in pointers for p in head], finals, strict=True):
+        builder.store(final, pointer, align=4)
 
 
 def _make_attend_group(head_dim: int, group_size: int):  # type: ignore[no-untyped-def]
@@ -193,7 +295,9 @@ def _make_attend_group(head_dim: int, group_size: int):  # type: ignore[no-untyp
         """
         for name, array in (("work", work), ("keys", keys), ("values", values)):
             _check_c_contiguous(name, array)
-        if keys.dtype not in (types.float32, types.uint16, types.int8) or values.dtype != keys.dtype:
+        # int8 keys come with their block's values widened to float32 and scaled (`widen_q8_values`)
+        if keys.dtype not in (types.float32, types.uint16, types.int8) or values.dtype not in (
+                types.float32, types.uint16):  # fmt: skip
             return None
         sig = types.void(work, keys, values, num_keys)
 
@@ -201,8 +305,7 @@ def _make_attend_group(head_dim: int, group_size: int):  # type: ignore[no-untyp
             work_value, keys_value, values_value, count = args
             element = {types.uint16: _half, types.int8: _i8}.get(signature.args[1].dtype, _f32)
             quantized = element == _i8
-            groups = head_dim // Q8_GROUP
-            row_width = head_dim + 2 * groups if quantized else head_dim  # a V row, its scales included
+            value_element = _half if signature.args[2].dtype == types.uint16 else _f32
             work_array = context.make_array(signature.args[0])(context, builder, work_value)
             row_floats = builder.udiv(cgutils.unpack_tuple(builder, work_array.strides)[0], ir.Constant(_i64, 4))
             rows = [builder.gep(work_array.data, [builder.mul(row_floats, ir.Constant(_i64, g))])
@@ -210,7 +313,7 @@ def _make_attend_group(head_dim: int, group_size: int):  # type: ignore[no-untyp
             key_base = builder.bitcast(context.make_array(signature.args[1])(context, builder, keys_value).data,
                                        element.as_pointer())
             value_base = builder.bitcast(context.make_array(signature.args[2])(context, builder, values_value).data,
-                                         element.as_pointer())
+                                         value_element.as_pointer())
             count = context.cast(builder, count, signature.args[3], types.int64)
             fma = _intrinsic_fn(builder, "llvm.fma.v16f32", 3)
 
@@ -225,7 +328,7 @@ def _make_attend_group(head_dim: int, group_size: int):  # type: ignore[no-untyp
             valid = builder.icmp_signed("<", lane, count_splat)
             maxnum = _intrinsic_fn(builder, "llvm.maxnum.v16f32", 2)
 
-            weights, accs = [], []
+            corrections = []
             for g, row in enumerate(rows):
                 scores = builder.select(valid, totals[g], _const(float("-inf")))
                 block_max = _reduce(builder, scores, lambda a, b: builder.call(maxnum, [a, b]))
@@ -240,66 +343,15 @@ def _make_attend_group(head_dim: int, group_size: int):  # type: ignore[no-untyp
                 builder.store(new_max, stats)
                 builder.store(builder.fadd(builder.fmul(old_sum, correction), block_sum),
                               builder.gep(stats, [ir.Constant(_i64, 1)]))
-                weights.append(head_weights)
-                # acc = acc · correction, then + Σ_{t < count} weights[t] · V[t] below
-                acc_base = builder.gep(row, [ir.Constant(_i64, head_dim)])
-                correction_splat = _splat(builder, correction)
-                accs.append([builder.fmul(builder.load(builder.bitcast(
-                    builder.gep(acc_base, [ir.Constant(_i64, i * _LANES)]), _V.as_pointer()), align=4),
-                    correction_splat) for i in range(chunks)])
-
-            entry = builder.block
-            loop = builder.append_basic_block("keys")
-            done = builder.append_basic_block("keys_done")
-            builder.cbranch(builder.icmp_signed(">", count, ir.Constant(_i64, 0)), loop, done)
-            builder.position_at_end(loop)
-            t = builder.phi(_i64)
-            t.add_incoming(ir.Constant(_i64, 0), entry)
-            phis = []
-            for head_accs in accs:
-                head_phis = []
-                for acc in head_accs:
-                    phi = builder.phi(_V)
-                    phi.add_incoming(acc, entry)
-                    head_phis.append(phi)
-                phis.append(head_phis)
-            row_start = builder.mul(t, ir.Constant(_i64, row_width))
-            value_rows = [_load_row(builder, value_base, element, builder.add(row_start, ir.Constant(_i64, i * _LANES)))
-                          for i in range(chunks)]
-            # int8: the row's group scales, one per Q8_GROUP values, fold into the weight of their chunks
-            row_scales = [_half_at(builder, value_base, builder.add(row_start, ir.Constant(_i64, head_dim + 2 * j)), 1)
-                          for j in range(groups)] if quantized else []  # fmt: skip
-            updated = []
-            for g in range(group_size):
-                weight = builder.extract_element(weights[g], t)
-                if quantized:
-                    group_weights = [_splat(builder, builder.fmul(weight, scale)) for scale in row_scales]
-                    chunk_weights = [group_weights[i * _LANES // Q8_GROUP] for i in range(chunks)]
-                else:
-                    chunk_weights = [_splat(builder, weight)] * chunks
-                updated.append([builder.call(fma, [chunk_weights[i], value_rows[i], phi])
-                                for i, phi in enumerate(phis[g])])
-            next_t = builder.add(t, ir.Constant(_i64, 1))
-            t.add_incoming(next_t, loop)
-            for head_phis, head_updated in zip(phis, updated, strict=True):
-                for phi, value in zip(head_phis, head_updated, strict=True):
-                    phi.add_incoming(value, loop)
-            builder.cbranch(builder.icmp_signed("<", next_t, count), loop, done)
-            builder.position_at_end(done)
-            finals = []
-            for g in range(group_size):  # phis first: LLVM wants them at the top of the block
-                head_finals = []
-                for i in range(chunks):
-                    final = builder.phi(_V)
-                    final.add_incoming(accs[g][i], entry)
-                    final.add_incoming(updated[g][i], loop)
-                    head_finals.append(final)
-                finals.append(head_finals)
-            for g, row in enumerate(rows):
-                acc_base = builder.gep(row, [ir.Constant(_i64, head_dim)])
-                for i, final in enumerate(finals[g]):
-                    builder.store(final, builder.bitcast(builder.gep(acc_base, [ir.Constant(_i64, i * _LANES)]),
-                                                         _V.as_pointer()), align=4)
+                # the weights go to the row's block scratch, from where each key's is broadcast
+                builder.store(head_weights, builder.bitcast(builder.gep(row, [ir.Constant(_i64, 2 * head_dim)]),
+                                                            _V.as_pointer()), align=4)
+                corrections.append(_splat(builder, correction))
+            # acc = acc · correction, then + Σ_{t < count} weights[t] · V[t], t in order: a pass over the
+            # keys per two chunks of head_dim, every head's two accumulators in registers
+            for first in range(0, chunks, 2):
+                _accumulate_chunks(builder, rows, value_base, value_element, corrections, count, fma, head_dim,
+                                   range(first, min(first + 2, chunks)))
             return context.get_dummy_value()
 
         return sig, codegen

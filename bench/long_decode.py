@@ -1,0 +1,130 @@
+"""`treadle bench long-decode FILE.gguf`: one decode step at long contexts, without their prefill.
+
+    .venv/bin/treadle bench long-decode /tmp/shapes/qwen2.5-1.5b-q4_k_m.gguf --contexts 1024,8192,32768
+        [--kv-dtypes float16,int8] [--threads 2] [--steps 12] [--json PATH]
+
+The model's real step (`ModelRunner.forward`, the fast kernels on the spin pool, the weight cache
+mapped) decodes one token at position C - 1 of a sequence whose C - 1 earlier positions' keys and
+values already fill the KV cache: random values of the cache's storage type in the blocks a long
+prefill leaves behind (consecutive ids), every layer its own. A step's time does not depend on the
+values, so this measures what a server's decode costs at that context in seconds instead of the
+minutes a 32k-token prefill takes. Reported per context and KV type: the median step time (ms per
+output token), its ratio to the shortest context's, and the KV bytes one step reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from decoding import load_model
+from decoding.engine.runner import ModelRunner, StepBatch
+from decoding.kernels import weight_cache
+from decoding.kernels.forward import KernelWeights
+from kvcache.batch import KVBatchArrays
+from kvcache.storage import KVCacheSpec, KVCacheStorage
+from threadpool import SpinPool
+
+BLOCK_SIZE = 16
+
+
+def _fill_random(storage: KVCacheStorage, rng: np.random.Generator) -> None:
+    """Values a real cache could hold, layer by layer: half floats of N(0, 1), or int8 values with
+    every group's fp16 scale 1/127 (each value dequantizes into [-1, 1])."""
+    spec = storage.spec
+    for layer in range(spec.n_layers):
+        keys, values = storage.key_cache[layer], storage.value_cache[layer]
+        if spec.dtype != "int8":
+            for cache in (keys, values):
+                noise = rng.standard_normal(cache.shape, dtype=np.float32)
+                cache[...] = noise.astype(np.float16).view(np.uint16) if spec.dtype == "float16" else noise
+            continue
+        keys[...] = rng.integers(-127, 128, keys.shape, dtype=np.int8)
+        values[...] = rng.integers(-127, 128, values.shape, dtype=np.int8)
+        # a K tile's scales: (groups, block_size) fp16 after its head_dim × block_size values; a V row's after its own
+        tiles = keys.reshape(*keys.shape[:2], -1)
+        tiles[..., spec.head_dim * spec.block_size :].view(np.float16)[...] = np.float16(1 / 127)
+        values[..., spec.head_dim :].view(np.float16)[...] = np.float16(1 / 127)
+
+
+def _decode_batch(token: int, context: int) -> StepBatch:
+    blocks = -(-context // BLOCK_SIZE)
+    position = context - 1
+    kv = KVBatchArrays(block_tables=np.arange(blocks, dtype=np.int32)[None, :],
+                       context_lens=np.array([context], np.int32), query_start_loc=np.array([0, 1], np.int32),
+                       positions=np.array([position], np.int32),
+                       slot_mapping=np.array([position], np.int32))  # fmt: skip
+    return StepBatch(token_ids=np.array([token], np.int32), kv=kv, logit_rows=np.array([0], np.int32))
+
+
+def measure(path: Path, contexts: list[int], kv_dtypes: list[str], threads: int, steps: int) -> dict[str, Any]:
+    model = load_model(path)
+    cfg = model.config
+    cache = weight_cache.cache_file(model.path) if model.path.is_file() else None
+    weights = KernelWeights.build(cfg, model.weights, fast=True, cache=cache)
+    rng = np.random.default_rng(0)
+    results: dict[str, Any] = {"model": str(path), "threads": threads, "contexts": contexts, "runs": {}}
+    with SpinPool(threads) as pool:
+        for dtype in kv_dtypes:
+            spec = KVCacheSpec(n_layers=cfg.n_layers, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                               block_size=BLOCK_SIZE, dtype=dtype)  # fmt: skip
+            storage = KVCacheStorage.allocate(spec, -(-max(contexts) // BLOCK_SIZE))
+            _fill_random(storage, rng)
+            runner = ModelRunner(model, storage, pool, max_num_tokens=1, max_logit_rows=1, weights=weights)
+            runs = []
+            for context in contexts:
+                batch = _decode_batch(1, context)
+                logits = runner.forward(batch)  # compile or load the kernels, touch the tiles
+                if not np.isfinite(logits).all():
+                    raise RuntimeError(f"{dtype} cache at context {context}: the step's logits are not finite")
+                times = []
+                for _ in range(steps):
+                    started = time.perf_counter()
+                    runner.forward(batch)
+                    times.append(time.perf_counter() - started)
+                kv_bytes = context * spec.bytes_per_token
+                runs.append({"context": context, "ms_per_token": 1e3 * statistics.median(times),
+                             "kv_mb_read": kv_bytes / 1e6})  # fmt: skip
+            results["runs"][dtype] = runs
+            del runner, storage
+    return results
+
+
+def report(results: dict[str, Any]) -> str:
+    lines = [f"**{Path(results['model']).name}**, {results['threads']} threads: one decode step at each context "
+             "(median ms per output token; its ratio to the shortest context's; KV read per step)", "",
+             "| context | " + " | ".join(results["runs"]) + " |",
+             "| ---: | " + " | ".join("---:" for _ in results["runs"]) + " |"]  # fmt: skip
+    for i, context in enumerate(results["contexts"]):
+        cells = []
+        for runs in results["runs"].values():
+            run, base = runs[i], runs[0]
+            cells.append(f"{run['ms_per_token']:.1f} ms, {run['ms_per_token'] / base['ms_per_token']:.2f}x, "
+                         f"{run['kv_mb_read']:.0f} MB")  # fmt: skip
+        lines.append(f"| {context:,} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="treadle bench long-decode", description=__doc__.split("\n")[0])
+    parser.add_argument("file", type=Path)
+    parser.add_argument("--contexts", default="1024,8192,32768")
+    parser.add_argument("--kv-dtypes", default="float16,int8")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args(argv)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    results = measure(args.file, contexts, args.kv_dtypes.split(","), args.threads, args.steps)
+    print(report(results))
+    print(f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; `treadle bench long-decode {args.file} "
+          f"--contexts {args.contexts} --kv-dtypes {args.kv_dtypes} --threads {args.threads}`")  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0

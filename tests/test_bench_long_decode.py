@@ -1,0 +1,42 @@
+"""`treadle bench long-decode`: a decode step at long contexts over a cache filled without a prefill."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bench.long_decode import _fill_random, measure, report
+from bench.synth import write_model
+from kvcache.storage import KVCacheSpec, KVCacheStorage
+
+
+@pytest.fixture(scope="module")
+def tiny_file(tmp_path_factory, default_model):
+    path = tmp_path_factory.mktemp("long-decode") / "tiny.gguf"
+    write_model("tiny", path, tokenizer=default_model.path)
+    return path
+
+
+def test_an_int8_cache_is_filled_with_the_scales_attention_reads():
+    spec = KVCacheSpec(n_layers=2, n_kv_heads=2, head_dim=64, block_size=16, dtype="int8")
+    storage = KVCacheStorage.allocate(spec, 3)
+    _fill_random(storage, np.random.default_rng(0))
+    tiles = storage.key_cache.reshape(*storage.key_cache.shape[:3], -1)
+    key_scales = tiles[..., 64 * 16 :].view(np.float16)
+    value_scales = storage.value_cache[..., 64:].view(np.float16)
+    assert key_scales.shape == (2, 3, 2, 2 * 16) and value_scales.shape == (2, 3, 2, 16, 2)
+    assert (key_scales == np.float16(1 / 127)).all() and (value_scales == np.float16(1 / 127)).all()
+    values = storage.value_cache[..., :64]
+    assert values.min() >= -127 and values.max() <= 127 and len(np.unique(values)) > 200
+
+
+def test_each_context_and_cache_type_gets_a_step_time_and_its_kv_bytes(tiny_file):
+    results = measure(tiny_file, [16, 300], ["float16", "int8"], threads=2, steps=2)
+    for dtype in ("float16", "int8"):
+        short, long = results["runs"][dtype]
+        assert short["context"] == 16 and long["context"] == 300
+        assert short["ms_per_token"] > 0 and long["ms_per_token"] > 0
+        spec = KVCacheSpec(n_layers=2, n_kv_heads=2, head_dim=64, block_size=16, dtype=dtype)
+        assert long["kv_mb_read"] == pytest.approx(300 * spec.bytes_per_token / 1e6)
+    table = report(results)
+    assert "| 300 |" in table and "float16" in table and "int8" in table
