@@ -501,3 +501,42 @@ def test_the_vector_rotation_refuses_a_strided_row() -> None:
 
     with pytest.raises(TypingError, match="C-contiguous float32 vector"):
         rotate_column(np.zeros((32, 2), dtype=np.float32))
+
+
+_INT8_SCORES_SCRIPT = """
+import sys, numpy as np
+from tests.test_kvcache_attention import int8_attention_extremes
+np.save(sys.argv[1], int8_attention_extremes())
+"""
+
+
+def int8_attention_extremes() -> np.ndarray:
+    """An int8 cache's attention where its integer sums are largest: every key byte ±127 against
+    queries whose int8 form is ±127 everywhere, then random keys and queries; head_dim 64 and 128."""
+    rng = np.random.default_rng(5)
+    results = []
+    for head_dim in (64, 128):
+        case = make_case(rng, [40], 16, 4, 1, head_dim, "int8")
+        extreme = replace(case, queries=[np.sign(rng.standard_normal(case.queries[0].shape)).astype(np.float32)])
+        tiles = extreme.key_cache[:, :, :head_dim, :]
+        tiles[...] = np.where(rng.random(tiles.shape) < 0.5, -127, 127).astype(np.int8)
+        results += [run_paged(extreme, [0], [40], [40]).ravel(), run_paged(case, [0], [40], [40]).ravel()]
+    return np.concatenate(results)
+
+
+def test_the_int8_scores_are_the_same_bits_with_or_without_vnni(tmp_path):
+    """vpdpbusd and the plain vector IR compute an int8 cache's scores as the same integers, so
+    attention's output does not depend on which the CPU runs. This process runs the best its CPU
+    has; a second one, with a fresh kernel cache, the plain IR."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "plain.npy"
+    env = {**os.environ, "TREADLE_NO_VNNI": "1", "TREADLE_NO_AVX2": "1", "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    subprocess.run([sys.executable, "-c", _INT8_SCORES_SCRIPT, str(out)], check=True, env=env, timeout=600,
+                   cwd=Path(__file__).resolve().parent.parent)  # fmt: skip
+    ours = int8_attention_extremes()
+    assert np.isfinite(ours).all()
+    np.testing.assert_array_equal(ours, np.load(out))
