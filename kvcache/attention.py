@@ -230,7 +230,7 @@ def paged_attention_rows(
                      entries of a row are read
     context_lens:    (num_seqs,) int32, this step's rows included
     query_start_loc: (num_seqs + 1,) int32; sequence s owns rows [query_start_loc[s], query_start_loc[s+1])
-    scratch:         (nthreads or more, group_size, 2 * head_dim + block_size + 2) float32 (`attention_scratch`)
+    scratch:         (nthreads or more, ...) float32: `attention_scratch`'s
     The caches and scratch must be C-contiguous (the vector IR reads them by pointer): a view that
     is not is refused when the kernel is compiled.
     """
@@ -258,9 +258,10 @@ def paged_attention_rows(
 def _attend_row_group(out, query, key_cache, value_cache, block_table, row, position, kv_head, work, scale, window):
     """Outputs of query row `row` (at `position`) for the query heads of `kv_head`'s group.
 
-    work: (group_size, ≥ 2 * head_dim + block_size + 2 + query_q8_floats) float32; row g serves query
-    head kv_head * group_size + g and holds [scaled query | output accumulator | one block's scores,
-    then weights | running max, running sum | the int8 query, with an int8 cache].
+    work: one thread's `attention_scratch`; row g < group_size serves query head
+    kv_head * group_size + g and holds [scaled query | output accumulator | one block's scores,
+    then weights | running max, running sum | the int8 query, with an int8 cache]; the rows after
+    them hold an int8 cache's value tile widened to float32.
     Every inner loop runs over a unit-stride 1-D view with a plain loop index, so numba proves the
     indices non-negative and vectorises. (Views are sliced inline: returning them in a tuple from a
     helper costs numba reference counting in the innermost loop, twice the kernel's time.)
