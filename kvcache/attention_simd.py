@@ -287,11 +287,12 @@ def _make_attend_group(head_dim: int, group_size: int):  # type: ignore[no-untyp
 
         work: (group_size, ≥ 2·head_dim + 18) float32, C-contiguous rows; row g =
         [scaled query | accumulator | 16 scratch | max, sum | int8 query] of the group's head g
-        (`attention._attend_row_group`'s layout); keys: (head_dim, 16) and values: (16, head_dim),
-        C-contiguous, float32, uint16 half floats or int8 with their scales (an int8 cache's
-        tiles, scored against the int8 query: `attention.quantize_query_q8`); num_keys: the
-        block's keys to use (1..16). Each K and V row is loaded (and widened) once for all the
-        group's heads; each head's arithmetic is the same as if it were alone.
+        (`attention._attend_row_group`'s layout); keys: (head_dim, 16), C-contiguous, float32,
+        uint16 half floats, or an int8 cache's tile with its scales (scored against the int8
+        query: `attention.quantize_query_q8`); values: (16, head_dim), C-contiguous, float32 or
+        uint16 (an int8 cache's tile widened by `widen_q8_values`); num_keys: the block's keys to
+        use (1..16). Each K and V row is loaded (and widened) once for all the group's heads;
+        each head's arithmetic is the same as if it were alone.
         """
         for name, array in (("work", work), ("keys", keys), ("values", values)):
             _check_c_contiguous(name, array)
