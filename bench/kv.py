@@ -196,6 +196,37 @@ def _time_attention(
     return min(times)
 
 
+# (name, query heads, KV heads) of head_dim 128: the GQA groups of 6, 8 and 7 the vector IR cuts into calls
+HEAD_LAYOUTS = (("qwen2.5-1.5b", 12, 2), ("qwen2.5-3b", 16, 2), ("qwen2.5-7b", 28, 4))
+
+
+def head_layout_times(context_len: int, repeats: int = 15) -> list[dict]:
+    """One layer's decode attention of one sequence at `context_len` keys on one thread, in real models'
+    head layouts, float16 and int8: best of `repeats`, consecutive block ids. Below ~8k keys a layer's
+    KV fits the CPU's caches, so this times the arithmetic; far above, the memory's access too."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for (name, n_heads, n_kv_heads), dtype in product(HEAD_LAYOUTS, ("float16", "int8")):
+        spec = KVCacheSpec(n_layers=1, n_kv_heads=n_kv_heads, head_dim=128, block_size=16, dtype=dtype)
+        num_blocks = -(-context_len // 16)
+        key_cache = _stored(rng, (num_blocks, n_kv_heads, spec.row_width, 16), spec, scale_axis=2)
+        value_cache = _stored(rng, (num_blocks, n_kv_heads, 16, spec.row_width), spec, scale_axis=3)
+        query = rng.standard_normal((1, n_heads, 128), dtype=np.float32)
+        args = (np.empty_like(query), query, key_cache, value_cache,
+                np.arange(num_blocks, dtype=np.int32)[None, :], np.array([context_len], np.int32),
+                np.array([0, 1], np.int32), attention_scratch(1, n_heads, n_kv_heads, 128, 16), 0, 1,
+                1 / np.sqrt(128), 0)  # fmt: skip
+        paged_attention_rows(*args)
+        seconds = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            paged_attention_rows(*args)
+            seconds = min(seconds, time.perf_counter() - start)
+        rows.append({"layout": name, "kv": dtype, "context": context_len, "us_per_layer": round(seconds * 1e6, 1),
+                     "ns_per_block_and_kv_head": round(seconds / (num_blocks * n_kv_heads) * 1e9)})  # fmt: skip
+    return rows
+
+
 def _stored(rng: np.random.Generator, shape: tuple[int, ...], spec: KVCacheSpec, scale_axis: int) -> np.ndarray:
     """Random normal values as the cache holds them: half floats as their bits; int8 as random values
     with every scale (past head_dim along `scale_axis`) the fp16 0.0034 (bytes 0x22 0x22)."""
@@ -227,9 +258,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="instead: top-1 agreement of an int8 KV cache with a float16 one over real text, "
                              "for each model (a name or a file)")  # fmt: skip
     parser.add_argument("--positions", type=int, default=4096, help="positions of text for --quality")
+    parser.add_argument("--head-layouts", type=int, metavar="KEYS",
+                        help="instead: one layer's decode attention at KEYS keys, one thread, in the Qwen2.5 "
+                             "1.5B/3B/7B head layouts")  # fmt: skip
     args = parser.parse_args(argv)
     if args.quality:
         return _kv_quality(args.quality, args.positions, args.json)
+    if args.head_layouts:
+        rows = head_layout_times(args.head_layouts)
+        print_table(f"Decode attention, one layer at {args.head_layouts} keys, one thread", rows)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=2))
+        return 0
     rng = np.random.default_rng(args.seed)
     results: dict[str, Any] = {
         "model": {
