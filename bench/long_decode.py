@@ -66,6 +66,8 @@ def _decode_batch(token: int, context: int) -> StepBatch:
 def measure(path: Path, contexts: list[int], kv_dtypes: list[str], threads: int, steps: int) -> dict[str, Any]:
     model = load_model(path)
     cfg = model.config
+    if max(contexts) > cfg.max_context:
+        raise SystemExit(f"{path.name} was trained for {cfg.max_context} positions; contexts up to that only")
     cache = weight_cache.cache_file(model.path) if model.path.is_file() else None
     weights = KernelWeights.build(cfg, model.weights, fast=True, cache=cache)
     rng = np.random.default_rng(0)

@@ -40,3 +40,11 @@ def test_each_context_and_cache_type_gets_a_step_time_and_its_kv_bytes(tiny_file
         assert long["kv_mb_read"] == pytest.approx(300 * spec.bytes_per_token / 1e6)
     table = report(results)
     assert "| 300 |" in table and "float16" in table and "int8" in table
+
+
+def test_a_context_past_the_models_positions_is_refused(tiny_file):
+    from decoding import load_model
+
+    limit = load_model(tiny_file).config.max_context
+    with pytest.raises(SystemExit, match=f"trained for {limit} positions"):
+        measure(tiny_file, [16, limit + 1], ["float16"], threads=1, steps=1)
