@@ -175,6 +175,19 @@ def _int8_scores(builder: ir.IRBuilder, rows: list[ir.Value], key_base: ir.Value
     return totals  # type: ignore[return-value]
 
 
+def _open_count_loop(builder: ir.IRBuilder, count: ir.Value,
+                     name: str) -> tuple[ir.Block, ir.Block, ir.Block, ir.Value]:  # fmt: skip
+    """A loop over t = 0..count-1 (none when count <= 0), positioned at the top of its body: the blocks
+    (entry, loop, done) and t, whose next value the caller adds as `t.add_incoming(t + 1, loop)`."""
+    entry = builder.block
+    loop, done = builder.append_basic_block(name), builder.append_basic_block(f"{name}_done")
+    builder.cbranch(builder.icmp_signed(">", count, ir.Constant(_i64, 0)), loop, done)
+    builder.position_at_end(loop)
+    t = builder.phi(_i64)
+    t.add_incoming(ir.Constant(_i64, 0), entry)
+    return entry, loop, done, t
+
+
 def _make_widen_q8_values(head_dim: int):  # type: ignore[no-untyped-def]
     chunks, row_width = head_dim // _LANES, head_dim + 2 * (head_dim // Q8_GROUP)
 
@@ -193,12 +206,7 @@ def _make_widen_q8_values(head_dim: int):  # type: ignore[no-untyped-def]
             source = context.make_array(signature.args[0])(context, builder, values_value).data
             target = context.make_array(signature.args[2])(context, builder, tile_value).data
             count = context.cast(builder, count, signature.args[1], types.int64)
-            entry = builder.block
-            loop, done = builder.append_basic_block("rows"), builder.append_basic_block("rows_done")
-            builder.cbranch(builder.icmp_signed(">", count, ir.Constant(_i64, 0)), loop, done)
-            builder.position_at_end(loop)
-            t = builder.phi(_i64)
-            t.add_incoming(ir.Constant(_i64, 0), entry)
+            _, loop, done, t = _open_count_loop(builder, count, "rows")
             row = builder.gep(source, [builder.mul(t, ir.Constant(_i64, row_width))])
             out = builder.gep(target, [builder.mul(t, ir.Constant(_i64, head_dim))])
             # the row's scales as one vector load (a scalar fp16 load merges into a register, which
@@ -241,12 +249,7 @@ def _accumulate_chunks(builder: ir.IRBuilder, rows: list[ir.Value], value_base: 
                  for c in chunks] for row in rows]  # fmt: skip
     starts = [[builder.fmul(builder.load(pointer, align=4), correction) for pointer in head]
               for head, correction in zip(pointers, corrections, strict=True)]  # fmt: skip
-    entry = builder.block
-    loop, done = builder.append_basic_block("keys"), builder.append_basic_block("keys_done")
-    builder.cbranch(builder.icmp_signed(">", count, ir.Constant(_i64, 0)), loop, done)
-    builder.position_at_end(loop)
-    t = builder.phi(_i64)
-    t.add_incoming(ir.Constant(_i64, 0), entry)
+    entry, loop, done, t = _open_count_loop(builder, count, "keys")
     phis = []
     for head in starts:
         head_phis = [builder.phi(_V) for _ in head]
