@@ -165,8 +165,8 @@ def _time_attention(
     head_dim, block_size, n_kv_heads = spec.head_dim, spec.block_size, spec.n_kv_heads
     blocks_per_seq = -(-context_len // block_size)
     num_blocks = batch_size * blocks_per_seq
-    key_cache = _stored(rng, (num_blocks, n_kv_heads, spec.row_width, block_size), spec, scale_axis=2)
-    value_cache = _stored(rng, (num_blocks, n_kv_heads, block_size, spec.row_width), spec, scale_axis=3)
+    key_cache = _stored(rng, (num_blocks, n_kv_heads, spec.row_width, block_size), spec)
+    value_cache = _stored(rng, (num_blocks, n_kv_heads, block_size, spec.row_width), spec)
     block_tables = rng.permutation(num_blocks).astype(np.int32).reshape(batch_size, blocks_per_seq)
     context_lens = np.full(batch_size, context_len, dtype=np.int32)
     query_start_loc = np.arange(0, batch_size * query_len + 1, query_len, dtype=np.int32)
@@ -209,8 +209,8 @@ def head_layout_times(context_len: int, repeats: int = 15) -> list[dict]:
     for (name, n_heads, n_kv_heads), dtype in product(HEAD_LAYOUTS, ("float16", "int8")):
         spec = KVCacheSpec(n_layers=1, n_kv_heads=n_kv_heads, head_dim=128, block_size=16, dtype=dtype)
         num_blocks = -(-context_len // 16)
-        key_cache = _stored(rng, (num_blocks, n_kv_heads, spec.row_width, 16), spec, scale_axis=2)
-        value_cache = _stored(rng, (num_blocks, n_kv_heads, 16, spec.row_width), spec, scale_axis=3)
+        key_cache = _stored(rng, (num_blocks, n_kv_heads, spec.row_width, 16), spec)
+        value_cache = _stored(rng, (num_blocks, n_kv_heads, 16, spec.row_width), spec)
         query = rng.standard_normal((1, n_heads, 128), dtype=np.float32)
         args = (np.empty_like(query), query, key_cache, value_cache,
                 np.arange(num_blocks, dtype=np.int32)[None, :], np.array([context_len], np.int32),
@@ -227,14 +227,14 @@ def head_layout_times(context_len: int, repeats: int = 15) -> list[dict]:
     return rows
 
 
-def _stored(rng: np.random.Generator, shape: tuple[int, ...], spec: KVCacheSpec, scale_axis: int) -> np.ndarray:
+def _stored(rng: np.random.Generator, shape: tuple[int, ...], spec: KVCacheSpec) -> np.ndarray:
     """Random normal values as the cache holds them: half floats as their bits; int8 as random values
-    with every scale (past head_dim along `scale_axis`) the fp16 0.0034 (bytes 0x22 0x22)."""
+    with every scale (the last bytes of each (block, head) tile, `kvcache.storage`) the fp16 0.0034
+    (bytes 0x22 0x22)."""
     if spec.dtype == "int8":
         x = rng.integers(-127, 128, shape).astype(np.int8)
-        index = [slice(None)] * len(shape)
-        index[scale_axis] = slice(spec.head_dim, None)
-        x[tuple(index)] = 34
+        tiles = x.reshape(*shape[:-2], -1)
+        tiles[..., spec.head_dim * spec.block_size :] = 34
         return x
     x = rng.standard_normal(shape, dtype=np.float32)
     return x.astype(np.float16).view(np.uint16) if spec.dtype == "float16" else x

@@ -47,10 +47,10 @@ def _fill_random(storage: KVCacheStorage, rng: np.random.Generator) -> None:
             continue
         keys[...] = rng.integers(-127, 128, keys.shape, dtype=np.int8)
         values[...] = rng.integers(-127, 128, values.shape, dtype=np.int8)
-        # a K tile's scales: (groups, block_size) fp16 after its head_dim × block_size values; a V row's after its own
-        tiles = keys.reshape(*keys.shape[:2], -1)
-        tiles[..., spec.head_dim * spec.block_size :].view(np.float16)[...] = np.float16(1 / 127)
-        values[..., spec.head_dim :].view(np.float16)[...] = np.float16(1 / 127)
+        # a tile's scales: (groups, block_size) fp16 after its head_dim × block_size values (`kvcache.storage`)
+        for cache in (keys, values):
+            tiles = cache.reshape(*cache.shape[:2], -1)
+            tiles[..., spec.head_dim * spec.block_size :].view(np.float16)[...] = np.float16(1 / 127)
 
 
 def _decode_batch(token: int, context: int) -> StepBatch:

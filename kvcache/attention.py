@@ -28,7 +28,9 @@ With 16-key blocks and head_dim 64 or 128 (the default shapes) each block is fol
 vector IR (`kvcache.attention_simd`), in calls of up to four heads of the GQA group; the loops below
 serve every other shape with the same semantics. With an int8 cache both paths score the query
 quantized per group of 32 against the int8 keys in exact integers (`quantize_query_q8`), as llama.cpp's
-q8_0 cache does. (What each path measures: docs/performance.md.)
+q8_0 cache does, and sum the values the same way: per block and group of 32, each key's softmax weight
+times its value scale becomes a byte (`_accumulate_values_q8`). (What each path measures:
+docs/performance.md.)
 
 fastmath stays off, so LLVM never reorders a sum. The kernels choose the order themselves: a score
 adds eight head_dim terms at a time as a fixed tree, the value sum four keys at a time, because
@@ -43,18 +45,28 @@ from numba import njit, types
 from numba.extending import overload
 
 from kvcache.attention_simd import (
+    MAX_FLOAT_HEADS,
+    MAX_INT8_HEADS,
+    Q8_BACK,
+    Q8_WEIGHT_FLOOR,
     SIMD_BLOCK_SIZE,
     attend_group_64_1,
     attend_group_64_2,
     attend_group_64_3,
     attend_group_64_4,
+    attend_group_64_5,
+    attend_group_64_6,
+    attend_group_64_7,
+    attend_group_64_8,
     attend_group_128_1,
     attend_group_128_2,
     attend_group_128_3,
     attend_group_128_4,
+    attend_group_128_5,
+    attend_group_128_6,
+    attend_group_128_7,
+    attend_group_128_8,
     require_c_contiguous,
-    widen_q8_values_64,
-    widen_q8_values_128,
 )
 from kvcache.fastmath import as_f32, exp_f32, f16_bits_to_f32, f32_to_f16_bits, is_int8, like, round_half_away
 from kvcache.hadamard_simd import HADAMARD_SIZE, hadamard32
@@ -79,16 +91,13 @@ def attention_scratch(
 ) -> np.ndarray:
     """Per-thread scratch for `paged_attention_rows`, allocated once at start.
 
-    Shape (max_threads, group_size + tile rows, width) float32: a row per query head of a GQA group
-    (width 2 * head_dim + block_size + 2 + query_q8_floats), then enough rows to hold one block's
-    values as float32 (an int8 cache's block, widened once for every head of the group).
+    Shape (max_threads, group_size, width) float32: a row per query head of a GQA group, width
+    2 * head_dim + block_size + 2 + query_q8_floats.
     """
     if n_heads % n_kv_heads:
         raise ValueError(f"{n_heads} query heads do not split into groups over {n_kv_heads} KV heads")
-    group_size = n_heads // n_kv_heads
     width = 2 * head_dim + block_size + _NUM_SOFTMAX_STATS + query_q8_floats(head_dim)
-    tile_rows = -(-block_size * head_dim // width)
-    return np.zeros((max_threads, group_size + tile_rows, width), dtype=np.float32)
+    return np.zeros((max_threads, n_heads // n_kv_heads, width), dtype=np.float32)
 
 
 @njit(nogil=True, cache=True, fastmath=False)
@@ -115,7 +124,7 @@ def write_kv_rows(key, value, key_cache, value_cache, slot_mapping, tid, nthread
         for kv_head in range(n_kv_heads):
             if is_int8(element):
                 _store_q8_key(key[token, kv_head], key_cache[block_id, kv_head], offset, head_dim)
-                _store_q8_value(value[token, kv_head], value_cache[block_id, kv_head, offset], head_dim)
+                _store_q8_value(value[token, kv_head], value_cache[block_id, kv_head], offset, head_dim)
                 continue
             for d in range(head_dim):
                 key_cache[block_id, kv_head, d, offset] = like(key[token, kv_head, d], element)
@@ -182,34 +191,20 @@ def quantize_query_q8(work_row, head_dim, first):
         offsets[g] = np.float32(128 * total)
 
 
-def simd_values(values, tile, num_keys, head_dim):  # type: ignore[no-untyped-def]
-    """The value tile the vector IR reads: a float or half tile as it is; an int8 one widened into
-    `tile` (a (block_size, head_dim) float32 view of scratch) and that returned."""
-
-
-@overload(simd_values, jit_options={"nogil": True})
-def _simd_values(values, tile, num_keys, head_dim):  # type: ignore[no-untyped-def]
-    if values.dtype == types.int8:
-        def widened(values, tile, num_keys, head_dim):  # type: ignore[no-untyped-def]
-            if head_dim == 64:
-                widen_q8_values_64(values, num_keys, tile)
-            else:
-                widen_q8_values_128(values, num_keys, tile)
-            return tile
-
-        return widened
-    return lambda values, tile, num_keys, head_dim: values
-
-
 @njit(nogil=True, cache=True, fastmath=False)
-def _store_q8_value(x, row, head_dim):
-    """An int8 V row: head_dim values, then its groups' fp16 scales."""
-    scales = row[head_dim:].view(np.uint16)
+def _store_q8_value(x, tile, offset, head_dim):
+    """Key `offset` of an int8 V tile: its values where each quad of keys keeps a dimension's four
+    bytes together (byte (offset // 4)·4·head_dim + 4·d + offset % 4: what `vpdpbusd` multiplies),
+    then its groups' fp16 scales in the (groups, block_size) array after all values."""
+    block_size = tile.shape[0]
+    flat = tile.reshape(-1)
+    scales = flat[head_dim * block_size :].view(np.uint16)
+    base = (offset // 4) * 4 * head_dim + offset % 4
     for g in range(head_dim // Q8_GROUP):
         scale_bits, inverse = _q8_group_scale(x, g * Q8_GROUP)
         for d in range(g * Q8_GROUP, (g + 1) * Q8_GROUP):
-            row[d] = min(max(round_half_away(x[d] * inverse), -127), 127)
-        scales[g] = scale_bits
+            flat[base + 4 * d] = min(max(round_half_away(x[d] * inverse), -127), 127)
+        scales[g * block_size + offset] = scale_bits
 
 
 @njit(nogil=True, cache=True, fastmath=False)
@@ -260,8 +255,7 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
 
     work: one thread's `attention_scratch`; row g < group_size serves query head
     kv_head * group_size + g and holds [scaled query | output accumulator | one block's scores,
-    then weights | running max, running sum | the int8 query, with an int8 cache]; the rows after
-    them hold an int8 cache's value tile widened to float32.
+    then weights | running max, running sum | the int8 query, with an int8 cache].
     Every inner loop runs over a unit-stride 1-D view with a plain loop index, so numba proves the
     indices non-negative and vectorises. (Views are sliced inline: returning them in a tuple from a
     helper costs numba reference counting in the innermost loop, twice the kernel's time.)
@@ -269,7 +263,6 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
     head_dim = query.shape[2]
     block_size = value_cache.shape[2]
     group_size = query.shape[1] // key_cache.shape[1]
-    value_tile = work[group_size:].reshape(-1)[: block_size * head_dim].reshape((block_size, head_dim))
     quantized = is_int8(key_cache[0, 0, 0, 0])
     first_head = kv_head * group_size
     acc_begin, weights_begin, stats_begin = head_dim, 2 * head_dim, 2 * head_dim + block_size
@@ -300,8 +293,7 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
         num_keys = min(block_size, position + 1 - logical_block * block_size)  # causal within the last block
         skipped = max(0, first_key - logical_block * block_size)  # keys before the window, in its first block
         if skipped == 0 and block_size == SIMD_BLOCK_SIZE and (head_dim == 64 or head_dim == 128):  # vector IR
-            _attend_group_simd(work, keys, simd_values(values, value_tile, num_keys, head_dim), num_keys, head_dim,
-                               group_size)
+            _attend_group_simd(work, keys, values, num_keys, head_dim, group_size)
             continue
         for g in range(group_size):
             work_row = work[g]
@@ -333,42 +325,107 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
             out_row[d] = work_row[acc_begin + d] * inv_sum
 
 
-@njit(nogil=True, cache=True, fastmath=False)
-def _attend_group_simd(work, keys, values, num_keys, head_dim, group_size):
-    """One block for every query head of the group, in vector-IR calls of up to four heads each (the
-    most whose accumulators fit the registers): a group of 6, 7 or 8 heads (Qwen2.5's 1.5B, 7B and 3B)
-    reads and widens each K/V row twice, not once per head. A head's arithmetic is the same in a call
-    of any size, so how a group is cut changes no output."""
-    g = 0
-    while group_size - g > 4:  # 5 → 3 + 2, 6 → 3 + 3, 7 → 4 + 3, 8 → 4 + 4: never a call of one head
-        heads = 3 if group_size - g < 7 else 4
-        _attend_heads(work[g : g + heads], keys, values, num_keys, head_dim)
-        g += heads
-    if g < group_size:
-        _attend_heads(work[g:group_size], keys, values, num_keys, head_dim)
+def _attend_group_simd(work, keys, values, num_keys, head_dim, group_size):  # type: ignore[no-untyped-def]
+    """One block for every query head of the group, in vector-IR calls of as many heads as fit the
+    registers (`attention_simd.MAX_FLOAT_HEADS`, `MAX_INT8_HEADS`): a float cache's group of 6, 7
+    or 8 heads (Qwen2.5's 1.5B, 7B and 3B) reads and widens each K/V row twice, an int8 cache's
+    once. A head's arithmetic is the same in a call of any size, so how a group is cut changes no
+    output."""
 
 
-@njit(nogil=True, cache=True, fastmath=False, inline="always")
-def _attend_heads(work, keys, values, num_keys, head_dim):
-    """One vector-IR call for the 1-4 query heads whose rows `work` holds."""
-    heads = work.shape[0]
-    if head_dim == 64:
-        if heads == 4:
-            attend_group_64_4(work, keys, values, num_keys)
-        elif heads == 3:
-            attend_group_64_3(work, keys, values, num_keys)
-        elif heads == 2:
-            attend_group_64_2(work, keys, values, num_keys)
+@overload(_attend_group_simd, jit_options={"nogil": True})
+def _attend_group_simd_calls(work, keys, values, num_keys, head_dim, group_size):  # type: ignore[no-untyped-def]
+    if keys.dtype == types.int8:
+        def int8_calls(work, keys, values, num_keys, head_dim, group_size):  # type: ignore[no-untyped-def]
+            g = 0
+            while group_size - g > MAX_INT8_HEADS:
+                _attend_heads(work[g : g + MAX_INT8_HEADS], keys, values, num_keys, head_dim)
+                g += MAX_INT8_HEADS
+            _attend_heads(work[g:group_size], keys, values, num_keys, head_dim)
+
+        return int8_calls
+
+    def float_calls(work, keys, values, num_keys, head_dim, group_size):  # type: ignore[no-untyped-def]
+        g = 0
+        while group_size - g > MAX_FLOAT_HEADS:  # 5 → 3 + 2, 6 → 3 + 3, 7 → 4 + 3, 8 → 4 + 4: never one head
+            heads = 3 if group_size - g < 7 else 4
+            _attend_heads(work[g : g + heads], keys, values, num_keys, head_dim)
+            g += heads
+        if g < group_size:
+            _attend_heads(work[g:group_size], keys, values, num_keys, head_dim)
+
+    return float_calls
+
+
+def _attend_heads(work, keys, values, num_keys, head_dim):  # type: ignore[no-untyped-def]
+    """One vector-IR call for the query heads whose rows `work` holds (1-4 from a float cache, 1-8
+    from an int8 one)."""
+
+
+@overload(_attend_heads, jit_options={"nogil": True})
+def _attend_heads_call(work, keys, values, num_keys, head_dim):  # type: ignore[no-untyped-def]
+    if keys.dtype == types.int8:
+        def int8_call(work, keys, values, num_keys, head_dim):  # type: ignore[no-untyped-def]
+            heads = work.shape[0]
+            if head_dim == 64:
+                if heads == 8:
+                    attend_group_64_8(work, keys, values, num_keys)
+                elif heads == 7:
+                    attend_group_64_7(work, keys, values, num_keys)
+                elif heads == 6:
+                    attend_group_64_6(work, keys, values, num_keys)
+                elif heads == 5:
+                    attend_group_64_5(work, keys, values, num_keys)
+                elif heads == 4:
+                    attend_group_64_4(work, keys, values, num_keys)
+                elif heads == 3:
+                    attend_group_64_3(work, keys, values, num_keys)
+                elif heads == 2:
+                    attend_group_64_2(work, keys, values, num_keys)
+                else:
+                    attend_group_64_1(work, keys, values, num_keys)
+            else:
+                if heads == 8:
+                    attend_group_128_8(work, keys, values, num_keys)
+                elif heads == 7:
+                    attend_group_128_7(work, keys, values, num_keys)
+                elif heads == 6:
+                    attend_group_128_6(work, keys, values, num_keys)
+                elif heads == 5:
+                    attend_group_128_5(work, keys, values, num_keys)
+                elif heads == 4:
+                    attend_group_128_4(work, keys, values, num_keys)
+                elif heads == 3:
+                    attend_group_128_3(work, keys, values, num_keys)
+                elif heads == 2:
+                    attend_group_128_2(work, keys, values, num_keys)
+                else:
+                    attend_group_128_1(work, keys, values, num_keys)
+
+        return int8_call
+
+    def float_call(work, keys, values, num_keys, head_dim):  # type: ignore[no-untyped-def]
+        heads = work.shape[0]
+        if head_dim == 64:
+            if heads == 4:
+                attend_group_64_4(work, keys, values, num_keys)
+            elif heads == 3:
+                attend_group_64_3(work, keys, values, num_keys)
+            elif heads == 2:
+                attend_group_64_2(work, keys, values, num_keys)
+            else:
+                attend_group_64_1(work, keys, values, num_keys)
         else:
-            attend_group_64_1(work, keys, values, num_keys)
-    elif heads == 4:
-        attend_group_128_4(work, keys, values, num_keys)
-    elif heads == 3:
-        attend_group_128_3(work, keys, values, num_keys)
-    elif heads == 2:
-        attend_group_128_2(work, keys, values, num_keys)
-    else:
-        attend_group_128_1(work, keys, values, num_keys)
+            if heads == 4:
+                attend_group_128_4(work, keys, values, num_keys)
+            elif heads == 3:
+                attend_group_128_3(work, keys, values, num_keys)
+            elif heads == 2:
+                attend_group_128_2(work, keys, values, num_keys)
+            else:
+                attend_group_128_1(work, keys, values, num_keys)
+
+    return float_call
 
 
 @njit(nogil=True, cache=True, fastmath=False, inline="always")
@@ -463,13 +520,33 @@ def _block_scores_q8(scores, tile, query_q8, first, num_keys, head_dim):
 
 
 @njit(nogil=True, cache=True, fastmath=False, inline="always")
-def _accumulate_values_q8(acc, values, weights, first, num_keys, head_dim):
-    """`_accumulate_values` over an int8 V tile: row first + t, each value times its group's scale (as
-    the vector IR's `widen_q8_values` does), weighted by weights[t]."""
+def _accumulate_values_q8(acc, tile, weights, first, num_keys, head_dim):
+    """`_accumulate_values` over an int8 V tile (`_store_q8_value`'s layout), keys first..first +
+    num_keys weighted by weights[0..num_keys), as exact integer sums: per group of Q8_GROUP, each
+    key's weight and value scale become one byte against the largest of each (W, S) and acc +=
+    Σ byte · value times W · S / 255 (the vector IR's `_accumulate_q8` arithmetic)."""
+    block_size = tile.shape[0]
+    flat = tile.reshape(-1)
+    scales = flat[head_dim * block_size :].view(np.uint16)
+    top_weight = np.float32(0.0)
     for t in range(num_keys):
-        row = values[first + t]
-        scales = row[head_dim:].view(np.uint16)
-        for g in range(head_dim // Q8_GROUP):
-            scale = f16_bits_to_f32(scales[g])
-            for d in range(g * Q8_GROUP, (g + 1) * Q8_GROUP):
-                acc[d] += weights[t] * (scale * np.float32(row[d]))
+        top_weight = max(top_weight, weights[t])
+    to_bytes = np.float32(255.0) / top_weight if top_weight > np.float32(Q8_WEIGHT_FLOOR) else np.float32(0.0)
+    quantized = np.empty(num_keys, dtype=np.int32)
+    for g in range(head_dim // Q8_GROUP):
+        group_scales = scales[g * block_size + first : g * block_size + first + num_keys]
+        top_scale = np.float32(0.0)
+        for t in range(num_keys):
+            top_scale = max(top_scale, f16_bits_to_f32(group_scales[t]))
+        inverse = np.float32(1.0) / top_scale if top_scale > 0 else np.float32(0.0)
+        for t in range(num_keys):
+            scaled = (weights[t] * to_bytes) * (f16_bits_to_f32(group_scales[t]) * inverse)
+            dither = np.float32((((first + t) * 7 + g * 5) % 16 + 0.5) / 16)  # attention_simd.q8_dither
+            quantized[t] = np.int32(min(scaled + dither, np.float32(255.0)))
+        back = top_weight * top_scale * np.float32(Q8_BACK)
+        for d in range(g * Q8_GROUP, (g + 1) * Q8_GROUP):
+            dot = 0
+            for t in range(num_keys):
+                key = first + t
+                dot += quantized[t] * np.int32(flat[(key // 4) * 4 * head_dim + 4 * d + key % 4])
+            acc[d] += np.float32(dot) * back

@@ -10,8 +10,10 @@ time, each head's weight for a key broadcast from its row of scratch into fused 
 An int8 cache's scores are integer dot products (`vpdpbusd` where the CPU has VNNI): the query is
 quantized per group of 32 like a key (`attention.quantize_query_q8`), each quad of key rows is
 transposed so that a key's four bytes share a lane, and the exact integer sums are scaled by the
-query's and the keys' scales. Its value tile is widened to float32 once a block for the whole group
-(`widen_q8_values`), each value times its group's scale.
+query's and the keys' scales. Its values are summed the same way: each key's weight times its value
+scale is quantized to a byte against the block's largest (`_accumulate_q8`), and `vpdpbusd` adds
+the bytes times the int8 values, a quad of keys at a time, from a tile that stores each quad's four
+bytes of a dimension together.
 
 The arithmetic is the numba kernel's (`attention._block_scores` etc.) in a fixed order of its own,
 which depends only on the block's keys: outputs stay independent of the batch, the thread count and
@@ -23,8 +25,8 @@ Every array is read by pointer, assuming C-contiguous tiles and rows: other layo
 when the kernel is typed (`require_c_contiguous`), never misread.
 
 Specialised for 16-key blocks and head_dim 64 or 128; other shapes use the numba path. One call
-serves one to four query heads of a group (each K and V row loaded once for all of them);
-`attention._attend_group_simd` cuts larger groups into calls of three or four.
+serves one to four query heads of a group from a float cache, one to eight from an int8 cache (each
+K and V row loaded once for all of them); `attention._attend_group_simd` cuts larger groups.
 """
 
 from __future__ import annotations
@@ -39,9 +41,24 @@ from kvcache.fastmath import EXP_MAX, EXP_MIN, EXP_POLYNOMIAL, LN2_HI, LN2_LO, L
 from kvcache.int8_dot import dpbusd_emitter
 
 SIMD_BLOCK_SIZE = 16
+MAX_FLOAT_HEADS = 4  # query heads a call serves from a float cache (their accumulators fill the registers)
+MAX_INT8_HEADS = 8  # and from an int8 cache
 _LANES = SIMD_BLOCK_SIZE
 _f32, _i8, _i32, _i64, _half = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.HalfType()
 Q8_GROUP = 32  # kvcache.storage.Q8_GROUP: int8 values per fp16 scale
+# a block whose largest weight times value scale is below this adds nothing to an int8 cache's sum
+# (its weights are < 1e-30 of the running max's): 255 / it stays finite
+Q8_WEIGHT_FLOOR = 1e-30
+Q8_BACK = 1 / 255  # (as float32) takes an int8 cache's byte weights back to weights
+
+
+def q8_dither(key: int, group: int) -> float:
+    """What an int8 cache's byte weight of `key` (its slot in the block) in value group `group` adds
+    before it is cut to an integer: (k + 0.5) / 16 for a k that runs over 0..15 along a block's keys
+    (a different order for each group). Rounding every weight to nearest would drop each one below
+    half a step, and a long context's many small weights with it; cut after a spread of offsets
+    they count as much as they weigh, on average."""
+    return ((key * 7 + group * 5) % 16 + 0.5) / 16
 _V = ir.VectorType(_f32, _LANES)
 
 
@@ -76,6 +93,12 @@ def _exp(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
     scaled = builder.fmul(p, builder.bitcast(exponent, _V))
     in_range = builder.fcmp_ordered(">=", x, _const(EXP_MIN))
     return builder.select(in_range, scaled, _const(0.0))
+
+
+def _max(builder: ir.IRBuilder, a: ir.Value, b: ir.Value) -> ir.Value:
+    """The larger of a and b, lane by lane, as one `vmaxps` (`llvm.maxnum` adds NaN checks; nothing
+    here is NaN: masked lanes are -inf or 0)."""
+    return builder.select(builder.fcmp_ordered(">", a, b), a, b)
 
 
 def _reduce(builder: ir.IRBuilder, vector: ir.Value, combine) -> ir.Value:  # type: ignore[no-untyped-def]
@@ -188,67 +211,72 @@ def _open_count_loop(builder: ir.IRBuilder, count: ir.Value,
     return entry, loop, done, t
 
 
-def _make_widen_q8_values(head_dim: int):  # type: ignore[no-untyped-def]
-    chunks, row_width = head_dim // _LANES, head_dim + 2 * (head_dim // Q8_GROUP)
+def _accumulate_q8(builder: ir.IRBuilder, rows: list[ir.Value], value_base: ir.Value, weights: list[ir.Value],
+                   valid: ir.Value, fma: ir.Function, head_dim: int) -> None:  # fmt: skip
+    """acc += the block's weighted sum of an int8 V tile, as integer dot products.
 
-    @intrinsic
-    def widen_q8_values(typingctx, values, num_keys, tile):  # type: ignore[no-untyped-def]
-        """tile[t, :head_dim] = row t of an int8 V tile (16, head_dim + its fp16 group scales) as
-        float32, each value times its group's scale, for t < num_keys; both C-contiguous."""
-        for name, array in (("values", values), ("tile", tile)):
-            _check_c_contiguous(name, array)
-        if values.dtype != types.int8 or tile.dtype != types.float32:
-            return None
-        sig = types.void(values, num_keys, tile)
-
-        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-            values_value, count, tile_value = args
-            source = context.make_array(signature.args[0])(context, builder, values_value).data
-            target = context.make_array(signature.args[2])(context, builder, tile_value).data
-            count = context.cast(builder, count, signature.args[1], types.int64)
-            _, loop, done, t = _open_count_loop(builder, count, "rows")
-            row = builder.gep(source, [builder.mul(t, ir.Constant(_i64, row_width))])
-            out = builder.gep(target, [builder.mul(t, ir.Constant(_i64, head_dim))])
-            # the row's scales as one vector load (a scalar fp16 load merges into a register, which
-            # chains every chunk of the tile behind the one before)
-            groups = head_dim // Q8_GROUP
-            scale_bits = builder.load(builder.bitcast(builder.gep(row, [ir.Constant(_i64, head_dim)]),
-                                                      ir.VectorType(ir.IntType(16), groups).as_pointer()), align=1)
-            group_floats = ir.VectorType(_f32, groups)
-            scales = builder.fpext(builder.bitcast(scale_bits, ir.VectorType(_half, groups)), group_floats)
-            for chunk in range(chunks):
-                scale = builder.shuffle_vector(scales, ir.Constant(group_floats, ir.Undefined), ir.Constant(
-                    ir.VectorType(_i32, _LANES), [chunk * _LANES // Q8_GROUP] * _LANES))
-                raw = builder.load(builder.bitcast(builder.gep(row, [ir.Constant(_i64, chunk * _LANES)]),
-                                                   ir.VectorType(_i8, _LANES).as_pointer()), align=1)
-                builder.store(builder.fmul(scale, builder.sitofp(raw, _V)), builder.bitcast(
-                    builder.gep(out, [ir.Constant(_i64, chunk * _LANES)]), _V.as_pointer()), align=4)
-            next_t = builder.add(t, ir.Constant(_i64, 1))
-            t.add_incoming(next_t, loop)
-            builder.cbranch(builder.icmp_signed("<", next_t, count), loop, done)
-            builder.position_at_end(done)
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    return widen_q8_values
-
-
-# an int8 V tile widened once a block for every head of its GQA group (`attention.simd_values`)
-widen_q8_values_64 = _make_widen_q8_values(64)
-widen_q8_values_128 = _make_widen_q8_values(128)
+    Per group of Q8_GROUP dimensions each key's weight and value scale become one byte against the
+    block's largest of each (W = max w, S = max s over its keys):
+    a[t] = trunc(min(w[t] · (255 / W) · (s[t] · (1 / S)) + q8_dither(t, group), 255)); `vpdpbusd` sums a[t] · v[t, d]
+    exactly over each quad of keys (the tile stores a quad's four bytes of one dimension together,
+    `storage`), and the sum returns as float32 times W · S · (1 / 255) (`attention.
+    _accumulate_values_q8`'s arithmetic). Keys at or past the block's count have weight 0 and their
+    scales are masked to 0 (unused slots may hold NaN bits), so their bytes add nothing."""
+    dpbusd = dpbusd_emitter(builder, 255)
+    minnum = _intrinsic_fn(builder, "llvm.minnum.v16f32", 2)
+    groups = head_dim // Q8_GROUP
+    v16i32, v16i8 = ir.VectorType(_i32, _LANES), ir.VectorType(_i8, _LANES)
+    zero, one = ir.Constant(_f32, 0.0), ir.Constant(_f32, 1.0)
+    scales, top_scales = [], []
+    for group in range(groups):
+        scale = builder.select(valid, _halves_at(builder, value_base, ir.Constant(
+            _i64, _LANES * head_dim + 2 * _LANES * group)), _const(0.0))
+        top_scale = _reduce(builder, scale, lambda a, b: _max(builder, a, b))
+        inverse = builder.select(builder.fcmp_ordered(">", top_scale, zero), builder.fdiv(one, top_scale), zero)
+        scales.append(builder.fmul(scale, _splat(builder, inverse)))
+        top_scales.append(top_scale)
+    for row, head_weights in zip(rows, weights, strict=True):
+        top_weight = _reduce(builder, head_weights, lambda a, b: _max(builder, a, b))
+        usable = builder.fcmp_ordered(">", top_weight, ir.Constant(_f32, Q8_WEIGHT_FLOOR))
+        to_bytes = builder.select(usable, builder.fdiv(ir.Constant(_f32, 255.0), top_weight), zero)
+        byte_weights = builder.fmul(head_weights, _splat(builder, to_bytes))
+        byte_base = builder.bitcast(builder.gep(row, [ir.Constant(_i64, 2 * head_dim)]), _i8.as_pointer())
+        back_scales = []
+        for group, (scale, top_scale) in enumerate(zip(scales, top_scales, strict=True)):
+            dither = ir.Constant(_V, [q8_dither(key, group) for key in range(_LANES)])
+            rounded = builder.call(minnum, [builder.fadd(builder.fmul(byte_weights, scale), dither), _const(255.0)])
+            # the group's bytes in the row's block scratch (16 floats = 64 bytes), broadcast by quads below
+            builder.store(builder.trunc(builder.fptosi(rounded, v16i32), v16i8), builder.bitcast(
+                builder.gep(byte_base, [ir.Constant(_i64, group * _LANES)]), v16i8.as_pointer()), align=1)
+            back_scales.append(_splat(builder, builder.fmul(builder.fmul(top_weight, top_scale),
+                                                            ir.Constant(_f32, Q8_BACK))))
+        words = builder.bitcast(byte_base, _i32.as_pointer())
+        for chunk in range(head_dim // _LANES):
+            group = chunk * _LANES // Q8_GROUP
+            dot = ir.Constant(v16i32, [0] * _LANES)
+            for quad in range(_LANES // 4):
+                word = builder.load(builder.gep(words, [ir.Constant(_i64, group * _LANES // 4 + quad)]), align=4)
+                quad_weights = builder.bitcast(builder.shuffle_vector(
+                    builder.insert_element(ir.Constant(v16i32, ir.Undefined), word, ir.Constant(_i32, 0)),
+                    ir.Constant(v16i32, ir.Undefined), ir.Constant(v16i32, [0] * _LANES)), ir.VectorType(_i8, 64))
+                pointer = builder.gep(value_base, [ir.Constant(_i64, quad * 4 * head_dim + chunk * 4 * _LANES)])
+                quad_values = builder.load(builder.bitcast(pointer, ir.VectorType(_i8, 64).as_pointer()), align=1)
+                dot = dpbusd(dot, quad_weights, quad_values)
+            acc_pointer = builder.bitcast(builder.gep(row, [ir.Constant(_i64, head_dim + chunk * _LANES)]),
+                                          _V.as_pointer())
+            builder.store(builder.call(fma, [builder.sitofp(dot, _V), back_scales[group],
+                                             builder.load(acc_pointer, align=4)]), acc_pointer, align=4)
 
 
 def _accumulate_chunks(builder: ir.IRBuilder, rows: list[ir.Value], value_base: ir.Value, value_element: ir.Type,
-                       corrections: list[ir.Value], count: ir.Value, fma: ir.Function, head_dim: int,
+                       count: ir.Value, fma: ir.Function, head_dim: int,
                        chunks: range) -> None:  # fmt: skip
-    """acc[chunk] = acc[chunk] · correction + Σ_{t < count} weight[t] · V[t, chunk] for each head's row
+    """acc[chunk] += Σ_{t < count} weight[t] · V[t, chunk] for each head's row
     and each of `chunks` (16 values of head_dim each), keys in order, weights from the row's block
     scratch."""
     pointers = [[builder.bitcast(builder.gep(row, [ir.Constant(_i64, head_dim + c * _LANES)]), _V.as_pointer())
                  for c in chunks] for row in rows]  # fmt: skip
-    starts = [[builder.fmul(builder.load(pointer, align=4), correction) for pointer in head]
-              for head, correction in zip(pointers, corrections, strict=True)]  # fmt: skip
+    starts = [[builder.load(pointer, align=4) for pointer in head] for head in pointers]
     entry, loop, done, t = _open_count_loop(builder, count, "keys")
     phis = []
     for head in starts:
@@ -292,16 +320,17 @@ def _make_attend_group(head_dim: int, group_size: int):  # type: ignore[no-untyp
         [scaled query | accumulator | 16 scratch | max, sum | int8 query] of the group's head g
         (`attention._attend_row_group`'s layout); keys: (head_dim, 16), C-contiguous, float32,
         uint16 half floats, or an int8 cache's tile with its scales (scored against the int8
-        query: `attention.quantize_query_q8`); values: (16, head_dim), C-contiguous, float32 or
-        uint16 (an int8 cache's tile widened by `widen_q8_values`); num_keys: the block's keys to
+        query: `attention.quantize_query_q8`); values: (16, head_dim), C-contiguous, of the keys'
+        type (an int8 tile in its quad layout, `kvcache.storage`); num_keys: the block's keys to
         use (1..16). Each K and V row is loaded (and widened) once for all the group's heads;
         each head's arithmetic is the same as if it were alone.
         """
         for name, array in (("work", work), ("keys", keys), ("values", values)):
             _check_c_contiguous(name, array)
-        # int8 keys come with their block's values widened to float32 and scaled (`widen_q8_values`)
-        if keys.dtype not in (types.float32, types.uint16, types.int8) or values.dtype not in (
-                types.float32, types.uint16):  # fmt: skip
+        if group_size > MAX_FLOAT_HEADS and keys.dtype != types.int8:  # their accumulators would spill
+            return None
+        if keys.dtype not in (types.float32, types.uint16, types.int8) or (values.dtype == types.int8) != (
+                keys.dtype == types.int8) or values.dtype not in (types.float32, types.uint16, types.int8):  # fmt: skip
             return None
         sig = types.void(work, keys, values, num_keys)
 
@@ -309,7 +338,7 @@ def _make_attend_group(head_dim: int, group_size: int):  # type: ignore[no-untyp
             work_value, keys_value, values_value, count = args
             element = {types.uint16: _half, types.int8: _i8}.get(signature.args[1].dtype, _f32)
             quantized = element == _i8
-            value_element = _half if signature.args[2].dtype == types.uint16 else _f32
+            value_element = {types.uint16: _half, types.int8: _i8}.get(signature.args[2].dtype, _f32)
             work_array = context.make_array(signature.args[0])(context, builder, work_value)
             row_floats = builder.udiv(cgutils.unpack_tuple(builder, work_array.strides)[0], ir.Constant(_i64, 4))
             rows = [builder.gep(work_array.data, [builder.mul(row_floats, ir.Constant(_i64, g))])
@@ -330,31 +359,48 @@ def _make_attend_group(head_dim: int, group_size: int):  # type: ignore[no-untyp
                 ir.Constant(ir.VectorType(_i64, _LANES), ir.Undefined),
                 ir.Constant(ir.VectorType(_i32, _LANES), [0] * _LANES))
             valid = builder.icmp_signed("<", lane, count_splat)
-            maxnum = _intrinsic_fn(builder, "llvm.maxnum.v16f32", 2)
 
-            corrections = []
+            weights = []
             for g, row in enumerate(rows):
                 scores = builder.select(valid, totals[g], _const(float("-inf")))
-                block_max = _reduce(builder, scores, lambda a, b: builder.call(maxnum, [a, b]))
+                block_max = _reduce(builder, scores, lambda a, b: _max(builder, a, b))
                 stats = builder.gep(row, [ir.Constant(_i64, 2 * head_dim + _LANES)])
                 old_max = builder.load(stats)
                 old_sum = builder.load(builder.gep(stats, [ir.Constant(_i64, 1)]))
-                new_max = builder.select(builder.fcmp_ordered(">", block_max, old_max), block_max, old_max)
-                correction = builder.extract_element(
-                    _exp(builder, _splat(builder, builder.fsub(old_max, new_max))), ir.Constant(_i32, 0))
+                rises = builder.fcmp_ordered(">", block_max, old_max)
+                new_max = builder.select(rises, block_max, old_max)
+                # exp(old max - new max) is exp(0) = 1 exactly unless the max rises: most blocks of a
+                # long context skip the exp and leave the accumulator as it is
+                kept = builder.block
+                with builder.if_then(rises):
+                    shrink = builder.extract_element(
+                        _exp(builder, _splat(builder, builder.fsub(old_max, new_max))), ir.Constant(_i32, 0))
+                    for chunk in range(chunks):
+                        acc_pointer = builder.bitcast(builder.gep(row, [ir.Constant(_i64, head_dim + chunk * _LANES)]),
+                                                      _V.as_pointer())  # fmt: skip
+                        builder.store(builder.fmul(builder.load(acc_pointer, align=4), _splat(builder, shrink)),
+                                      acc_pointer, align=4)  # fmt: skip
+                    shrunk = builder.block
+                correction = builder.phi(_f32)
+                correction.add_incoming(ir.Constant(_f32, 1.0), kept)
+                correction.add_incoming(shrink, shrunk)
                 head_weights = _exp(builder, builder.fsub(scores, _splat(builder, new_max)))
                 block_sum = _reduce(builder, head_weights, builder.fadd)
                 builder.store(new_max, stats)
                 builder.store(builder.fadd(builder.fmul(old_sum, correction), block_sum),
                               builder.gep(stats, [ir.Constant(_i64, 1)]))
+                weights.append(head_weights)
+            if quantized:
+                _accumulate_q8(builder, rows, value_base, weights, valid, fma, head_dim)
+                return context.get_dummy_value()
+            for row, head_weights in zip(rows, weights, strict=True):
                 # the weights go to the row's block scratch, from where each key's is broadcast
                 builder.store(head_weights, builder.bitcast(builder.gep(row, [ir.Constant(_i64, 2 * head_dim)]),
                                                             _V.as_pointer()), align=4)
-                corrections.append(_splat(builder, correction))
-            # acc = acc · correction, then + Σ_{t < count} weights[t] · V[t], t in order: a pass over the
-            # keys per two chunks of head_dim, every head's two accumulators in registers
+            # acc += Σ_{t < count} weights[t] · V[t], t in order: a pass over the keys per two chunks of
+            # head_dim, every head's two accumulators in registers
             for first in range(0, chunks, 2):
-                _accumulate_chunks(builder, rows, value_base, value_element, corrections, count, fma, head_dim,
+                _accumulate_chunks(builder, rows, value_base, value_element, count, fma, head_dim,
                                    range(first, min(first + 2, chunks)))
             return context.get_dummy_value()
 
@@ -372,3 +418,12 @@ attend_group_128_1 = _make_attend_group(128, 1)
 attend_group_128_2 = _make_attend_group(128, 2)
 attend_group_128_3 = _make_attend_group(128, 3)
 attend_group_128_4 = _make_attend_group(128, 4)
+# an int8 cache's heads keep only an integer score and a dot product in registers: up to eight a call
+attend_group_64_5 = _make_attend_group(64, 5)
+attend_group_64_6 = _make_attend_group(64, 6)
+attend_group_64_7 = _make_attend_group(64, 7)
+attend_group_64_8 = _make_attend_group(64, 8)
+attend_group_128_5 = _make_attend_group(128, 5)
+attend_group_128_6 = _make_attend_group(128, 6)
+attend_group_128_7 = _make_attend_group(128, 7)
+attend_group_128_8 = _make_attend_group(128, 8)

@@ -24,8 +24,11 @@ sequence's blocks and, per block, computes `block_size` scores and then a weight
   Q8_GROUP values with a fp16 scale each (`scale = max|x| / 127`, `q = round(x / scale)`), 136 bytes
   for head_dim 128 where float16 takes 256. The scales travel inside the tile, so the arrays keep one
   element type and a tile stays one contiguous read: a K tile is (head_dim + 2·groups, block_size)
-  int8, the values then the bytes of a (groups, block_size) fp16 array; a V tile's row is head_dim
-  values then the row's groups fp16 scales (`row_width`).
+  int8, the values then the bytes of a (groups, block_size) fp16 array. A V tile has the shape
+  (block_size, row_width) but not its rows: its head_dim · block_size values come first, each quad
+  of keys holding a dimension's four bytes together (byte (t // 4)·4·head_dim + 4·d + t % 4, the
+  operand `vpdpbusd` multiplies against four keys' byte weights), then the same (groups,
+  block_size) fp16 scales. An int8 cache's blocks are a multiple of 4 keys.
 The KV write for a new token is one strided store per key element: a few per token, against a
 whole context read per query.
 """
@@ -60,6 +63,9 @@ class KVCacheSpec:
             raise KVCacheError(f"KV cache dtype must be one of {', '.join(KV_STORAGE_TYPES)}, got {self.dtype!r}")
         if self.dtype == "int8" and self.head_dim % Q8_GROUP:
             raise KVCacheError(f"an int8 KV cache needs head_dim a multiple of {Q8_GROUP}, got {self.head_dim}")
+        if self.dtype == "int8" and self.block_size % 4:
+            raise KVCacheError(f"an int8 KV cache stores its values by quads of keys: block_size must be a multiple "
+                               f"of 4, got {self.block_size}")  # fmt: skip
 
     @property
     def storage_type(self) -> type:

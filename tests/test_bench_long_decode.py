@@ -21,13 +21,12 @@ def test_an_int8_cache_is_filled_with_the_scales_attention_reads():
     spec = KVCacheSpec(n_layers=2, n_kv_heads=2, head_dim=64, block_size=16, dtype="int8")
     storage = KVCacheStorage.allocate(spec, 3)
     _fill_random(storage, np.random.default_rng(0))
-    tiles = storage.key_cache.reshape(*storage.key_cache.shape[:3], -1)
-    key_scales = tiles[..., 64 * 16 :].view(np.float16)
-    value_scales = storage.value_cache[..., 64:].view(np.float16)
-    assert key_scales.shape == (2, 3, 2, 2 * 16) and value_scales.shape == (2, 3, 2, 16, 2)
-    assert (key_scales == np.float16(1 / 127)).all() and (value_scales == np.float16(1 / 127)).all()
-    values = storage.value_cache[..., :64]
-    assert values.min() >= -127 and values.max() <= 127 and len(np.unique(values)) > 200
+    for cache in (storage.key_cache, storage.value_cache):  # a tile's values, then its (groups, keys) scales
+        tiles = cache.reshape(*cache.shape[:3], -1)
+        scales = tiles[..., 64 * 16 :].view(np.float16)
+        assert scales.shape == (2, 3, 2, 2 * 16) and (scales == np.float16(1 / 127)).all()
+        values = tiles[..., : 64 * 16]
+        assert values.min() >= -127 and values.max() <= 127 and len(np.unique(values)) > 200
 
 
 def test_each_context_and_cache_type_gets_a_step_time_and_its_kv_bytes(tiny_file):

@@ -9,6 +9,7 @@ import pytest
 from numba.core.errors import TypingError
 
 from kvcache.attention import attention_scratch, paged_attention_rows, write_kv_rows
+from kvcache.attention_simd import q8_dither
 from kvcache.storage import Q8_GROUP, KVCacheSpec
 
 
@@ -188,11 +189,7 @@ def test_paged_attention_equals_dense_causal_attention(
     rng = np.random.default_rng(sum(context_lens) * 7 + block_size)
     case = make_case(rng, context_lens, block_size, n_heads, n_kv_heads, head_dim, storage)
     seqs = list(range(len(context_lens)))
-    out = run_paged(case, seqs, context_lens, query_lens, nthreads=2)
-    expected = np.concatenate(
-        [dense(case, seq, query_len) for seq, query_len in zip(seqs, query_lens, strict=True)]
-    )
-    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+    assert_equals_dense(run_paged(case, seqs, context_lens, query_lens, nthreads=2), case, seqs, query_lens)
 
 
 @pytest.mark.parametrize("storage", STORAGE)
@@ -211,10 +208,76 @@ def test_how_a_large_group_is_cut_into_calls_changes_no_output(group_size: int, 
 
 
 def dense(case: PagedCase, seq: int, query_len: int, window: int = 0) -> np.ndarray:
-    queries = case.queries[seq]
+    return dense_with_tolerance(case, seq, query_len, window)[0]
+
+
+def dense_with_tolerance(case: PagedCase, seq: int, query_len: int, window: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """The dense reference and how far each output may be from it: 1e-5 (float32 rounding); with an
+    int8 cache, plus what one byte weight can move its group of outputs (the kernel computes the byte
+    weights in float32, the reference in float64: one that lies within their rounding of a step may be
+    cut the other way)."""
     if case.key_cache.dtype == np.int8:
-        queries = int8_queries(queries)
-    return dense_causal_attention(case.keys[seq], case.values[seq], queries, query_len, window)
+        out, byte_step = dense_int8_attention(case.keys[seq], case.values[seq], int8_queries(case.queries[seq]),
+                                              query_len, case.key_cache.shape[-1], window)  # fmt: skip
+        return out, 1e-5 + 1.01 * byte_step
+    out = dense_causal_attention(case.keys[seq], case.values[seq], case.queries[seq], query_len, window)
+    return out, np.full(out.shape, 1e-5)
+
+
+def assert_equals_dense(out: np.ndarray, case: PagedCase, seqs: list[int], query_lens: list[int],
+                        window: int = 0) -> None:  # fmt: skip
+    expected, tolerance = (np.concatenate(parts) for parts in zip(
+        *(dense_with_tolerance(case, seq, query_len, window) for seq, query_len in zip(seqs, query_lens, strict=True)),
+        strict=True))  # fmt: skip
+    error = np.abs(out - expected) - 1e-5 * np.abs(expected)
+    excess = error - tolerance
+    assert np.all(excess <= 0), f"{np.count_nonzero(excess > 0)} outputs beyond tolerance, by up to {excess.max():.3g}"
+    # a byte rounded the other way is rare: a systematic error (a rounding rule, a scale) moves most outputs
+    assert np.mean(error > 1e-5) < 0.1, f"{np.mean(error > 1e-5):.1%} of outputs are more than 1e-5 off"
+
+
+def dense_int8_attention(
+    keys: np.ndarray, values: np.ndarray, queries: np.ndarray, query_len: int, block_size: int, window: int = 0
+) -> np.ndarray:
+    """`dense_causal_attention` with an int8 cache's value sum, in float64: per block of the cache
+    (positions b·block_size.., cut to the window and the causal end) and group of Q8_GROUP
+    dimensions, each key's softmax weight w and value scale s become one byte against the block's
+    largest of each, a = floor(min(255 · w / W · s / S + q8_dither(key, group), 255)), and the block adds
+    Σ a · (value / s) · W · S / 255. `values` are an int8 cache's (each group's values times its scale).
+    Also returns, per output, what one byte weight of its group can move it: max over blocks of
+    W · S · 127 / 255, over the softmax's sum."""
+    context_len, n_kv_heads, head_dim = keys.shape
+    group_values = values.reshape(context_len, n_kv_heads, -1, Q8_GROUP).astype(np.float64)
+    value_scales = np.abs(group_values).max(axis=-1) / 127  # a group's largest value is 127 steps
+    ints = np.divide(group_values, value_scales[..., None], out=np.zeros_like(group_values),
+                     where=value_scales[..., None] > 0)  # fmt: skip
+    n_heads = queries.shape[1]
+    group_size = n_heads // n_kv_heads
+    out, byte_step = np.empty((query_len, n_heads, head_dim)), np.zeros((query_len, n_heads, head_dim))
+    for i in range(query_len):
+        position = context_len - query_len + i
+        first = max(0, position - window + 1) if window else 0
+        for head in range(n_heads):
+            kv_head = head // group_size
+            k = keys[first : position + 1, kv_head].astype(np.float64)
+            scores = k @ queries[position, head].astype(np.float64) / np.sqrt(head_dim)
+            weights = np.exp(scores - scores.max())
+            total = np.zeros(head_dim)
+            for block in range(first // block_size, position // block_size + 1):
+                begin, end = max(first, block * block_size), min(position + 1, (block + 1) * block_size)
+                w = weights[begin - first : end - first]
+                for g in range(head_dim // Q8_GROUP):
+                    s = value_scales[begin:end, kv_head, g]
+                    if w.max() <= 1e-30 or s.max() == 0:
+                        continue
+                    dither = np.array([q8_dither(key % block_size, g) for key in range(begin, end)])
+                    a = np.floor(np.minimum(255 * w / w.max() * (s / s.max()) + dither, 255))
+                    dims = slice(g * Q8_GROUP, (g + 1) * Q8_GROUP)
+                    total[dims] += (a @ ints[begin:end, kv_head, g]) * w.max() * s.max() / 255
+                    byte_step[i, head, dims] = np.maximum(byte_step[i, head, dims], w.max() * s.max() * 127 / 255)
+            out[i, head] = total / weights.sum()
+            byte_step[i, head] /= weights.sum()
+    return out, byte_step
 
 
 def int8_queries(queries: np.ndarray) -> np.ndarray:
@@ -253,10 +316,7 @@ def test_sliding_window_attention_equals_dense_windowed_attention(
     )
     seqs = list(range(len(context_lens)))
     out = run_paged(case, seqs, context_lens, query_lens, nthreads=2, window=window)
-    expected = np.concatenate(
-        [dense(case, seq, query_len, window) for seq, query_len in zip(seqs, query_lens, strict=True)]
-    )
-    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+    assert_equals_dense(out, case, seqs, query_lens, window)
 
 
 def test_a_windowed_position_is_bit_identical_however_the_prompt_is_chunked() -> None:
@@ -270,8 +330,7 @@ def test_a_windowed_position_is_bit_identical_however_the_prompt_is_chunked() ->
 @pytest.mark.parametrize("storage", STORAGE)
 def test_long_context_stays_accurate(storage: str) -> None:
     case = make_case(np.random.default_rng(1), [2500], 16, 9, 3, 64, storage)
-    out = run_paged(case, [0], [2500], [3])
-    np.testing.assert_allclose(out, dense(case, 0, 3), rtol=1e-5, atol=1e-5)
+    assert_equals_dense(run_paged(case, [0], [2500], [3]), case, [0], [3])
 
 
 def test_softmax_is_stable_for_large_scores() -> None:
@@ -401,22 +460,25 @@ def test_int8_cache_stores_each_group_of_32_with_its_fp16_scale() -> None:
     key[1, 1, 5] = 1000.0  # an outlier spends only its own group's precision
     value = -key
     slot_mapping = np.array([5, 0, 11, 2, 7, 3], dtype=np.int32)
-    spec = KVCacheSpec(head_dim=64, block_size=4, dtype="int8")
-    key_cache = np.zeros((3, 2, spec.row_width, 4), dtype=np.int8)
-    value_cache = np.zeros((3, 2, 4, spec.row_width), dtype=np.int8)
+    spec = KVCacheSpec(head_dim=64, block_size=8, dtype="int8")
+    key_cache = np.zeros((3, 2, spec.row_width, 8), dtype=np.int8)
+    value_cache = np.zeros((3, 2, 8, spec.row_width), dtype=np.int8)
     write_kv_rows(key, value, key_cache, value_cache, slot_mapping, 0, 1)
     for token, slot in enumerate(slot_mapping):
-        block_id, offset = divmod(int(slot), 4)
+        block_id, offset = divmod(int(slot), 8)
         for head in range(2):
             q, scales = quantized_q8(key[token, head])
             np.testing.assert_array_equal(key_cache[block_id, head, :64, offset], q.reshape(-1))
-            key_scales = key_cache[block_id, head, 64:].reshape(-1).view(np.uint16).reshape(2, 4)[:, offset]
+            key_scales = key_cache[block_id, head, 64:].reshape(-1).view(np.uint16).reshape(2, 8)[:, offset]
             np.testing.assert_array_equal(key_scales, scales.reshape(-1).view(np.uint16))
             q, scales = quantized_q8(value[token, head])
-            row = value_cache[block_id, head, offset]
-            np.testing.assert_array_equal(row[:64], q.reshape(-1))
-            np.testing.assert_array_equal(row[64:].view(np.uint16), scales.reshape(-1).view(np.uint16))
-    assert np.all(key_cache[5 // 4, 0, :32, 5 % 4] == 0)
+            # a V tile keeps each quad of keys' four bytes of a dimension together, then (groups, keys) scales
+            tile = value_cache[block_id, head].reshape(-1)
+            by_quads = tile[: 8 * 64].reshape(2, 64, 4)  # (quads of the 8-key block, dims, keys of a quad)
+            np.testing.assert_array_equal(by_quads[offset // 4, :, offset % 4], q.reshape(-1))
+            value_scales = tile[8 * 64 :].view(np.uint16).reshape(2, 8)[:, offset]
+            np.testing.assert_array_equal(value_scales, scales.reshape(-1).view(np.uint16))
+    assert np.all(key_cache[5 // 8, 0, :32, 5 % 8] == 0)
     restored = dequantized_q8(*quantized_q8(key))
     group_max = np.abs(key.reshape(6, 2, 2, 32)).max(axis=-1, keepdims=True)
     # half a step of the group's scale, plus the scale's own fp16 rounding (2^-11 relative) on every value
@@ -511,8 +573,9 @@ np.save(sys.argv[1], int8_attention_extremes())
 
 
 def int8_attention_extremes() -> np.ndarray:
-    """An int8 cache's attention where its integer sums are largest: every key byte ±127 against
-    queries whose int8 form is ±127 everywhere, then random keys and queries; head_dim 64 and 128."""
+    """An int8 cache's attention where its integer sums are largest: every key and value byte ±127,
+    against queries whose int8 form is ±127 everywhere (and byte weights up to 255), then random
+    keys, values and queries; head_dim 64 and 128."""
     rng = np.random.default_rng(5)
     results = []
     for head_dim in (64, 128):
@@ -520,13 +583,15 @@ def int8_attention_extremes() -> np.ndarray:
         extreme = replace(case, queries=[np.sign(rng.standard_normal(case.queries[0].shape)).astype(np.float32)])
         tiles = extreme.key_cache[:, :, :head_dim, :]
         tiles[...] = np.where(rng.random(tiles.shape) < 0.5, -127, 127).astype(np.int8)
+        value_tiles = extreme.value_cache.reshape(*extreme.value_cache.shape[:2], -1)[..., : 16 * head_dim]
+        value_tiles[...] = np.where(rng.random(value_tiles.shape) < 0.5, -127, 127).astype(np.int8)
         results += [run_paged(extreme, [0], [40], [40]).ravel(), run_paged(case, [0], [40], [40]).ravel()]
     return np.concatenate(results)
 
 
-def test_the_int8_scores_are_the_same_bits_with_or_without_vnni(tmp_path):
-    """vpdpbusd and the plain vector IR compute an int8 cache's scores as the same integers, so
-    attention's output does not depend on which the CPU runs. This process runs the best its CPU
+def test_the_int8_attention_is_the_same_bits_with_or_without_vnni(tmp_path):
+    """vpdpbusd and the plain vector IR compute an int8 cache's scores and value sums as the same
+    integers, so attention's output does not depend on which the CPU runs. This process runs the best its CPU
     has; a second one, with a fresh kernel cache, the plain IR."""
     import os
     import subprocess

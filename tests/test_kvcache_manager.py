@@ -353,6 +353,8 @@ def test_storage_is_sized_from_the_budget_and_copies_blocks_on_every_layer() -> 
         KVCacheSpec(dtype="bfloat16")
     with pytest.raises(KVCacheError, match="multiple of 32"):
         KVCacheSpec(dtype="int8", head_dim=48)
+    with pytest.raises(KVCacheError, match="multiple of 4, got 6"):
+        KVCacheSpec(dtype="int8", block_size=6)
     assert spec.num_blocks_for_mib(1024) == 1456
     with pytest.raises(KVCacheError):
         spec.num_blocks_for_mib(0.5)
