@@ -8,8 +8,9 @@ mapped) decodes one token at position C - 1 of a sequence whose C - 1 earlier po
 values already fill the KV cache: random values of the cache's storage type in the blocks a long
 prefill leaves behind (consecutive ids), every layer its own. A step's time does not depend on the
 values, so this measures what a server's decode costs at that context in seconds instead of the
-minutes a 32k-token prefill takes. Reported per context and KV type: the median step time (ms per
-output token), its ratio to the shortest context's, and the KV bytes one step reads.
+minutes a 32k-token prefill takes. The contexts take turns step by step, so a ratio compares steps
+taken at the same moments. Reported per context and KV type: the median step time (ms per output
+token), its ratio to the shortest context's, and the KV bytes one step reads.
 """
 
 from __future__ import annotations
@@ -79,21 +80,21 @@ def measure(path: Path, contexts: list[int], kv_dtypes: list[str], threads: int,
             storage = KVCacheStorage.allocate(spec, -(-max(contexts) // BLOCK_SIZE))
             _fill_random(storage, rng)
             runner = ModelRunner(model, storage, pool, max_num_tokens=1, max_logit_rows=1, weights=weights)
-            runs = []
-            for context in contexts:
-                batch = _decode_batch(1, context)
+            batches = [_decode_batch(1, context) for context in contexts]
+            for context, batch in zip(contexts, batches, strict=True):
                 logits = runner.forward(batch)  # compile or load the kernels, touch the tiles
                 if not np.isfinite(logits).all():
                     raise RuntimeError(f"{dtype} cache at context {context}: the step's logits are not finite")
-                times = []
-                for _ in range(steps):
+            # the contexts take turns, step after step, so that a busy moment of a shared host slows them alike
+            times: list[list[float]] = [[] for _ in contexts]
+            for _ in range(steps):
+                for context_times, batch in zip(times, batches, strict=True):
                     started = time.perf_counter()
                     runner.forward(batch)
-                    times.append(time.perf_counter() - started)
-                kv_bytes = context * spec.bytes_per_token
-                runs.append({"context": context, "ms_per_token": 1e3 * statistics.median(times),
-                             "kv_mb_read": kv_bytes / 1e6})  # fmt: skip
-            results["runs"][dtype] = runs
+                    context_times.append(time.perf_counter() - started)
+            results["runs"][dtype] = [{"context": context, "ms_per_token": 1e3 * statistics.median(context_times),
+                                       "kv_mb_read": context * spec.bytes_per_token / 1e6}
+                                      for context, context_times in zip(contexts, times, strict=True)]  # fmt: skip
             del runner, storage
     return results
 
