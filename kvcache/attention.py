@@ -68,7 +68,16 @@ from kvcache.attention_simd import (
     attend_group_128_8,
     require_c_contiguous,
 )
-from kvcache.fastmath import as_f32, exp_f32, f16_bits_to_f32, f32_to_f16_bits, is_int8, like, round_half_away
+from kvcache.fastmath import (
+    as_f32,
+    exp_f32,
+    f16_bits_to_f32,
+    f32_to_f16_bits,
+    flip_sign_bit,
+    is_int8,
+    like,
+    round_half_away,
+)
 from kvcache.hadamard_simd import HADAMARD_SIZE, hadamard32
 from kvcache.prefetch import prefetch_tile
 from kvcache.storage import Q8_GROUP
@@ -158,14 +167,18 @@ def _q8_group_scale(x, first):
 
 @njit(nogil=True, cache=True, fastmath=False)
 def _store_q8_key(x, tile, offset, head_dim):
-    """Column `offset` of an int8 K tile (head_dim + 2·groups, block_size): the values, then the
-    group scales in the fp16 (groups, block_size) array after them."""
+    """Key `offset` of an int8 K tile: its values k as the unsigned bytes k + 128 (`vpdpbusd`'s
+    unsigned operand), each quad of dimensions keeping its four bytes together (byte
+    (d // 4)·4·block_size + 4·offset + d % 4), then its groups' fp16 scales in the (groups,
+    block_size) array after all values."""
     block_size = tile.shape[1]
-    scales = tile.reshape(-1)[head_dim * block_size :].view(np.uint16)
+    flat = tile.reshape(-1)
+    scales = flat[head_dim * block_size :].view(np.uint16)
     for g in range(head_dim // Q8_GROUP):
         scale_bits, inverse = _q8_group_scale(x, g * Q8_GROUP)
         for d in range(g * Q8_GROUP, (g + 1) * Q8_GROUP):
-            tile[d, offset] = min(max(round_half_away(x[d] * inverse), -127), 127)
+            k = np.int8(min(max(round_half_away(x[d] * inverse), -127), 127))
+            flat[(d // 4) * 4 * block_size + 4 * offset + d % 4] = flip_sign_bit(k)
         scales[g * block_size + offset] = scale_bits
 
 
@@ -500,12 +513,13 @@ def _accumulate_values(acc, values, weights, num_keys):
 
 @njit(nogil=True, cache=True, fastmath=False, inline="always")
 def _block_scores_q8(scores, tile, query_q8, first, num_keys, head_dim):
-    """`_block_scores` over an int8 K tile with the int8 query (`quantize_query_q8`'s, from
-    query_q8[0]), keys first..first + num_keys into scores[0..num_keys): per key, each group's
-    integer q·k times the query's and the key's scales, groups added in order."""
+    """`_block_scores` over an int8 K tile (`_store_q8_key`'s layout) with the int8 query
+    (`quantize_query_q8`'s, from query_q8[0]), keys first..first + num_keys into scores[0..num_keys):
+    per key, each group's integer q·k times the query's and the key's scales, groups added in order."""
     block_size = tile.shape[1]
     groups = head_dim // Q8_GROUP
-    scales = tile.reshape(-1)[head_dim * block_size :].view(np.uint16)
+    flat = tile.reshape(-1)
+    scales = flat[head_dim * block_size :].view(np.uint16)
     q8 = query_q8[: head_dim // 4].view(np.int8)
     q_scales = query_q8[head_dim // 4 : head_dim // 4 + groups]
     for t in range(num_keys):
@@ -514,7 +528,8 @@ def _block_scores_q8(scores, tile, query_q8, first, num_keys, head_dim):
         for g in range(groups):
             group_sum = 0
             for d in range(g * Q8_GROUP, (g + 1) * Q8_GROUP):
-                group_sum += np.int32(q8[d]) * np.int32(tile[d, key])
+                k = flip_sign_bit(flat[(d // 4) * 4 * block_size + 4 * key + d % 4])
+                group_sum += np.int32(q8[d]) * np.int32(k)
             total += np.float32(group_sum) * q_scales[g] * f16_bits_to_f32(scales[g * block_size + key])
         scores[t] = total
 

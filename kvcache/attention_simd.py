@@ -8,9 +8,9 @@ the weighted sum of value rows runs as passes over the keys, two 16-value chunks
 time, each head's weight for a key broadcast from its row of scratch into fused multiply-adds.
 
 An int8 cache's scores are integer dot products (`vpdpbusd` where the CPU has VNNI): the query is
-quantized per group of 32 like a key (`attention.quantize_query_q8`), each quad of key rows is
-transposed so that a key's four bytes share a lane, and the exact integer sums are scaled by the
-query's and the keys' scales. Its values are summed the same way: each key's weight times its value
+quantized per group of 32 like a key (`attention.quantize_query_q8`), the K tile stores each key's
+four bytes of a quad of dimensions together, as unsigned k + 128, and the exact integer sums are
+scaled by the query's and the keys' scales. Its values are summed the same way: each key's weight times its value
 scale is quantized to a byte against the block's largest (`_accumulate_q8`), and `vpdpbusd` adds
 the bytes times the int8 values, a quad of keys at a time, from a tile that stores each quad's four
 bytes of a dimension together.
@@ -161,9 +161,6 @@ def _float_scores(builder: ir.IRBuilder, rows: list[ir.Value], key_base: ir.Valu
     return [builder.fadd(builder.fadd(p[0], p[1]), builder.fadd(p[2], p[3])) for p in partial]
 
 
-# a quad of K rows d..d+3 holds bytes [d'][t]; vpdpbusd wants each key's four bytes together: [t][d']
-_QUAD_TO_KEYS = ir.Constant(ir.VectorType(_i32, 64), [(i % 4) * _LANES + i // 4 for i in range(64)])
-_UNSIGNED = ir.Constant(ir.VectorType(_i8, 64), [-128] * 64)  # xor 0x80: k + 128 as an unsigned byte
 
 
 def _int8_scores(builder: ir.IRBuilder, rows: list[ir.Value], key_base: ir.Value, head_dim: int) -> list[ir.Value]:
@@ -179,9 +176,9 @@ def _int8_scores(builder: ir.IRBuilder, rows: list[ir.Value], key_base: ir.Value
     for group in range(groups):
         sums = [ir.Constant(v16i32, [0] * _LANES)] * len(rows)
         for quad in range(group * Q8_GROUP // 4, (group + 1) * Q8_GROUP // 4):
+            # the tile stores each key's four bytes of the quad together, as k + 128 (`attention._store_q8_key`)
             pointer = builder.gep(key_base, [ir.Constant(_i64, quad * 4 * _LANES)])
-            raw = builder.load(builder.bitcast(pointer, ir.VectorType(_i8, 64).as_pointer()), align=1)
-            keys = builder.xor(builder.shuffle_vector(raw, raw, _QUAD_TO_KEYS), _UNSIGNED)
+            keys = builder.load(builder.bitcast(pointer, ir.VectorType(_i8, 64).as_pointer()), align=1)
             for g, words in enumerate(query_words):
                 word = builder.load(builder.gep(words, [ir.Constant(_i64, quad)]), align=4)
                 query = builder.bitcast(builder.shuffle_vector(
@@ -235,36 +232,40 @@ def _accumulate_q8(builder: ir.IRBuilder, rows: list[ir.Value], value_base: ir.V
         inverse = builder.select(builder.fcmp_ordered(">", top_scale, zero), builder.fdiv(one, top_scale), zero)
         scales.append(builder.fmul(scale, _splat(builder, inverse)))
         top_scales.append(top_scale)
+    # each step for every head before the next (their chains interleave), each quad of values loaded once
+    byte_bases, back_scales = [], []
     for row, head_weights in zip(rows, weights, strict=True):
         top_weight = _reduce(builder, head_weights, lambda a, b: _max(builder, a, b))
         usable = builder.fcmp_ordered(">", top_weight, ir.Constant(_f32, Q8_WEIGHT_FLOOR))
         to_bytes = builder.select(usable, builder.fdiv(ir.Constant(_f32, 255.0), top_weight), zero)
         byte_weights = builder.fmul(head_weights, _splat(builder, to_bytes))
-        byte_base = builder.bitcast(builder.gep(row, [ir.Constant(_i64, 2 * head_dim)]), _i8.as_pointer())
-        back_scales = []
-        for group, (scale, top_scale) in enumerate(zip(scales, top_scales, strict=True)):
+        byte_bases.append(builder.bitcast(builder.gep(row, [ir.Constant(_i64, 2 * head_dim)]), _i8.as_pointer()))
+        for group, scale in enumerate(scales):
             dither = ir.Constant(_V, [q8_dither(key, group) for key in range(_LANES)])
             rounded = builder.call(minnum, [builder.fadd(builder.fmul(byte_weights, scale), dither), _const(255.0)])
             # the group's bytes in the row's block scratch (16 floats = 64 bytes), broadcast by quads below
             builder.store(builder.trunc(builder.fptosi(rounded, v16i32), v16i8), builder.bitcast(
-                builder.gep(byte_base, [ir.Constant(_i64, group * _LANES)]), v16i8.as_pointer()), align=1)
-            back_scales.append(_splat(builder, builder.fmul(builder.fmul(top_weight, top_scale),
-                                                            ir.Constant(_f32, Q8_BACK))))
-        words = builder.bitcast(byte_base, _i32.as_pointer())
-        for chunk in range(head_dim // _LANES):
-            group = chunk * _LANES // Q8_GROUP
-            dot = ir.Constant(v16i32, [0] * _LANES)
-            for quad in range(_LANES // 4):
-                word = builder.load(builder.gep(words, [ir.Constant(_i64, group * _LANES // 4 + quad)]), align=4)
+                builder.gep(byte_bases[-1], [ir.Constant(_i64, group * _LANES)]), v16i8.as_pointer()), align=1)
+        back_scales.append([_splat(builder, builder.fmul(builder.fmul(top_weight, top_scale),
+                                                         ir.Constant(_f32, Q8_BACK))) for top_scale in top_scales])
+    words = [builder.bitcast(byte_base, _i32.as_pointer()) for byte_base in byte_bases]
+    for chunk in range(head_dim // _LANES):
+        group = chunk * _LANES // Q8_GROUP
+        dots = [ir.Constant(v16i32, [0] * _LANES)] * len(rows)
+        for quad in range(_LANES // 4):
+            pointer = builder.gep(value_base, [ir.Constant(_i64, quad * 4 * head_dim + chunk * 4 * _LANES)])
+            quad_values = builder.load(builder.bitcast(pointer, ir.VectorType(_i8, 64).as_pointer()), align=1)
+            for h, head_words in enumerate(words):
+                word = builder.load(builder.gep(head_words, [ir.Constant(_i64, group * _LANES // 4 + quad)]),
+                                    align=4)  # fmt: skip
                 quad_weights = builder.bitcast(builder.shuffle_vector(
                     builder.insert_element(ir.Constant(v16i32, ir.Undefined), word, ir.Constant(_i32, 0)),
                     ir.Constant(v16i32, ir.Undefined), ir.Constant(v16i32, [0] * _LANES)), ir.VectorType(_i8, 64))
-                pointer = builder.gep(value_base, [ir.Constant(_i64, quad * 4 * head_dim + chunk * 4 * _LANES)])
-                quad_values = builder.load(builder.bitcast(pointer, ir.VectorType(_i8, 64).as_pointer()), align=1)
-                dot = dpbusd(dot, quad_weights, quad_values)
+                dots[h] = dpbusd(dots[h], quad_weights, quad_values)
+        for row, dot, head_back_scales in zip(rows, dots, back_scales, strict=True):
             acc_pointer = builder.bitcast(builder.gep(row, [ir.Constant(_i64, head_dim + chunk * _LANES)]),
                                           _V.as_pointer())
-            builder.store(builder.call(fma, [builder.sitofp(dot, _V), back_scales[group],
+            builder.store(builder.call(fma, [builder.sitofp(dot, _V), head_back_scales[group],
                                              builder.load(acc_pointer, align=4)]), acc_pointer, align=4)
 
 
@@ -360,36 +361,47 @@ def _make_attend_group(head_dim: int, group_size: int):  # type: ignore[no-untyp
                 ir.Constant(ir.VectorType(_i32, _LANES), [0] * _LANES))
             valid = builder.icmp_signed("<", lane, count_splat)
 
-            weights = []
-            for g, row in enumerate(rows):
-                scores = builder.select(valid, totals[g], _const(float("-inf")))
-                block_max = _reduce(builder, scores, lambda a, b: _max(builder, a, b))
-                stats = builder.gep(row, [ir.Constant(_i64, 2 * head_dim + _LANES)])
-                old_max = builder.load(stats)
-                old_sum = builder.load(builder.gep(stats, [ir.Constant(_i64, 1)]))
-                rises = builder.fcmp_ordered(">", block_max, old_max)
-                new_max = builder.select(rises, block_max, old_max)
-                # exp(old max - new max) is exp(0) = 1 exactly unless the max rises: most blocks of a
-                # long context skip the exp and leave the accumulator as it is
-                kept = builder.block
-                with builder.if_then(rises):
-                    shrink = builder.extract_element(
-                        _exp(builder, _splat(builder, builder.fsub(old_max, new_max))), ir.Constant(_i32, 0))
+            # each step for every head before the next, in one basic block: the heads' chains
+            # (max, exp, sum) interleave instead of running one after another
+            stats = [builder.gep(row, [ir.Constant(_i64, 2 * head_dim + _LANES)]) for row in rows]
+            scores = [builder.select(valid, total, _const(float("-inf"))) for total in totals]
+            old_maxes = [builder.load(head_stats) for head_stats in stats]
+            new_maxes, rises = [], []
+            for head_scores, old_max in zip(scores, old_maxes, strict=True):
+                block_max = _reduce(builder, head_scores, lambda a, b: _max(builder, a, b))
+                rises.append(builder.fcmp_ordered(">", block_max, old_max))
+                new_maxes.append(builder.select(rises[-1], block_max, old_max))
+            weights = [_exp(builder, builder.fsub(head_scores, _splat(builder, new_max)))
+                       for head_scores, new_max in zip(scores, new_maxes, strict=True)]  # fmt: skip
+            block_sums = [_reduce(builder, head_weights, builder.fadd) for head_weights in weights]
+            # exp(old max - new max) is exp(0) = 1 exactly for a head whose max holds: while no head's
+            # max rises (most blocks of a long context) the exps and the accumulators' rescale are skipped
+            any_rises = rises[0]
+            for head_rises in rises[1:]:
+                any_rises = builder.or_(any_rises, head_rises)
+            kept = builder.block
+            with builder.if_then(any_rises):
+                shrinks = []
+                for row, old_max, new_max in zip(rows, old_maxes, new_maxes, strict=True):
+                    shrinks.append(builder.extract_element(
+                        _exp(builder, _splat(builder, builder.fsub(old_max, new_max))), ir.Constant(_i32, 0)))
                     for chunk in range(chunks):
                         acc_pointer = builder.bitcast(builder.gep(row, [ir.Constant(_i64, head_dim + chunk * _LANES)]),
                                                       _V.as_pointer())  # fmt: skip
-                        builder.store(builder.fmul(builder.load(acc_pointer, align=4), _splat(builder, shrink)),
+                        builder.store(builder.fmul(builder.load(acc_pointer, align=4), _splat(builder, shrinks[-1])),
                                       acc_pointer, align=4)  # fmt: skip
-                    shrunk = builder.block
-                correction = builder.phi(_f32)
-                correction.add_incoming(ir.Constant(_f32, 1.0), kept)
-                correction.add_incoming(shrink, shrunk)
-                head_weights = _exp(builder, builder.fsub(scores, _splat(builder, new_max)))
-                block_sum = _reduce(builder, head_weights, builder.fadd)
-                builder.store(new_max, stats)
+                shrunk = builder.block
+            corrections = []  # every phi first: LLVM wants them at the top of the block
+            for shrink in shrinks:
+                corrections.append(builder.phi(_f32))
+                corrections[-1].add_incoming(ir.Constant(_f32, 1.0), kept)
+                corrections[-1].add_incoming(shrink, shrunk)
+            for head_stats, new_max, correction, block_sum in zip(stats, new_maxes, corrections, block_sums,
+                                                                  strict=True):  # fmt: skip
+                old_sum = builder.load(builder.gep(head_stats, [ir.Constant(_i64, 1)]))
+                builder.store(new_max, head_stats)
                 builder.store(builder.fadd(builder.fmul(old_sum, correction), block_sum),
-                              builder.gep(stats, [ir.Constant(_i64, 1)]))
-                weights.append(head_weights)
+                              builder.gep(head_stats, [ir.Constant(_i64, 1)]))
             if quantized:
                 _accumulate_q8(builder, rows, value_base, weights, valid, fma, head_dim)
                 return context.get_dummy_value()

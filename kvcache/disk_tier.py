@@ -34,7 +34,7 @@ from kvcache.block_pool import BlockHash
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # 2: an int8 cache's V tiles hold their values by quads of keys (kvcache.storage)
+FORMAT_VERSION = 2  # 2: an int8 cache's tiles hold their values as vpdpbusd operands (kvcache.storage)
 MAGIC = b"TREADLKV"
 SUFFIX = ".kvb"
 STALE_TEMP_SECONDS = 3600.0  # a temporary file this old is a crashed writer's, not a live one's

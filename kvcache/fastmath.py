@@ -111,6 +111,19 @@ def like(typingctx, value, sample):  # type: ignore[no-untyped-def]
 
 
 @intrinsic
+def flip_sign_bit(typingctx, x):  # type: ignore[no-untyped-def]
+    """An int8 cache's key byte, stored as k + 128 (`vpdpbusd`'s unsigned operand), back to k: the
+    top bit flipped. Any other type passes unchanged (typed for one kernel body, never run)."""
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        if signature.args[0] == types.int8:
+            return builder.xor(args[0], ir.Constant(ir.IntType(8), -128))
+        return args[0]
+
+    return x(x), codegen
+
+
+@intrinsic
 def is_int8(typingctx, sample):  # type: ignore[no-untyped-def]
     """True for an int8 cache element, as a constant the compiler folds: one kernel body serves every
     cache type, and the branches of the others vanish from each compiled copy."""

@@ -23,12 +23,13 @@ sequence's blocks and, per block, computes `block_size` scores and then a weight
 - int8 (llama.cpp's q8_0 cache): each token's K and V of a head are quantized when written, in groups of
   Q8_GROUP values with a fp16 scale each (`scale = max|x| / 127`, `q = round(x / scale)`), 136 bytes
   for head_dim 128 where float16 takes 256. The scales travel inside the tile, so the arrays keep one
-  element type and a tile stays one contiguous read: a K tile is (head_dim + 2·groups, block_size)
-  int8, the values then the bytes of a (groups, block_size) fp16 array. A V tile has the shape
-  (block_size, row_width) but not its rows: its head_dim · block_size values come first, each quad
-  of keys holding a dimension's four bytes together (byte (t // 4)·4·head_dim + 4·d + t % 4, the
-  operand `vpdpbusd` multiplies against four keys' byte weights), then the same (groups,
-  block_size) fp16 scales. An int8 cache's blocks are a multiple of 4 keys.
+  element type and a tile stays one contiguous read. Its head_dim · block_size values come first,
+  laid out as the operands of `vpdpbusd` (which multiplies four bytes by four bytes in each 32-bit
+  lane), then its scales as a (groups, block_size) fp16 array. A K tile, shaped (head_dim + 2·groups,
+  block_size), keeps each key's four bytes of a quad of dimensions together, as the unsigned k + 128
+  (byte (d // 4)·4·block_size + 4·t + d % 4); a V tile, shaped (block_size, row_width) but not
+  stored by rows, keeps each quad of keys' four bytes of a dimension together (byte
+  (t // 4)·4·head_dim + 4·d + t % 4). An int8 cache's blocks are a multiple of 4 keys.
 The KV write for a new token is one strided store per key element: a few per token, against a
 whole context read per query.
 """

@@ -468,7 +468,9 @@ def test_int8_cache_stores_each_group_of_32_with_its_fp16_scale() -> None:
         block_id, offset = divmod(int(slot), 8)
         for head in range(2):
             q, scales = quantized_q8(key[token, head])
-            np.testing.assert_array_equal(key_cache[block_id, head, :64, offset], q.reshape(-1))
+            # a K tile keeps each quad of dimensions' four bytes of a key together, as k + 128
+            key_quads = key_cache[block_id, head].reshape(-1)[: 64 * 8].reshape(16, 8, 4)  # (dim quads, keys, dims)
+            np.testing.assert_array_equal(key_quads[:, offset].reshape(-1) ^ np.int8(-128), q.reshape(-1))
             key_scales = key_cache[block_id, head, 64:].reshape(-1).view(np.uint16).reshape(2, 8)[:, offset]
             np.testing.assert_array_equal(key_scales, scales.reshape(-1).view(np.uint16))
             q, scales = quantized_q8(value[token, head])
@@ -478,7 +480,7 @@ def test_int8_cache_stores_each_group_of_32_with_its_fp16_scale() -> None:
             np.testing.assert_array_equal(by_quads[offset // 4, :, offset % 4], q.reshape(-1))
             value_scales = tile[8 * 64 :].view(np.uint16).reshape(2, 8)[:, offset]
             np.testing.assert_array_equal(value_scales, scales.reshape(-1).view(np.uint16))
-    assert np.all(key_cache[5 // 8, 0, :32, 5 % 8] == 0)
+    assert np.all(key_cache[5 // 8, 0].reshape(-1)[: 64 * 8].reshape(16, 8, 4)[:8, 5 % 8] == -128)  # 0 + 128
     restored = dequantized_q8(*quantized_q8(key))
     group_max = np.abs(key.reshape(6, 2, 2, 32)).max(axis=-1, keepdims=True)
     # half a step of the group's scale, plus the scale's own fp16 rounding (2^-11 relative) on every value
@@ -581,8 +583,8 @@ def int8_attention_extremes() -> np.ndarray:
     for head_dim in (64, 128):
         case = make_case(rng, [40], 16, 4, 1, head_dim, "int8")
         extreme = replace(case, queries=[np.sign(rng.standard_normal(case.queries[0].shape)).astype(np.float32)])
-        tiles = extreme.key_cache[:, :, :head_dim, :]
-        tiles[...] = np.where(rng.random(tiles.shape) < 0.5, -127, 127).astype(np.int8)
+        tiles = extreme.key_cache[:, :, :head_dim, :]  # keys stored as k + 128 (k ^ -128 as int8)
+        tiles[...] = np.where(rng.random(tiles.shape) < 0.5, -127, 127).astype(np.int8) ^ np.int8(-128)
         value_tiles = extreme.value_cache.reshape(*extreme.value_cache.shape[:2], -1)[..., : 16 * head_dim]
         value_tiles[...] = np.where(rng.random(value_tiles.shape) < 0.5, -127, 127).astype(np.int8)
         results += [run_paged(extreme, [0], [40], [40]).ravel(), run_paged(case, [0], [40], [40]).ravel()]
