@@ -346,7 +346,7 @@ def _attend_group_simd(work, keys, values, num_keys, head_dim, group_size):  # t
     output."""
 
 
-@overload(_attend_group_simd, jit_options={"nogil": True})
+@overload(_attend_group_simd, jit_options={"nogil": True}, inline="always")
 def _attend_group_simd_calls(work, keys, values, num_keys, head_dim, group_size):  # type: ignore[no-untyped-def]
     if keys.dtype == types.int8:
         def int8_calls(work, keys, values, num_keys, head_dim, group_size):  # type: ignore[no-untyped-def]
@@ -375,7 +375,7 @@ def _attend_heads(work, keys, values, num_keys, head_dim):  # type: ignore[no-un
     from an int8 one)."""
 
 
-@overload(_attend_heads, jit_options={"nogil": True})
+@overload(_attend_heads, jit_options={"nogil": True}, inline="always")
 def _attend_heads_call(work, keys, values, num_keys, head_dim):  # type: ignore[no-untyped-def]
     if keys.dtype == types.int8:
         def int8_call(work, keys, values, num_keys, head_dim):  # type: ignore[no-untyped-def]
