@@ -6,10 +6,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
+from numba import njit
 from numba.core.errors import TypingError
 
-from kvcache.attention import attention_scratch, paged_attention_rows, write_kv_rows
-from kvcache.attention_simd import q8_dither
+from kvcache.attention import attention_scratch, paged_attention_rows, quantize_query_q8, write_kv_rows
+from kvcache.attention_simd import attend_group_64_4, attend_group_128_6, q8_dither
 from kvcache.storage import Q8_GROUP, KVCacheSpec
 
 
@@ -574,21 +575,48 @@ np.save(sys.argv[1], int8_attention_extremes())
 """
 
 
+@njit(nogil=True)
+def _fold_blocks_64_4(work, key_tiles, value_tiles, num_keys):  # type: ignore[no-untyped-def]
+    for block in range(key_tiles.shape[0]):
+        attend_group_64_4(work, key_tiles[block], value_tiles[block], min(16, num_keys - 16 * block))
+
+
+@njit(nogil=True)
+def _fold_blocks_128_6(work, key_tiles, value_tiles, num_keys):  # type: ignore[no-untyped-def]
+    for block in range(key_tiles.shape[0]):
+        attend_group_128_6(work, key_tiles[block], value_tiles[block], min(16, num_keys - 16 * block))
+
+
 def int8_attention_extremes() -> np.ndarray:
     """An int8 cache's attention where its integer sums are largest: every key and value byte ±127,
     against queries whose int8 form is ±127 everywhere (and byte weights up to 255), then random
-    keys, values and queries; head_dim 64 and 128."""
+    keys, values and queries; every position of 40 over 16-key blocks, four heads of 64 and six of
+    128 a call. The vector-IR calls are made directly, so a process compiles two of them, not the
+    whole kernel's every head count."""
     rng = np.random.default_rng(5)
     results = []
-    for head_dim in (64, 128):
-        case = make_case(rng, [40], 16, 4, 1, head_dim, "int8")
+    for head_dim, heads, fold in ((64, 4, _fold_blocks_64_4), (128, 6, _fold_blocks_128_6)):
+        case = make_case(rng, [40], 16, heads, 1, head_dim, "int8")
         extreme = replace(case, queries=[np.sign(rng.standard_normal(case.queries[0].shape)).astype(np.float32)])
+        extreme.key_cache = extreme.key_cache.copy()
+        extreme.value_cache = extreme.value_cache.copy()
         tiles = extreme.key_cache[:, :, :head_dim, :]  # keys stored as k + 128 (k ^ -128 as int8)
         tiles[...] = np.where(rng.random(tiles.shape) < 0.5, -127, 127).astype(np.int8) ^ np.int8(-128)
         value_tiles = extreme.value_cache.reshape(*extreme.value_cache.shape[:2], -1)[..., : 16 * head_dim]
         value_tiles[...] = np.where(rng.random(value_tiles.shape) < 0.5, -127, 127).astype(np.int8)
-        results += [run_paged(extreme, [0], [40], [40]).ravel(), run_paged(case, [0], [40], [40]).ravel()]
-    return np.concatenate(results)
+        for source in (extreme, case):
+            key_tiles = np.ascontiguousarray(source.key_cache[source.block_tables[0], 0])
+            value_tiles = np.ascontiguousarray(source.value_cache[source.block_tables[0], 0])
+            for position in range(40):
+                work = attention_scratch(1, heads, 1, head_dim, 16)[0]
+                work[:, :head_dim] = source.queries[0][position] * np.float32(1 / np.sqrt(head_dim))
+                work[:, 2 * head_dim + 16] = -np.inf
+                for g in range(heads):
+                    quantize_query_q8(work[g], head_dim, 2 * head_dim + 18)
+                blocks = position // 16 + 1
+                fold(work, key_tiles[:blocks], value_tiles[:blocks], position + 1)
+                results.append(work[:, head_dim : 2 * head_dim] / work[:, 2 * head_dim + 17 : 2 * head_dim + 18])
+    return np.concatenate([r.ravel() for r in results])
 
 
 def test_the_int8_attention_is_the_same_bits_with_or_without_vnni(tmp_path):
