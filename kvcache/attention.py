@@ -25,7 +25,8 @@ The softmax is online (flash-attention's running max and sum, rescaled per block
 scales with the context; per-thread scratch comes from `attention_scratch`, sized once.
 
 With 16-key blocks and head_dim 64 or 128 (the default shapes) each block is folded in by explicit
-vector IR (`kvcache.attention_simd`), in calls of up to four heads of the GQA group; the loops below
+vector IR (`kvcache.attention_simd`), in calls of up to four heads of the GQA group (eight from an
+int8 cache); the loops below
 serve every other shape with the same semantics. With an int8 cache both paths score the query
 quantized per group of 32 against the int8 keys in exact integers (`quantize_query_q8`), as llama.cpp's
 q8_0 cache does, and sum the values the same way: per block and group of 32, each key's softmax weight
