@@ -67,6 +67,7 @@ from kvcache.attention_simd import (
     attend_group_128_6,
     attend_group_128_7,
     attend_group_128_8,
+    q8_dither,
     require_c_contiguous,
 )
 from kvcache.fastmath import (
@@ -87,10 +88,12 @@ assert Q8_GROUP == HADAMARD_SIZE, "a group's rotation is the 32-point transform"
 
 # One query head's row of scratch: its scaled query, its output accumulator, one block's scores
 # (then softmax weights), the running max and running sum of the online softmax, and (int8 caches)
-# the query quantized like a key: head_dim int8 values, then per group its scale and 128 · Σq.
+# the query quantized like a key: head_dim int8 values, then per group its scale and 128 · Σq;
+# then (int8 caches, numba path) one block's byte weights of a value group.
 _NUM_SOFTMAX_STATS = 2
 
 
+@njit(nogil=True, cache=True, inline="always")
 def query_q8_floats(head_dim: int) -> int:
     """float32 slots of a scratch row that hold the int8 query: its bytes, its scales, its offsets."""
     return head_dim // 4 + 2 * (head_dim // Q8_GROUP)
@@ -102,11 +105,11 @@ def attention_scratch(
     """Per-thread scratch for `paged_attention_rows`, allocated once at start.
 
     Shape (max_threads, group_size, width) float32: a row per query head of a GQA group, width
-    2 * head_dim + block_size + 2 + query_q8_floats.
+    2 * head_dim + block_size + 2 + query_q8_floats + block_size.
     """
     if n_heads % n_kv_heads:
         raise ValueError(f"{n_heads} query heads do not split into groups over {n_kv_heads} KV heads")
-    width = 2 * head_dim + block_size + _NUM_SOFTMAX_STATS + query_q8_floats(head_dim)
+    width = 2 * head_dim + block_size + _NUM_SOFTMAX_STATS + query_q8_floats(head_dim) + block_size
     return np.zeros((max_threads, n_heads // n_kv_heads, width), dtype=np.float32)
 
 
@@ -269,7 +272,8 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
 
     work: one thread's `attention_scratch`; row g < group_size serves query head
     kv_head * group_size + g and holds [scaled query | output accumulator | one block's scores,
-    then weights | running max, running sum | the int8 query, with an int8 cache].
+    then weights | running max, running sum | the int8 query and one block's byte weights, with an
+    int8 cache].
     Every inner loop runs over a unit-stride 1-D view with a plain loop index, so numba proves the
     indices non-negative and vectorises. (Views are sliced inline: returning them in a tuple from a
     helper costs numba reference counting in the innermost loop, twice the kernel's time.)
@@ -281,6 +285,7 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
     first_head = kv_head * group_size
     acc_begin, weights_begin, stats_begin = head_dim, 2 * head_dim, 2 * head_dim + block_size
     q8_begin = stats_begin + 2
+    byte_weights_begin = q8_begin + query_q8_floats(head_dim)
     scale = np.float32(scale)
     for g in range(group_size):
         work_row = work[g]
@@ -325,7 +330,8 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
                 for d in range(head_dim):
                     acc[d] *= correction
             if quantized:
-                _accumulate_values_q8(acc, values, weights, skipped, num_keys - skipped, head_dim)
+                _accumulate_values_q8(acc, values, weights, work_row[byte_weights_begin:], skipped,
+                                      num_keys - skipped, head_dim)  # fmt: skip
             elif skipped > 0:
                 _accumulate_values(acc, values[skipped:], weights, num_keys - skipped)
             else:
@@ -378,68 +384,56 @@ def _attend_heads(work, keys, values, num_keys, head_dim):  # type: ignore[no-un
 
 @overload(_attend_heads, jit_options={"nogil": True}, inline="always")
 def _attend_heads_call(work, keys, values, num_keys, head_dim):  # type: ignore[no-untyped-def]
-    if keys.dtype == types.int8:
-        def int8_call(work, keys, values, num_keys, head_dim):  # type: ignore[no-untyped-def]
-            heads = work.shape[0]
-            if head_dim == 64:
-                if heads == 8:
-                    attend_group_64_8(work, keys, values, num_keys)
-                elif heads == 7:
-                    attend_group_64_7(work, keys, values, num_keys)
-                elif heads == 6:
-                    attend_group_64_6(work, keys, values, num_keys)
-                elif heads == 5:
-                    attend_group_64_5(work, keys, values, num_keys)
-                elif heads == 4:
-                    attend_group_64_4(work, keys, values, num_keys)
-                elif heads == 3:
-                    attend_group_64_3(work, keys, values, num_keys)
-                elif heads == 2:
-                    attend_group_64_2(work, keys, values, num_keys)
-                else:
-                    attend_group_64_1(work, keys, values, num_keys)
-            else:
-                if heads == 8:
-                    attend_group_128_8(work, keys, values, num_keys)
-                elif heads == 7:
-                    attend_group_128_7(work, keys, values, num_keys)
-                elif heads == 6:
-                    attend_group_128_6(work, keys, values, num_keys)
-                elif heads == 5:
-                    attend_group_128_5(work, keys, values, num_keys)
-                elif heads == 4:
-                    attend_group_128_4(work, keys, values, num_keys)
-                elif heads == 3:
-                    attend_group_128_3(work, keys, values, num_keys)
-                elif heads == 2:
-                    attend_group_128_2(work, keys, values, num_keys)
-                else:
-                    attend_group_128_1(work, keys, values, num_keys)
+    if keys.dtype != types.int8:  # the calls of more than four heads are typed for int8 tiles only
+        return lambda work, keys, values, num_keys, head_dim: _attend_up_to_four_heads(
+            work, keys, values, num_keys, head_dim)
 
-        return int8_call
-
-    def float_call(work, keys, values, num_keys, head_dim):  # type: ignore[no-untyped-def]
+    def int8_call(work, keys, values, num_keys, head_dim):  # type: ignore[no-untyped-def]
         heads = work.shape[0]
-        if head_dim == 64:
-            if heads == 4:
-                attend_group_64_4(work, keys, values, num_keys)
-            elif heads == 3:
-                attend_group_64_3(work, keys, values, num_keys)
-            elif heads == 2:
-                attend_group_64_2(work, keys, values, num_keys)
+        if heads <= 4:
+            _attend_up_to_four_heads(work, keys, values, num_keys, head_dim)
+        elif head_dim == 64:
+            if heads == 8:
+                attend_group_64_8(work, keys, values, num_keys)
+            elif heads == 7:
+                attend_group_64_7(work, keys, values, num_keys)
+            elif heads == 6:
+                attend_group_64_6(work, keys, values, num_keys)
             else:
-                attend_group_64_1(work, keys, values, num_keys)
+                attend_group_64_5(work, keys, values, num_keys)
+        elif heads == 8:
+            attend_group_128_8(work, keys, values, num_keys)
+        elif heads == 7:
+            attend_group_128_7(work, keys, values, num_keys)
+        elif heads == 6:
+            attend_group_128_6(work, keys, values, num_keys)
         else:
-            if heads == 4:
-                attend_group_128_4(work, keys, values, num_keys)
-            elif heads == 3:
-                attend_group_128_3(work, keys, values, num_keys)
-            elif heads == 2:
-                attend_group_128_2(work, keys, values, num_keys)
-            else:
-                attend_group_128_1(work, keys, values, num_keys)
+            attend_group_128_5(work, keys, values, num_keys)
 
-    return float_call
+    return int8_call
+
+
+@njit(nogil=True, cache=True, fastmath=False, inline="always")
+def _attend_up_to_four_heads(work, keys, values, num_keys, head_dim):
+    """One vector-IR call for the 1-4 query heads whose rows `work` holds."""
+    heads = work.shape[0]
+    if head_dim == 64:
+        if heads == 4:
+            attend_group_64_4(work, keys, values, num_keys)
+        elif heads == 3:
+            attend_group_64_3(work, keys, values, num_keys)
+        elif heads == 2:
+            attend_group_64_2(work, keys, values, num_keys)
+        else:
+            attend_group_64_1(work, keys, values, num_keys)
+    elif heads == 4:
+        attend_group_128_4(work, keys, values, num_keys)
+    elif heads == 3:
+        attend_group_128_3(work, keys, values, num_keys)
+    elif heads == 2:
+        attend_group_128_2(work, keys, values, num_keys)
+    else:
+        attend_group_128_1(work, keys, values, num_keys)
 
 
 @njit(nogil=True, cache=True, fastmath=False, inline="always")
@@ -536,11 +530,12 @@ def _block_scores_q8(scores, tile, query_q8, first, num_keys, head_dim):
 
 
 @njit(nogil=True, cache=True, fastmath=False, inline="always")
-def _accumulate_values_q8(acc, tile, weights, first, num_keys, head_dim):
+def _accumulate_values_q8(acc, tile, weights, byte_weights, first, num_keys, head_dim):
     """`_accumulate_values` over an int8 V tile (`_store_q8_value`'s layout), keys first..first +
     num_keys weighted by weights[0..num_keys), as exact integer sums: per group of Q8_GROUP, each
-    key's weight and value scale become one byte against the largest of each (W, S) and acc +=
-    Σ byte · value times W · S / 255 (the vector IR's `_accumulate_q8` arithmetic)."""
+    key's weight and value scale become one byte against the largest of each (W, S), kept in
+    byte_weights[0..num_keys) (scratch), and acc += Σ byte · value times W · S / 255 (the vector
+    IR's `_accumulate_q8` arithmetic)."""
     block_size = tile.shape[0]
     flat = tile.reshape(-1)
     scales = flat[head_dim * block_size :].view(np.uint16)
@@ -548,7 +543,6 @@ def _accumulate_values_q8(acc, tile, weights, first, num_keys, head_dim):
     for t in range(num_keys):
         top_weight = max(top_weight, weights[t])
     to_bytes = np.float32(255.0) / top_weight if top_weight > np.float32(Q8_WEIGHT_FLOOR) else np.float32(0.0)
-    quantized = np.empty(num_keys, dtype=np.int32)
     for g in range(head_dim // Q8_GROUP):
         group_scales = scales[g * block_size + first : g * block_size + first + num_keys]
         top_scale = np.float32(0.0)
@@ -557,12 +551,11 @@ def _accumulate_values_q8(acc, tile, weights, first, num_keys, head_dim):
         inverse = np.float32(1.0) / top_scale if top_scale > 0 else np.float32(0.0)
         for t in range(num_keys):
             scaled = (weights[t] * to_bytes) * (f16_bits_to_f32(group_scales[t]) * inverse)
-            dither = np.float32((((first + t) * 7 + g * 5) % 16 + 0.5) / 16)  # attention_simd.q8_dither
-            quantized[t] = np.int32(min(scaled + dither, np.float32(255.0)))
+            byte_weights[t] = np.int32(min(scaled + np.float32(q8_dither(first + t, g)), np.float32(255.0)))
         back = top_weight * top_scale * np.float32(Q8_BACK)
         for d in range(g * Q8_GROUP, (g + 1) * Q8_GROUP):
             dot = 0
             for t in range(num_keys):
                 key = first + t
-                dot += quantized[t] * np.int32(flat[(key // 4) * 4 * head_dim + 4 * d + key % 4])
+                dot += np.int32(byte_weights[t]) * np.int32(flat[(key // 4) * 4 * head_dim + 4 * d + key % 4])
             acc[d] += np.float32(dot) * back

@@ -32,7 +32,7 @@ K and V row loaded once for all of them); `attention._attend_group_simd` cuts la
 from __future__ import annotations
 
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.core import cgutils
 from numba.core.errors import TypingError
 from numba.extending import intrinsic
@@ -52,6 +52,7 @@ Q8_WEIGHT_FLOOR = 1e-30
 Q8_BACK = 1 / 255  # (as float32) takes an int8 cache's byte weights back to weights
 
 
+@njit(nogil=True, cache=True, inline="always")
 def q8_dither(key: int, group: int) -> float:
     """What an int8 cache's byte weight of `key` (its slot in the block) in value group `group` adds
     before it is cut to an integer: (k + 0.5) / 16 for a k that runs over 0..15 along a block's keys
