@@ -207,3 +207,19 @@ def test_model_step_reads_every_field_of_its_named_structures_by_name():
                             ("arch", forward.Architecture), ("scratch", forward.StepScratch)]:
         unread = [f for f in structure._fields if f"{name}.{f}" not in source]
         assert unread == [], f"{structure.__name__} fields model_step never reads: {unread}"
+
+
+def test_a_mapped_file_and_a_converted_directory_give_the_step_the_same_argument_types(tmp_path):
+    """numba compiles the step once per argument type: a read-only view of a mapped file where a
+    converted model has a writable copy would compile it twice, a minute of CPU for each cache type."""
+    from numba import typeof
+
+    from decoding.kernels.forward import KernelWeights
+    from tests.tinymodel import write_hf_directory
+
+    mapped = load_model(write_gguf(tmp_path / "tiny.gguf"))
+    converted = load_model(write_hf_directory(tmp_path / "hf"))
+    for fast in (False, True):
+        built = [KernelWeights.build(m.config, m.weights, fast=fast) for m in (mapped, converted)]
+        types = [(typeof(w.matrices), typeof(w.packed), typeof(w.arrays)) for w in built]
+        assert types[0] == types[1]

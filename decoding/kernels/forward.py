@@ -221,7 +221,9 @@ class KernelWeights:
             embedding=_as_bytes(weights.token_embedding), embedding_qtype=int(weights.token_embedding.qtype),
             lm_head=_as_bytes(weights.lm_head), lm_head_qtype=int(weights.lm_head.qtype),
             lm_head_packed=all_packed[-1], lm_head_packed_qtype=int(packed_type(weights.lm_head.qtype)),
-            output_norm=np.ascontiguousarray(weights.output_norm, dtype=np.float32),
+            # a copy: a read-only view (an F32 tensor of a mapped file) is another numba type, and the
+            # step would compile again for it
+            output_norm=np.array(weights.output_norm, dtype=np.float32),
             rope_cos=np.stack([cos for cos, _ in tables]), rope_sin=np.stack([sin for _, sin in tables]),
             routers=routers,
         ))  # fmt: skip
