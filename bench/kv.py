@@ -174,7 +174,7 @@ def _time_attention(
     out = np.empty_like(query)
     scratch = attention_scratch(num_threads, N_HEADS, n_kv_heads, head_dim, block_size)
     args = (out, query, key_cache, value_cache, block_tables, context_lens, query_start_loc, scratch)
-    shape = (1.0 / np.sqrt(head_dim), 0)  # scale, no sliding window
+    shape = (np.float32(1.0 / np.sqrt(head_dim)), 0)  # scale (float32, as the step's), no sliding window
 
     def run_layer() -> None:
         if num_threads == 1:  # no hand-off to time
@@ -215,7 +215,7 @@ def head_layout_times(context_len: int, repeats: int = 15) -> list[dict]:
         args = (np.empty_like(query), query, key_cache, value_cache,
                 np.arange(num_blocks, dtype=np.int32)[None, :], np.array([context_len], np.int32),
                 np.array([0, 1], np.int32), attention_scratch(1, n_heads, n_kv_heads, 128, 16), 0, 1,
-                1 / np.sqrt(128), 0)  # fmt: skip
+                np.float32(1 / np.sqrt(128)), 0)  # fmt: skip
         paged_attention_rows(*args)
         seconds = float("inf")
         for _ in range(repeats):

@@ -104,10 +104,12 @@ def run_paged(
     scratch: np.ndarray | None = None, window: int = 0,
 ) -> np.ndarray:  # fmt: skip
     """Attention of the last query_lens[i] positions of seqs[i], its context cut at context_lens[i];
-    the threads are simulated one after another. scratch: default `attention_scratch`'s."""
-    query = np.concatenate(
+    the threads are simulated one after another. scratch: default `attention_scratch`'s. Arrays and
+    scale have the types the step passes (C-contiguous, float32): each other type compiles the kernel
+    again, a minute of the test run's CPU."""
+    query = np.ascontiguousarray(np.concatenate(
         [case.queries[seq][n - q : n] for seq, n, q in zip(seqs, context_lens, query_lens, strict=True)]
-    )
+    ))  # fmt: skip
     query_start_loc = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
     n_heads, head_dim = case.queries[0].shape[1:]
     n_kv_heads, _, block_size = case.key_cache.shape[1:]
@@ -126,7 +128,7 @@ def run_paged(
             scratch,
             tid,
             nthreads,
-            1.0 / np.sqrt(head_dim),
+            np.float32(1.0 / np.sqrt(head_dim)),
             window,
         )
     return out
@@ -375,7 +377,7 @@ def test_each_output_is_written_by_exactly_one_thread(nthreads: int) -> None:
             attention_scratch(nthreads, 6, 2, 16, 8),
             tid,
             nthreads,
-            0.25,
+            np.float32(0.25),
             0,
         )
         written.append(~np.isnan(out).all(axis=2))  # (num_tokens, n_heads): which outputs this thread wrote

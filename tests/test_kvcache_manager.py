@@ -318,7 +318,7 @@ def test_manager_storage_and_kernels_together_equal_dense_attention() -> None:
                 scratch,
                 tid,
                 2,
-                1.0 / np.sqrt(queries.shape[-1]),
+                np.float32(1.0 / np.sqrt(queries.shape[-1])),  # the step's type: no second compile
                 0,
             )
 
