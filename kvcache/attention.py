@@ -42,8 +42,7 @@ kept in memory waits on store-to-load forwarding.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, types
-from numba.extending import overload
+from numba import njit
 
 from kvcache.attention_simd import (
     MAX_FLOAT_HEADS,
@@ -266,7 +265,7 @@ def paged_attention_rows(
                 item += 1
 
 
-@njit(nogil=True, cache=True, fastmath=False)
+@njit(nogil=True, cache=True, fastmath=False, inline="always")  # compiled once, in the kernel's body
 def _attend_row_group(out, query, key_cache, value_cache, block_table, row, position, kv_head, work, scale, window):
     """Outputs of query row `row` (at `position`) for the query heads of `kv_head`'s group.
 
@@ -345,72 +344,53 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
             out_row[d] = work_row[acc_begin + d] * inv_sum
 
 
-def _attend_group_simd(work, keys, values, num_keys, head_dim, group_size):  # type: ignore[no-untyped-def]
+@njit(nogil=True, cache=True, fastmath=False, inline="always")
+def _attend_group_simd(work, keys, values, num_keys, head_dim, group_size):
     """One block for every query head of the group, in vector-IR calls of as many heads as fit the
     registers (`attention_simd.MAX_FLOAT_HEADS`, `MAX_INT8_HEADS`): a float cache's group of 6, 7
     or 8 heads (Qwen2.5's 1.5B, 7B and 3B) reads and widens each K/V row twice, an int8 cache's
     once. A head's arithmetic is the same in a call of any size, so how a group is cut changes no
     output."""
+    # run-time branches on a constant, inlined before typing (an overload that chose per type would be
+    # compiled in full just to be typed: ~13 s more of an int8 kernel's first compile)
+    g = 0
+    if is_int8(keys[0, 0]):
+        while group_size - g > MAX_INT8_HEADS:
+            _attend_int8_heads(work[g : g + MAX_INT8_HEADS], keys, values, num_keys, head_dim)
+            g += MAX_INT8_HEADS
+        _attend_int8_heads(work[g:group_size], keys, values, num_keys, head_dim)
+        return
+    while group_size - g > MAX_FLOAT_HEADS:  # 5 → 3 + 2, 6 → 3 + 3, 7 → 4 + 3, 8 → 4 + 4: never one head
+        heads = 3 if group_size - g < 7 else 4
+        _attend_up_to_four_heads(work[g : g + heads], keys, values, num_keys, head_dim)
+        g += heads
+    if g < group_size:
+        _attend_up_to_four_heads(work[g:group_size], keys, values, num_keys, head_dim)
 
 
-@overload(_attend_group_simd, jit_options={"nogil": True}, inline="always")
-def _attend_group_simd_calls(work, keys, values, num_keys, head_dim, group_size):  # type: ignore[no-untyped-def]
-    if keys.dtype == types.int8:
-        def int8_calls(work, keys, values, num_keys, head_dim, group_size):  # type: ignore[no-untyped-def]
-            g = 0
-            while group_size - g > MAX_INT8_HEADS:
-                _attend_heads(work[g : g + MAX_INT8_HEADS], keys, values, num_keys, head_dim)
-                g += MAX_INT8_HEADS
-            _attend_heads(work[g:group_size], keys, values, num_keys, head_dim)
-
-        return int8_calls
-
-    def float_calls(work, keys, values, num_keys, head_dim, group_size):  # type: ignore[no-untyped-def]
-        g = 0
-        while group_size - g > MAX_FLOAT_HEADS:  # 5 → 3 + 2, 6 → 3 + 3, 7 → 4 + 3, 8 → 4 + 4: never one head
-            heads = 3 if group_size - g < 7 else 4
-            _attend_heads(work[g : g + heads], keys, values, num_keys, head_dim)
-            g += heads
-        if g < group_size:
-            _attend_heads(work[g:group_size], keys, values, num_keys, head_dim)
-
-    return float_calls
-
-
-def _attend_heads(work, keys, values, num_keys, head_dim):  # type: ignore[no-untyped-def]
-    """One vector-IR call for the query heads whose rows `work` holds (1-4 from a float cache, 1-8
-    from an int8 one)."""
-
-
-@overload(_attend_heads, jit_options={"nogil": True}, inline="always")
-def _attend_heads_call(work, keys, values, num_keys, head_dim):  # type: ignore[no-untyped-def]
-    if keys.dtype != types.int8:  # the calls of more than four heads are typed for int8 tiles only
-        return lambda work, keys, values, num_keys, head_dim: _attend_up_to_four_heads(
-            work, keys, values, num_keys, head_dim)
-
-    def int8_call(work, keys, values, num_keys, head_dim):  # type: ignore[no-untyped-def]
-        heads = work.shape[0]
-        if heads <= 4:
-            _attend_up_to_four_heads(work, keys, values, num_keys, head_dim)
-        elif head_dim == 64:
-            if heads == 8:
-                attend_group_64_8(work, keys, values, num_keys)
-            elif heads == 7:
-                attend_group_64_7(work, keys, values, num_keys)
-            elif heads == 6:
-                attend_group_64_6(work, keys, values, num_keys)
-            else:
-                attend_group_64_5(work, keys, values, num_keys)
-        elif heads == 8:
-            attend_group_128_8(work, keys, values, num_keys)
+@njit(nogil=True, cache=True, fastmath=False, inline="always")
+def _attend_int8_heads(work, keys, values, num_keys, head_dim):
+    """One vector-IR call for the 1-8 query heads whose rows `work` holds, from an int8 cache."""
+    heads = work.shape[0]
+    if heads <= 4:
+        _attend_up_to_four_heads(work, keys, values, num_keys, head_dim)
+    elif head_dim == 64:
+        if heads == 8:
+            attend_group_64_8(work, keys, values, num_keys)
         elif heads == 7:
-            attend_group_128_7(work, keys, values, num_keys)
+            attend_group_64_7(work, keys, values, num_keys)
         elif heads == 6:
-            attend_group_128_6(work, keys, values, num_keys)
+            attend_group_64_6(work, keys, values, num_keys)
         else:
-            attend_group_128_5(work, keys, values, num_keys)
-
-    return int8_call
+            attend_group_64_5(work, keys, values, num_keys)
+    elif heads == 8:
+        attend_group_128_8(work, keys, values, num_keys)
+    elif heads == 7:
+        attend_group_128_7(work, keys, values, num_keys)
+    elif heads == 6:
+        attend_group_128_6(work, keys, values, num_keys)
+    else:
+        attend_group_128_5(work, keys, values, num_keys)
 
 
 @njit(nogil=True, cache=True, fastmath=False, inline="always")

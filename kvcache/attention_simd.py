@@ -311,6 +311,13 @@ def _accumulate_chunks(builder: ir.IRBuilder, rows: list[ir.Value], value_base: 
         builder.store(final, pointer, align=4)
 
 
+def _never_called(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    """A call that must not run: a trap, so that one kernel body with run-time branches can name
+    every call for every cache type (typing an overload that chose per type compiled it in full)."""
+    builder.call(cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.trap"), [])
+    return context.get_dummy_value()
+
+
 def _make_attend_group(head_dim: int, group_size: int):  # type: ignore[no-untyped-def]
     chunks = head_dim // _LANES
 
@@ -329,12 +336,13 @@ def _make_attend_group(head_dim: int, group_size: int):  # type: ignore[no-untyp
         """
         for name, array in (("work", work), ("keys", keys), ("values", values)):
             _check_c_contiguous(name, array)
-        if group_size > MAX_FLOAT_HEADS and keys.dtype != types.int8:  # their accumulators would spill
-            return None
         if keys.dtype not in (types.float32, types.uint16, types.int8) or (values.dtype == types.int8) != (
                 keys.dtype == types.int8) or values.dtype not in (types.float32, types.uint16, types.int8):  # fmt: skip
             return None
         sig = types.void(work, keys, values, num_keys)
+
+        if group_size > MAX_FLOAT_HEADS and keys.dtype != types.int8:
+            return sig, _never_called  # their accumulators would spill: `attention` never calls these
 
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
             work_value, keys_value, values_value, count = args
