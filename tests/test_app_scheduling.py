@@ -22,7 +22,8 @@ QUESTION = [{"role": "user", "content": "Write a long story about a weaver."}]
 def server():
     # two sequences at a time: the rest of a burst waits, and admission order is what is tested
     with running_server(["--max-num-seqs", "2", "--max-queue", "64", "--kv-cache-mb", "64",
-                         "--priority-header", "X-Priority", "--queue-timeout-seconds", "600"]) as server:
+                         "--priority-header", "X-Priority", "--queue-timeout-seconds", "600",
+                         "--stream-grace-seconds", "0"]) as server:  # a client that leaves ends its stream
         yield server
 
 

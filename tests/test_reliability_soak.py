@@ -76,13 +76,15 @@ def soak(server: TreadleServer, tmp_path: Path, *args: str) -> tuple[int, dict[s
 @pytest.mark.slow
 def test_a_short_soak_passes_every_check(tmp_path):
     # 24 MiB of KV (34 blocks, 544 tokens) for 8 clients of up to ~150 prompt tokens + 64: some are preempted.
-    with running_server(["--kv-cache-mb", "24", "--max-num-seqs", "8"]) as server:
+    # a disconnected stream is paused 3 s for a reconnect, not the default 30: the soak's at-rest check and
+    # the drain on SIGTERM would wait for it
+    with running_server(["--kv-cache-mb", "24", "--max-num-seqs", "8", "--stream-grace-seconds", "3"]) as server:
         status, report = soak(server, tmp_path, "--duration", "15", "--clients", "8", "--disconnect-rate", "0.3",
                               "--malformed-rate", "0.2", "--max-prompt-words", "100", "--max-tokens", "64",
                               "--max-health-p99-ms", "60000")  # liveness, not speed: this machine is shared
     results = report["results"]
-    assert status == 0, report["checks"]
-    assert all(check["ok"] for check in report["checks"])
+    failed = [check for check in report["checks"] if not check["ok"]]
+    assert status == 0 and not failed, failed
     assert results["streams_completed"] > 0 and results["disconnects"] > 0 and results["malformed_sent"] > 0
     assert results["kv_blocks_used_at_rest"] == 0 and results["server_errors_5xx"] == 0
 
@@ -90,7 +92,7 @@ def test_a_short_soak_passes_every_check(tmp_path):
 @pytest.mark.slow
 def test_a_soak_against_a_failing_engine_fails(tmp_path):
     model = write_tiny_gguf(tmp_path / "tiny.gguf", CHAT_TEMPLATE)
-    with running_server(["--model", str(model)], env={EVERY_N_STEPS: "5"}) as server:
+    with running_server(["--model", str(model), "--stream-grace-seconds", "3"], env={EVERY_N_STEPS: "5"}) as server:
         status, report = soak(server, tmp_path, "--duration", "3", "--clients", "4", "--max-prompt-words", "10",
                               "--max-tokens", "16")
     failed = {check["name"] for check in report["checks"] if not check["ok"]}
