@@ -168,7 +168,9 @@ class TieredCacheMachine(RuleBasedStateMachine):
         files = sorted(p for p in self.directory.iterdir() if p.name.endswith(SUFFIX))
         if not files:
             return
-        path = data.draw(st.sampled_from(files))
+        # a block is dropped, not written, while the writer's queue is full: timing, so the file count may
+        # differ when hypothesis replays a case (which it refuses as flaky); draw a number independent of it
+        path = files[data.draw(st.integers(min_value=0, max_value=1 << 16)) % len(files)]
         content = bytearray(path.read_bytes())
         if how == "truncate":
             content = content[: len(content) // 2]
