@@ -304,10 +304,14 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
         block_id = block_table[logical_block]
         keys = key_cache[block_id, kv_head]  # (head_dim, block_size)
         values = value_cache[block_id, kv_head]  # (block_size, head_dim)
-        if logical_block < last_block:  # the next tiles travel from DRAM while this block is computed
-            next_block_id = block_table[logical_block + 1]
-            prefetch_tile(key_cache[next_block_id, kv_head])
-            prefetch_tile(value_cache[next_block_id, kv_head])
+        # The next two blocks' tiles travel from DRAM while this block is computed, each asked for twice
+        # (two blocks ahead, then one): asked for once, two ahead was slower than one ahead, so a burst
+        # of 64-128 line requests is not all kept; the second request catches what the first lost.
+        for ahead in range(1, 3):
+            if logical_block + ahead <= last_block:
+                next_block_id = block_table[logical_block + ahead]
+                prefetch_tile(key_cache[next_block_id, kv_head])
+                prefetch_tile(value_cache[next_block_id, kv_head])
         num_keys = min(block_size, position + 1 - logical_block * block_size)  # causal within the last block
         skipped = max(0, first_key - logical_block * block_size)  # keys before the window, in its first block
         if skipped == 0 and block_size == SIMD_BLOCK_SIZE and (head_dim == 64 or head_dim == 128):  # vector IR
