@@ -211,7 +211,7 @@ def test_model_step_reads_every_field_of_its_named_structures_by_name():
 
 def test_a_mapped_file_and_a_converted_directory_give_the_step_the_same_argument_types(tmp_path):
     """numba compiles the step once per argument type: a read-only view of a mapped file where a
-    converted model has a writable copy would compile it twice, a minute of CPU for each cache type."""
+    converted model has a writable copy would compile it twice (~40 s of CPU for each cache type)."""
     from numba import typeof
 
     from decoding.kernels.forward import KernelWeights

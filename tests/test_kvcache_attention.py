@@ -106,7 +106,7 @@ def run_paged(
     """Attention of the last query_lens[i] positions of seqs[i], its context cut at context_lens[i];
     the threads are simulated one after another. scratch: default `attention_scratch`'s. Arrays and
     scale have the types the step passes (C-contiguous, float32): each other type compiles the kernel
-    again, a minute of the test run's CPU."""
+    again (~15-20 s of the test run's CPU)."""
     query = np.ascontiguousarray(np.concatenate(
         [case.queries[seq][n - q : n] for seq, n, q in zip(seqs, context_lens, query_lens, strict=True)]
     ))  # fmt: skip
