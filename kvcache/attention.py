@@ -25,13 +25,12 @@ The softmax is online (flash-attention's running max and sum, rescaled per block
 scales with the context; per-thread scratch comes from `attention_scratch`, sized once.
 
 With 16-key blocks and head_dim 64 or 128 (the default shapes) each block is folded in by explicit
-vector IR (`kvcache.attention_simd`), in calls of up to four heads of the GQA group (eight from an
-int8 cache); the loops below
-serve every other shape with the same semantics. With an int8 cache both paths score the query
-quantized per group of 32 against the int8 keys in exact integers (`quantize_query_q8`), as llama.cpp's
-q8_0 cache does, and sum the values the same way: per block and group of 32, each key's softmax weight
-times its value scale becomes a byte (`_accumulate_values_q8`). (What each path measures:
-docs/performance.md.)
+vector IR (`kvcache.attention_simd`), in calls of up to four heads of the GQA group (eight from an int8
+cache); the loops below serve every other shape with the same semantics. With an int8 cache both paths
+score the query quantized per group of 32 against the int8 keys in exact integers
+(`quantize_query_q8`), as llama.cpp's q8_0 cache does, and sum the values the same way: per block and
+group of 32, each key's softmax weight times its value scale becomes a byte (`_accumulate_values_q8`).
+(What each path measures: docs/performance.md.)
 
 fastmath stays off, so LLVM never reorders a sum. The kernels choose the order themselves: a score
 adds eight head_dim terms at a time as a fixed tree, the value sum four keys at a time, because
@@ -360,64 +359,56 @@ def _attend_group_simd(work, keys, values, num_keys, head_dim, group_size):
     g = 0
     if is_int8(keys[0, 0]):
         while group_size - g > MAX_INT8_HEADS:
-            _attend_int8_heads(work[g : g + MAX_INT8_HEADS], keys, values, num_keys, head_dim)
+            _attend_heads(work[g : g + MAX_INT8_HEADS], keys, values, num_keys, head_dim)
             g += MAX_INT8_HEADS
-        _attend_int8_heads(work[g:group_size], keys, values, num_keys, head_dim)
+        _attend_heads(work[g:group_size], keys, values, num_keys, head_dim)
         return
     while group_size - g > MAX_FLOAT_HEADS:  # 5 → 3 + 2, 6 → 3 + 3, 7 → 4 + 3, 8 → 4 + 4: never one head
         heads = 3 if group_size - g < 7 else 4
-        _attend_up_to_four_heads(work[g : g + heads], keys, values, num_keys, head_dim)
+        _attend_heads(work[g : g + heads], keys, values, num_keys, head_dim)
         g += heads
     if g < group_size:
-        _attend_up_to_four_heads(work[g:group_size], keys, values, num_keys, head_dim)
+        _attend_heads(work[g:group_size], keys, values, num_keys, head_dim)
 
 
 @njit(nogil=True, cache=True, fastmath=False, inline="always")
-def _attend_int8_heads(work, keys, values, num_keys, head_dim):
-    """One vector-IR call for the 1-8 query heads whose rows `work` holds, from an int8 cache."""
-    heads = work.shape[0]
-    if heads <= 4:
-        _attend_up_to_four_heads(work, keys, values, num_keys, head_dim)
-    elif head_dim == 64:
-        if heads == 8:
-            attend_group_64_8(work, keys, values, num_keys)
-        elif heads == 7:
-            attend_group_64_7(work, keys, values, num_keys)
-        elif heads == 6:
-            attend_group_64_6(work, keys, values, num_keys)
-        else:
-            attend_group_64_5(work, keys, values, num_keys)
-    elif heads == 8:
-        attend_group_128_8(work, keys, values, num_keys)
-    elif heads == 7:
-        attend_group_128_7(work, keys, values, num_keys)
-    elif heads == 6:
-        attend_group_128_6(work, keys, values, num_keys)
-    else:
-        attend_group_128_5(work, keys, values, num_keys)
-
-
-@njit(nogil=True, cache=True, fastmath=False, inline="always")
-def _attend_up_to_four_heads(work, keys, values, num_keys, head_dim):
-    """One vector-IR call for the 1-4 query heads whose rows `work` holds."""
+def _attend_heads(work, keys, values, num_keys, head_dim):
+    """One vector-IR call for the query heads whose rows `work` holds: 1-8 from an int8 cache, 1-4
+    from a float one (its calls of more than four are never made, and compile to a trap)."""
     heads = work.shape[0]
     if head_dim == 64:
-        if heads == 4:
-            attend_group_64_4(work, keys, values, num_keys)
-        elif heads == 3:
-            attend_group_64_3(work, keys, values, num_keys)
+        if heads == 1:
+            attend_group_64_1(work, keys, values, num_keys)
         elif heads == 2:
             attend_group_64_2(work, keys, values, num_keys)
+        elif heads == 3:
+            attend_group_64_3(work, keys, values, num_keys)
+        elif heads == 4:
+            attend_group_64_4(work, keys, values, num_keys)
+        elif heads == 5:
+            attend_group_64_5(work, keys, values, num_keys)
+        elif heads == 6:
+            attend_group_64_6(work, keys, values, num_keys)
+        elif heads == 7:
+            attend_group_64_7(work, keys, values, num_keys)
         else:
-            attend_group_64_1(work, keys, values, num_keys)
-    elif heads == 4:
-        attend_group_128_4(work, keys, values, num_keys)
-    elif heads == 3:
-        attend_group_128_3(work, keys, values, num_keys)
+            attend_group_64_8(work, keys, values, num_keys)
+    elif heads == 1:
+        attend_group_128_1(work, keys, values, num_keys)
     elif heads == 2:
         attend_group_128_2(work, keys, values, num_keys)
+    elif heads == 3:
+        attend_group_128_3(work, keys, values, num_keys)
+    elif heads == 4:
+        attend_group_128_4(work, keys, values, num_keys)
+    elif heads == 5:
+        attend_group_128_5(work, keys, values, num_keys)
+    elif heads == 6:
+        attend_group_128_6(work, keys, values, num_keys)
+    elif heads == 7:
+        attend_group_128_7(work, keys, values, num_keys)
     else:
-        attend_group_128_1(work, keys, values, num_keys)
+        attend_group_128_8(work, keys, values, num_keys)
 
 
 @njit(nogil=True, cache=True, fastmath=False, inline="always")
