@@ -45,6 +45,7 @@ from bench.servers import free_port, stop, wait_until_ready
 from bench.side_by_side import llama_server_binary
 from decoding.engine.config import EngineConfig
 from decoding.engine.embedding import EmbeddingEngine
+from decoding.kernels.forward import KERNEL_MODES
 from decoding.model.decoder_embedder import DecoderEmbedder, decoder_embedder
 from decoding.model.encoder import EncoderModel
 from decoding.model.model import Model
@@ -172,7 +173,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--model", default="all-minilm-l6-v2")
     parser.add_argument("--batches", default="1,32,256")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--kernels", choices=("fast", "exact"), default="fast")
+    parser.add_argument("--kernels", choices=KERNEL_MODES, default="fast")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--single-requests", type=int, default=32, help="requests timed at batch 1")
     default_peer = REPO / ".venv-golden" / "bin" / "python"

@@ -39,6 +39,7 @@ from bench.speculative import measure_speculative
 from decoding.engine.engine import Engine, EngineConfig
 from decoding.engine.params import SamplingParams
 from decoding.engine.structured import Constraint
+from decoding.kernels.forward import KERNEL_MODES, int8_kernels
 from decoding.model.model import Model
 from decoding.model.registry import DEFAULT_MODEL, load_model
 
@@ -277,7 +278,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--prefill-tokens", type=int, default=512)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--kernels", choices=("fast", "exact"), default="fast")
+    parser.add_argument("--kernels", choices=KERNEL_MODES, default="fast")
     parser.add_argument("--interference-streams", type=int, default=16,
                         help="streams decoding while a long prompt arrives (0 skips that measurement)")
     parser.add_argument("--long-prompt-tokens", type=int, default=2000)
@@ -341,7 +342,7 @@ def main(argv: list[str]) -> int:
     numpy_bandwidth = measure_numpy_read_bandwidth(threads)
     triad_bandwidth = measure_triad_bandwidth(threads)
     gflops = measure_gemm_gflops()
-    int8_gmacs = measure_int8_gmacs(model, threads) if args.kernels == "fast" else None
+    int8_gmacs = measure_int8_gmacs(model, threads) if int8_kernels(args.kernels) else None
     weight_bytes = model.weights.nbytes
     flops_per_token = token_flops(model)
     bandwidth_roofline = bandwidth * 1e9 / weight_bytes

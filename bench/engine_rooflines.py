@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 from numba import njit
 
-from decoding.kernels.fast_kernels import matmul_groups, quantize_activation_row
+from decoding.kernels.amx import tile_activations
+from decoding.kernels.fast_kernels import matmul_groups, quantize_activation_rows
 from decoding.kernels.kernels import split_range
 from decoding.kernels.repack import is_packable, packed_type, repack
 from decoding.model.model import Model
@@ -123,19 +124,21 @@ def measure_gemm_gflops() -> float:
 
 @njit(nogil=True, cache=True)
 def int8_matmul_repeats(tid, nthreads, barrier, packed, qtype, n_rows, n_cols, xq, xd, xsum, n_tokens, out, tmp,
-                         repeats):  # fmt: skip
+                         tiles, tile_out, repeats):  # fmt: skip
     g0, g1 = split_range(n_rows // 8, tid, nthreads)
     for _ in range(repeats):
-        matmul_groups(packed, qtype, n_cols, xq, xd, xsum, n_tokens, out, g0, g1, False, tmp[tid])
+        matmul_groups(packed, qtype, n_cols, xq, xd, xsum, n_tokens, out, g0, g1, False, tmp[tid], tiles,
+                      tile_out[tid])
         barrier_wait(barrier, tid)
 
 
-def measure_int8_gmacs(model: Model, threads: int, tokens: int = 32) -> float | None:
+def measure_int8_gmacs(model: Model, threads: int, tokens: int = 32, tile_mode: int = 0) -> float | None:
     """Multiply-accumulates per second of the fast kernels on the pool, weights in cache: the compute
     ceiling of a batched step (a 32-sequence decode step is int8 dot products, not memory traffic).
 
     One feed-forward matrix of the model (repacked, a few hundred KB: it stays in L2), `tokens`
-    activation rows, split over the threads as a step splits it. None when the matrix is not packable.
+    activation rows, split over the threads as a step splits it; through AMX tiles with `tile_mode`
+    (decoding.kernels.amx). None when the matrix is not packable.
     """
     matrix = model.weights.layers[0].w_up
     if not is_packable(matrix.qtype, matrix.n_rows):
@@ -146,14 +149,15 @@ def measure_int8_gmacs(model: Model, threads: int, tokens: int = 32) -> float | 
     xq = np.zeros((tokens, cols), np.int8)
     xd = np.zeros((tokens, cols // 32), np.float32)
     xsum = np.zeros((tokens, cols // 32), np.int32)
-    for t in range(tokens):
-        quantize_activation_row(x[t], cols, xq[t], xd[t], xsum[t])
+    tiles = tile_activations(tile_mode, tokens, cols)
+    quantize_activation_rows(x, cols, 0, tokens, xq, xd, xsum, tiles, tokens)
     out = np.zeros((tokens, rows), np.float32)
     tmp = np.zeros((threads, 4, 8), np.float32)
+    tile_out = np.zeros((threads, 8, 16), np.float32)
     repeats = 50
     best = float("inf")
     with SpinPool(threads) as pool:
-        args = (packed, int(packed_type(matrix.qtype)), rows, cols, xq, xd, xsum, tokens, out, tmp)
+        args = (packed, int(packed_type(matrix.qtype)), rows, cols, xq, xd, xsum, tokens, out, tmp, tiles, tile_out)
         pool.run(int8_matmul_repeats, *args, 1)  # compile or load, warm the caches
         for _ in range(5):
             started = time.perf_counter()

@@ -4,11 +4,14 @@ import numpy as np
 import pytest
 
 from bench.kernels import store_as
+from decoding.kernels.amx import tile_activations
 from decoding.kernels.fast_kernels import matmul_groups, quantize_activation_row, swiglu_groups
 from decoding.kernels.kernels import GATE_GELU_TANH, GATE_SILU
 from decoding.kernels.reference import gate_activation
 from decoding.kernels.repack import ACTIVATION_ORDER, repack
 from decoding.model.quant import QType, dequantize, quantize
+
+UNTILED = (tile_activations(0, 0, 0), np.zeros((8, 16), np.float32))  # the kernels' AMX arguments, unused
 
 
 def quantized_activations(x: np.ndarray):
@@ -48,7 +51,7 @@ def test_group_dot_products_equal_numpy_on_the_same_quantized_inputs(qtype, toke
                 @ dequantize(stored, qtype, cols).T.astype(np.float64))
     out = np.full((tokens, rows + 5), np.nan, np.float32)
     matmul_groups(repack(stored, qtype, rows, cols), int(qtype), cols, xq, xd, xsum, tokens, out, 0, rows // 8, False,
-                  np.zeros((4, 8), np.float32))
+                  np.zeros((4, 8), np.float32), *UNTILED)
     np.testing.assert_allclose(out[:, :rows], expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
     assert np.isnan(out[:, rows:]).all()  # nothing written past the matrix
 
@@ -61,11 +64,11 @@ def test_groups_of_four_tokens_give_the_same_bits_as_one_at_a_time():
     xq, xd, xsum = quantized_activations(rng.standard_normal((tokens, cols)).astype(np.float32))
     together = np.zeros((tokens, rows), np.float32)
     matmul_groups(packed, int(QType.Q4_1), cols, xq, xd, xsum, tokens, together, 0, 8, False,
-                  np.zeros((4, 8), np.float32))
+                  np.zeros((4, 8), np.float32), *UNTILED)
     for t in range(tokens):
         alone = np.zeros((1, rows), np.float32)
         matmul_groups(packed, int(QType.Q4_1), cols, xq[t : t + 1], xd[t : t + 1], xsum[t : t + 1], 1, alone, 0, 8,
-                      False, np.zeros((4, 8), np.float32))
+                      False, np.zeros((4, 8), np.float32), *UNTILED)
         np.testing.assert_array_equal(alone[0], together[t])
 
 
@@ -80,12 +83,13 @@ def test_accumulate_adds_to_the_residual_and_the_gated_unit_combines_both_projec
     residual = rng.standard_normal((tokens, rows)).astype(np.float32)
     out = residual.copy()
     matmul_groups(repack(gate, QType.Q8_0, rows, cols), int(QType.Q8_0), cols, xq, xd, xsum, tokens, out, 0, 2, True,
-                  np.zeros((4, 8), np.float32))
+                  np.zeros((4, 8), np.float32), *UNTILED)
     np.testing.assert_allclose(out, residual + x @ dequantize(gate, QType.Q8_0, cols).T, rtol=1e-4, atol=1e-4)
     hidden, up_scratch = np.zeros((tokens, rows), np.float32), np.zeros((tokens, rows), np.float32)
     swiglu_groups(repack(gate, QType.Q8_0, rows, cols), repack(up, QType.Q4_1, rows, cols), int(QType.Q8_0),
                   int(QType.Q4_1), cols, xq, xd, xsum, tokens, hidden, up_scratch, 0, 2, np.zeros((4, 8), np.float32),
-                  np.zeros((4, 8), np.float32), GATE_GELU_TANH if activation == "gelu_tanh" else GATE_SILU)
+                  np.zeros((4, 8), np.float32), GATE_GELU_TANH if activation == "gelu_tanh" else GATE_SILU,
+                  UNTILED[0], np.zeros((2, 8, 16), np.float32))
     g = x @ dequantize(gate, QType.Q8_0, cols).T
     u = x @ dequantize(up, QType.Q4_1, cols).T
     np.testing.assert_allclose(hidden, gate_activation(g, activation) * u, rtol=1e-3, atol=1e-4)
@@ -109,7 +113,7 @@ def test_q4_k_runs_in_its_own_form_with_the_exact_weights(tokens):
     activations = dequantized_activations(xq, xd, cols).astype(np.float64)
     out = np.full((tokens, rows), np.nan, np.float32)
     matmul_groups(packed, int(QType.Q4_K), cols, xq, xd, xsum, tokens, out, 0, rows // 8, False,
-                  np.zeros((4, 8), np.float32))  # fmt: skip
+                  np.zeros((4, 8), np.float32), *UNTILED)  # fmt: skip
     expected = activations @ dequantize(stored, QType.Q4_K, cols).T.astype(np.float64)
     np.testing.assert_allclose(out, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
 
@@ -132,7 +136,7 @@ def test_q5_k_runs_on_the_kernel_of_its_sub_blocks_form_with_fp16_scale_and_min(
     activations = dequantized_activations(xq, xd, cols).astype(np.float64)
     out = np.full((tokens, rows), np.nan, np.float32)
     matmul_groups(repack(stored, qtype, rows, cols), int(form), cols, xq, xd, xsum, tokens, out, 0,
-                  rows // 8, False, np.zeros((4, 8), np.float32))
+                  rows // 8, False, np.zeros((4, 8), np.float32), *UNTILED)
     expected = activations @ converted.T.astype(np.float64)
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
     against_stored = activations @ exact_weights.T.astype(np.float64)
@@ -174,7 +178,7 @@ def test_q6_k_runs_in_7_bits_with_a_scale_per_16_weights_rounded_to_fp16(tokens)
     packed = repack(stored, QType.Q6_K, rows, cols)
     assert packed.nbytes == rows * cols * 7 // 8  # 6 bits a weight and a fp16 scale per 16
     matmul_groups(packed, int(QType.Q6_K), cols, xq, xd, xsum, tokens, out, 0,
-                  rows // 8, False, np.zeros((4, 8), np.float32))
+                  rows // 8, False, np.zeros((4, 8), np.float32), *UNTILED)
     expected = activations @ form.T.astype(np.float64)
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
 
@@ -199,7 +203,7 @@ def extreme_products() -> np.ndarray:
                 xq, xd, xsum = quantized_activations(x)
                 out = np.zeros((4, rows), np.float32)
                 matmul_groups(repack(stored, qtype, rows, cols), int(qtype), cols, xq, xd, xsum, 4, out, 0, rows // 8,
-                              False, np.zeros((4, 8), np.float32))  # fmt: skip
+                              False, np.zeros((4, 8), np.float32), *UNTILED)  # fmt: skip
                 results.append(out)
     return np.stack(results)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..kernels.forward import KERNEL_MODES
+from ..kernels.forward import KERNEL_MODES, int8_kernels
 from .options import (
     check_options,
     float_above,
@@ -65,8 +65,10 @@ class EngineConfig:
     max_model_len: int | None = option(None, "the longest sequence served, prompt and output (vLLM's option); at "
                                              "most the model's context", or_none(positive_int),
                                        doc_default="the model's context")  # fmt: skip
-    kernels: str = option("fast", "`fast`: int8 activations, VNNI dot products (llama.cpp-like numerics); `exact`: "
-                                  "float32 activations, logits within 1e-3 of the reference", one_of(KERNEL_MODES))
+    kernels: str = option("fast", "`fast`: int8 activations, VNNI dot products (llama.cpp-like numerics), AMX int8 "
+                                  "tiles for 16 tokens at a time where the CPU grants them (the same numbers); "
+                                  "`fast-no-amx`: the same without tiles; `exact`: float32 activations, logits within "
+                                  "1e-3 of the reference", one_of(KERNEL_MODES))
     weight_cache: bool = option(
         True, "repack the fast kernels' weights at every start and write nothing, instead of mapping them from "
         "the weight cache: a file per GGUF model written at its first start in ~/.cache/treadle/weights/ "
@@ -108,7 +110,7 @@ class EngineConfig:
     def resolved_kv_cache_dtype(self) -> str:
         """The KV cache's stored type (`auto` follows the kernel mode)."""
         if self.kv_cache_dtype == "auto":
-            return "float16" if self.kernels == "fast" else "float32"
+            return "float16" if int8_kernels(self.kernels) else "float32"
         return self.kv_cache_dtype
 
 

@@ -28,7 +28,7 @@ from threadpool import SpinPool
 
 from ..kernels import weight_cache
 from ..kernels.encoder import EncoderArchitecture, EncoderInputs, EncoderKernelWeights, EncoderScratch, encoder_step
-from ..kernels.forward import Architecture, KernelWeights, StepInputs, StepScratch, model_step
+from ..kernels.forward import Architecture, KernelWeights, StepInputs, StepScratch, int8_kernels, model_step, tile_mode
 from ..model.decoder_embedder import DecoderEmbedder
 from ..model.encoder import EncoderConfig, EncoderModel, EncoderWeights
 from .config import EngineConfig, resolve_kv_cache_dtype
@@ -141,11 +141,11 @@ class EncoderForward:
     def __init__(self, model: EncoderModel, config: EngineConfig, pool: SpinPool, max_tokens: int) -> None:
         self.model = model
         self.pool = pool
-        self.fast = config.kernels == "fast"
+        self.fast = int8_kernels(config.kernels)
         self.max_inputs = max_tokens
         self.weights = EncoderKernelWeights.build(model.config, model.weights, fast=self.fast)
         self.architecture = EncoderArchitecture.of(model.config)
-        self.scratch = EncoderScratch.allocate(model.config, max_tokens, pool.n_threads)
+        self.scratch = EncoderScratch.allocate(model.config, max_tokens, pool.n_threads, tile_mode(config.kernels))
 
     def run(self, inputs: list[EncoderInput], lengths: np.ndarray, starts: np.ndarray) -> list[np.ndarray]:
         n = int(starts[-1])
@@ -172,7 +172,7 @@ class DecoderForward:
     def __init__(self, model: DecoderEmbedder, config: EngineConfig, pool: SpinPool, max_tokens: int) -> None:
         self.model = model
         self.pool = pool
-        self.fast = config.kernels == "fast"
+        self.fast = int8_kernels(config.kernels)
         decoder = model.decoder
         mc = decoder.config
         self.block_size = config.block_size
@@ -184,7 +184,8 @@ class DecoderForward:
         self.weights = KernelWeights.build(mc, decoder.weights, fast=self.fast, cache=cache)
         self.architecture = Architecture.of(mc)
         headless = replace(mc, vocab_size=0)
-        self.scratch = StepScratch.allocate(headless, max_tokens, max_tokens, pool.n_threads, self.block_size)
+        self.scratch = StepScratch.allocate(headless, max_tokens, max_tokens, pool.n_threads, self.block_size,
+                                            tile_mode(config.kernels))
 
     def run(self, inputs: list[EncoderInput], lengths: np.ndarray, starts: np.ndarray) -> list[np.ndarray]:
         n, bs = int(starts[-1]), self.block_size

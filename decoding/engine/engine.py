@@ -27,7 +27,7 @@ from typing import Any
 from threadpool import BrokenPool, SpinPool
 
 from ..kernels import weight_cache
-from ..kernels.forward import KernelWeights, resident_weight_bytes
+from ..kernels.forward import KernelWeights, int8_kernels, resident_weight_bytes
 from ..model.decoder_embedder import DecoderEmbedder
 from ..model.model import Model
 from . import memory
@@ -65,13 +65,13 @@ class Engine:
         self.max_model_len = min(cfg.max_model_len or model.config.max_context, model.config.max_context)
         mc = model.config
         spec = kv_cache_spec(model, cfg)
-        weights_bytes = resident_weight_bytes(model.weights, fast=cfg.kernels == "fast")
+        weights_bytes = resident_weight_bytes(model.weights, fast=int8_kernels(cfg.kernels))
         num_blocks = memory.num_kv_blocks(cfg, spec, weights_bytes, self.max_model_len)
         prefix_ram_bytes = memory.prefix_ram_bytes(cfg, weights_bytes, num_blocks * spec.bytes_per_block)
         # Repacking holds one matrix's file pages beside its copy until the pages are released: done
         # before the KV cache is touched, that passing peak does not stack on the cache's.
         cache = weight_cache.cache_file(model.path) if cfg.weight_cache and model.path.is_file() else None
-        weights = KernelWeights.build(mc, model.weights, fast=cfg.kernels == "fast", cache=cache)
+        weights = KernelWeights.build(mc, model.weights, fast=int8_kernels(cfg.kernels), cache=cache)
         self.storage, self.kv = build_kv_cache(model, cfg, spec, num_blocks, self.max_model_len, prefix_ram_bytes)
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_itl_stretch,
                                    cfg.speculative, cfg.speculative_max_tokens, cfg.priority_starvation_seconds)

@@ -10,7 +10,16 @@ from kvcache.batch import KVBatchArrays
 from kvcache.storage import KVCacheStorage
 from threadpool import SpinPool
 
-from ..kernels.forward import KERNEL_MODES, Architecture, KernelWeights, StepInputs, StepScratch, model_step
+from ..kernels.forward import (
+    KERNEL_MODES,
+    Architecture,
+    KernelWeights,
+    StepInputs,
+    StepScratch,
+    int8_kernels,
+    model_step,
+    tile_mode,
+)
 from ..kernels.phases import no_profile, phase_counters
 from ..model.model import Model
 
@@ -47,10 +56,10 @@ class ModelRunner:
         self.pool = pool
         self.max_num_tokens = max_num_tokens
         self.max_logit_rows = max_logit_rows
-        self.weights = weights or KernelWeights.build(cfg, model.weights, fast=kernels == "fast")
+        self.weights = weights or KernelWeights.build(cfg, model.weights, fast=int8_kernels(kernels))
         self.architecture = Architecture.of(cfg)
         self.state = StepScratch.allocate(cfg, max_num_tokens, max_logit_rows, pool.n_threads,
-                                          storage.spec.block_size)
+                                          storage.spec.block_size, tile_mode(kernels))
 
     @property
     def phase_cycles(self) -> np.ndarray | None:
@@ -76,7 +85,7 @@ class ModelRunner:
                           query_start_loc=kv.query_start_loc, logit_rows=batch.logit_rows,
                           num_head_rows=batch.num_head_rows)
         w = self.weights
-        self.pool.run(model_step, self.kernels == "fast", step, w.matrices, w.packed, w.arrays, self.architecture,
+        self.pool.run(model_step, int8_kernels(self.kernels), step, w.matrices, w.packed, w.arrays, self.architecture,
                       self.storage.key_cache, self.storage.value_cache, self.state)
         return self.state.logits[: batch.num_head_rows]
 

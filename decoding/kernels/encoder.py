@@ -32,7 +32,8 @@ from threadpool import barrier_wait
 from ..model.encoder import EncoderConfig, EncoderWeights
 from ..model.quant import QType, quantize
 from ..model.weights import WeightMatrix
-from .fast_kernels import quantize_activation_row
+from .amx import TileActivations, tile_activation_row, tile_activations
+from .fast_kernels import quantize_activation_row, tiled_tokens
 from .forward import _as_bytes, project
 from .kernels import dequantize_row, split_range
 from .repack import is_packable, packed_type, repack
@@ -159,12 +160,14 @@ class EncoderScratch(NamedTuple):
     scores: np.ndarray  # (n_threads, max_context) float32 one query's attention weights
     row_buffers: np.ndarray  # (n_threads, 2, max(dim, hidden_dim)) dequantized weight rows
     group_out: np.ndarray  # (n_threads, 2, 4, 8) float32
+    tiles: TileActivations  # the activations again in AMX tiles' layout (decoding.kernels.amx), or none
+    tile_out: np.ndarray  # (n_threads, 2, 8, 16) float32
     xq: np.ndarray  # (max_tokens, max(dim, hidden_dim)) int8 quantized activations (fast mode)
     xd: np.ndarray
     xsum: np.ndarray
 
     @classmethod
-    def allocate(cls, cfg: EncoderConfig, max_tokens: int, n_threads: int) -> EncoderScratch:
+    def allocate(cls, cfg: EncoderConfig, max_tokens: int, n_threads: int, tile_mode: int = 0) -> EncoderScratch:
         def zeros(*shape: int) -> np.ndarray:
             return np.zeros(shape, dtype=np.float32)
 
@@ -176,6 +179,7 @@ class EncoderScratch(NamedTuple):
             v=zeros(max_tokens, cfg.dim), attn=zeros(max_tokens, cfg.dim), out=zeros(max_tokens, cfg.dim),
             hidden=zeros(max_tokens, cfg.hidden_dim), scores=zeros(n_threads, cfg.max_context),
             row_buffers=zeros(n_threads, 2, widest), group_out=zeros(n_threads, 2, 4, 8),
+            tiles=tile_activations(tile_mode, max_tokens, widest), tile_out=zeros(n_threads, 2, 8, 16),
             xq=np.zeros((max_tokens, widest), dtype=np.int8), xd=zeros(max_tokens, widest // 32),
             xsum=np.zeros((max_tokens, widest // 32), dtype=np.int32),
         )  # fmt: skip
@@ -261,9 +265,11 @@ def attend_row(t, q, keys_by_dim, values_by_dim, out, begin, end, n_heads, head_
 
 
 @njit(nogil=True, cache=True)
-def _quantize(fast, rotate, x, n_cols, t_begin, t_end, xq, xd, xsum, row):
-    """Rows of x to int8 for the fast kernels, through `row` (scratch) rotated where the weights are."""
+def _quantize(fast, rotate, x, n_cols, t_begin, t_end, xq, xd, xsum, row, tiles, n_tokens):
+    """Rows of x to int8 for the fast kernels (and the tiles), through `row` (scratch) rotated where the weights
+    are."""
     if fast:
+        n_tiled = tiled_tokens(tiles, n_tokens)
         for t in range(t_begin, t_end):
             if rotate:
                 row[:n_cols] = x[t, :n_cols]
@@ -271,6 +277,8 @@ def _quantize(fast, rotate, x, n_cols, t_begin, t_end, xq, xd, xsum, row):
                 quantize_activation_row(row, n_cols, xq[t], xd[t], xsum[t])
             else:
                 quantize_activation_row(x[t], n_cols, xq[t], xd[t], xsum[t])
+            if t < n_tiled:
+                tile_activation_row(tiles, t, n_cols, xq[t], xd[t], xsum[t])
 
 
 # fmt: off
@@ -287,6 +295,7 @@ def encoder_step(tid, nthreads, barrier, fast, step, matrices, packed, weights, 
     out, hidden, keys_by_dim, values_by_dim = scratch.out, scratch.hidden, scratch.keys_by_dim, scratch.values_by_dim
     xq, xd, xsum = scratch.xq, scratch.xd, scratch.xsum
     buf, tmp, scores = scratch.row_buffers[tid], scratch.group_out[tid], scratch.scores[tid]
+    tiles, tile_out = scratch.tiles, scratch.tile_out[tid]
     n_tokens = token_ids.shape[0]
     n_layers = qtypes.shape[0]
     dim = x.shape[1]
@@ -298,17 +307,17 @@ def encoder_step(tid, nthreads, barrier, fast, step, matrices, packed, weights, 
         for j in range(dim):
             out[t, j] += weights.position_embedding[positions[t], j] + weights.type_embedding[type_ids[t], j]
         layernorm_row(out[t], embedding_norm[0], embedding_norm[1], eps, x[t])
-    _quantize(fast, rotate, x, dim, t_begin, t_end, xq, xd, xsum, buf[1])
+    _quantize(fast, rotate, x, dim, t_begin, t_end, xq, xd, xsum, buf[1], tiles, n_tokens)
     barrier_wait(barrier, tid)
 
     for layer in range(n_layers):
         w = layer * 6
         project(fast, matrices[w], packed[w], qtypes[layer, 0], packed_qtypes[layer, 0], dim, dim, x, xq, xd, xsum,
-                n_tokens, q, False, tid, nthreads, buf[0], tmp[0])
+                n_tokens, q, False, tid, nthreads, buf[0], tmp[0], tiles, tile_out[0])
         project(fast, matrices[w + 1], packed[w + 1], qtypes[layer, 1], packed_qtypes[layer, 1], dim, dim, x, xq,
-                xd, xsum, n_tokens, k, False, tid, nthreads, buf[0], tmp[0])
+                xd, xsum, n_tokens, k, False, tid, nthreads, buf[0], tmp[0], tiles, tile_out[0])
         project(fast, matrices[w + 2], packed[w + 2], qtypes[layer, 2], packed_qtypes[layer, 2], dim, dim, x, xq,
-                xd, xsum, n_tokens, v, False, tid, nthreads, buf[0], tmp[0])
+                xd, xsum, n_tokens, v, False, tid, nthreads, buf[0], tmp[0], tiles, tile_out[0])
         barrier_wait(barrier, tid)
         bias = biases[layer]
         for t in range(t_begin, t_end):
@@ -328,34 +337,34 @@ def encoder_step(tid, nthreads, barrier, fast, step, matrices, packed, weights, 
             s = token_seq[t]
             attend_row(t, q, keys_by_dim, values_by_dim, attn, seq_starts[s], seq_starts[s + 1], n_heads, head_dim,
                        scale, scores)
-        _quantize(fast, rotate, attn, dim, t_begin, t_end, xq, xd, xsum, buf[1])
+        _quantize(fast, rotate, attn, dim, t_begin, t_end, xq, xd, xsum, buf[1], tiles, n_tokens)
         barrier_wait(barrier, tid)
 
         project(fast, matrices[w + 3], packed[w + 3], qtypes[layer, 3], packed_qtypes[layer, 3], dim, dim, attn, xq,
-                xd, xsum, n_tokens, out, False, tid, nthreads, buf[0], tmp[0])
+                xd, xsum, n_tokens, out, False, tid, nthreads, buf[0], tmp[0], tiles, tile_out[0])
         barrier_wait(barrier, tid)
         for t in range(t_begin, t_end):  # + bias + residual → LayerNorm
             for j in range(dim):
                 out[t, j] += bias[3, j] + x[t, j]
             layernorm_row(out[t], norms[layer, 0], norms[layer, 1], eps, x[t])
-        _quantize(fast, rotate, x, dim, t_begin, t_end, xq, xd, xsum, buf[1])
+        _quantize(fast, rotate, x, dim, t_begin, t_end, xq, xd, xsum, buf[1], tiles, n_tokens)
         barrier_wait(barrier, tid)
 
         project(fast, matrices[w + 4], packed[w + 4], qtypes[layer, 4], packed_qtypes[layer, 4], hidden_dim, dim, x,
-                xq, xd, xsum, n_tokens, hidden, False, tid, nthreads, buf[0], tmp[0])
+                xq, xd, xsum, n_tokens, hidden, False, tid, nthreads, buf[0], tmp[0], tiles, tile_out[0])
         barrier_wait(barrier, tid)
         for t in range(t_begin, t_end):
             gelu_row(hidden[t], up_biases[layer])
-        _quantize(fast, rotate, hidden, hidden_dim, t_begin, t_end, xq, xd, xsum, buf[1])
+        _quantize(fast, rotate, hidden, hidden_dim, t_begin, t_end, xq, xd, xsum, buf[1], tiles, n_tokens)
         barrier_wait(barrier, tid)
 
         project(fast, matrices[w + 5], packed[w + 5], qtypes[layer, 5], packed_qtypes[layer, 5], dim, hidden_dim,
-                hidden, xq, xd, xsum, n_tokens, out, False, tid, nthreads, buf[0], tmp[0])
+                hidden, xq, xd, xsum, n_tokens, out, False, tid, nthreads, buf[0], tmp[0], tiles, tile_out[0])
         barrier_wait(barrier, tid)
         for t in range(t_begin, t_end):
             for j in range(dim):
                 out[t, j] += bias[4, j] + x[t, j]
             layernorm_row(out[t], norms[layer, 2], norms[layer, 3], eps, x[t])
-        _quantize(fast, rotate, x, dim, t_begin, t_end, xq, xd, xsum, buf[1])
+        _quantize(fast, rotate, x, dim, t_begin, t_end, xq, xd, xsum, buf[1], tiles, n_tokens)
         barrier_wait(barrier, tid)
 # fmt: on

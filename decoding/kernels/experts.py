@@ -83,13 +83,14 @@ def group_by_expert(choices, n_tokens, n_experts, offsets, cursor, pair_token, p
 def expert_feed_forward(tid, nthreads, barrier, fast, n_tokens, t_begin, t_end, x, xb, xq, xd, xsum,
                         gate, up, down, gate_packed, up_packed, down_packed, qtypes, packed_qtypes, n_experts,
                         activation, choices, weights, offsets, cursor, pair_token, pair_of, rows, hidden, up_rows,
-                        pair_q, pair_d, pair_sum, buf, tmp, profile, clock):
+                        pair_q, pair_d, pair_sum, buf, tmp, untiled, tile_out, profile, clock):
     """x[t] += the mixture's output for the step's tokens, from their normed rows xb (and, fast,
     their quantized xq/xd/xsum) and `choices`/`weights` (route_tokens). gate, up: (n_experts · hidden,
     row_bytes) stacked experts; down: (n_experts · dim, ...); *_packed their repacked copies or empty;
     qtypes/packed_qtypes: this layer's seven. Scratch per pair: `rows` (dim: the gathered input, then
     the experts' outputs), `hidden`, `up_rows`, `pair_q/d/sum`; per thread: offsets, cursor,
-    pair_token, pair_of. Every thread calls it; it ends after the combine, without a barrier, and
+    pair_token, pair_of; `untiled`/`tile_out` as the fast kernels take them (the gathered rows are not in AMX
+    tiles' layout). Every thread calls it; it ends after the combine, without a barrier, and
     returns the phase clock (decoding.kernels.phases) as it stood before the combine."""
     dim = x.shape[1]
     hidden_dim = gate.shape[0] // n_experts
@@ -118,7 +119,7 @@ def expert_feed_forward(tid, nthreads, barrier, fast, n_tokens, t_begin, t_end, 
             swiglu_groups(gate_packed[e * gate_bytes : (e + 1) * gate_bytes],
                           up_packed[e * up_bytes : (e + 1) * up_bytes], packed_qtypes[4], packed_qtypes[5], dim,
                           pair_q[c0:c1], pair_d[c0:c1], pair_sum[c0:c1], c1 - c0, hidden[c0:c1], up_rows[c0:c1],
-                          g0, g1, tmp[0], tmp[1], activation)
+                          g0, g1, tmp[0], tmp[1], activation, untiled, tile_out)
         else:
             r0, r1 = split_range(hidden_dim, tid, nthreads)
             swiglu_rows(gate[e * hidden_dim : (e + 1) * hidden_dim], qtypes[4],
@@ -141,7 +142,8 @@ def expert_feed_forward(tid, nthreads, barrier, fast, n_tokens, t_begin, t_end, 
         if packed_down:
             g0, g1 = split_range(dim // 8, tid, nthreads)
             matmul_groups(down_packed[e * down_bytes : (e + 1) * down_bytes], packed_qtypes[6], hidden_dim,
-                          pair_q[c0:c1], pair_d[c0:c1], pair_sum[c0:c1], c1 - c0, rows[c0:c1], g0, g1, False, tmp[0])
+                          pair_q[c0:c1], pair_d[c0:c1], pair_sum[c0:c1], c1 - c0, rows[c0:c1], g0, g1, False, tmp[0],
+                          untiled, tile_out[0])
         else:
             r0, r1 = split_range(dim, tid, nthreads)
             matmul_rows(down[e * dim : (e + 1) * dim], qtypes[6], hidden_dim, hidden[c0:c1], c1 - c0, rows[c0:c1], 0,

@@ -2,7 +2,8 @@
 
 Like llama.cpp's CPU path: each activation row is quantized once per matrix it feeds (Q8_0-style,
 scale = max|x| / 127, round half away from zero), then every 8-row weight group is dotted with up to
-four tokens at a time (decoding.kernels.vnni). A row's numbers never depend on the batch: a token's
+four tokens at a time (decoding.kernels.vnni), or sixteen through AMX tiles where the CPU grants
+them (decoding.kernels.amx). A row's numbers never depend on the batch: a token's
 quantization and dot products are the same operations whether it is alone or among many.
 """
 
@@ -14,6 +15,17 @@ from numba import njit
 from kvcache.fastmath import exp_f32
 
 from ..model.quant import QType
+from .amx import (
+    TILE_TOKENS,
+    tile_activation_row,
+    tile_dot_q4_0,
+    tile_dot_q4_1,
+    tile_dot_q4_k,
+    tile_dot_q5_0,
+    tile_dot_q5_1,
+    tile_dot_q6_k,
+    tile_dot_q8_0,
+)
 from .kernels import gate_sigmoid_argument
 from .vnni import (
     BLOCK_STRIDE,
@@ -119,14 +131,60 @@ def group_dot(packed, qtype, offset, n_blocks, xq, xd, xsum, token, num_tokens, 
 
 
 @njit(nogil=True, cache=True)
+def tile_group_dot(packed, qtype, offset, n_blocks, tiles, tile, out):
+    """out[:8, :16] = the group at `offset` · the 16 tokens of token tile `tile` (decoding.kernels.amx)."""
+    if qtype == Q4_1:
+        tile_dot_q4_1(packed, offset, n_blocks, tiles, tile, out)
+    elif qtype == Q4_K:
+        tile_dot_q4_k(packed, offset, n_blocks, tiles, tile, out)
+    elif qtype == Q6_K:
+        tile_dot_q6_k(packed, offset, n_blocks, tiles, tile, out)
+    elif qtype == Q5_1:
+        tile_dot_q5_1(packed, offset, n_blocks, tiles, tile, out)
+    elif qtype == Q5_0:
+        tile_dot_q5_0(packed, offset, n_blocks, tiles, tile, out)
+    elif qtype == Q8_0:
+        tile_dot_q8_0(packed, offset, n_blocks, tiles, tile, out)
+    else:
+        tile_dot_q4_0(packed, offset, n_blocks, tiles, tile, out)
+
+
+@njit(nogil=True, cache=True)
+def tiled_tokens(tiles, n_tokens):
+    """How many of the first tokens go through the tiles: whole tiles of 16, where tiles are in use."""
+    return (n_tokens // TILE_TOKENS) * TILE_TOKENS if tiles.mode != 0 else 0
+
+
+@njit(nogil=True, cache=True)
+def quantize_activation_rows(x, n_cols, row_begin, row_end, xq, xd, xsum, tiles, n_tokens):
+    """quantize_activation_row for rows [row_begin, row_end), and the tiles' copy of those in whole tiles."""
+    n_tiled = tiled_tokens(tiles, n_tokens)
+    for t in range(row_begin, row_end):
+        quantize_activation_row(x[t], n_cols, xq[t], xd[t], xsum[t])
+        if t < n_tiled:
+            tile_activation_row(tiles, t, n_cols, xq[t], xd[t], xsum[t])
+
+
+@njit(nogil=True, cache=True)
 def matmul_groups(
-    packed, qtype, n_cols, xq, xd, xsum, n_tokens, out, group_begin, group_end, accumulate, tmp
+    packed, qtype, n_cols, xq, xd, xsum, n_tokens, out, group_begin, group_end, accumulate, tmp, tiles, tile_out
 ):
-    """out[t, 8g + i] (+)= row 8g+i · x[t] for groups [group_begin, group_end); tmp: (4, 8) float32."""
+    """out[t, 8g + i] (+)= row 8g+i · x[t] for groups [group_begin, group_end); tmp: (4, 8) float32, tile_out:
+    (8, 16) float32. Whole tiles of 16 tokens go through `tiles` where they are in use (the same numbers)."""
     n_blocks = n_cols // 32
     stride = group_stride(qtype, n_blocks)
+    n_tiled = tiled_tokens(tiles, n_tokens)
     for g in range(group_begin, group_end):
-        t = 0
+        for tile in range(n_tiled // TILE_TOKENS):
+            tile_group_dot(packed, qtype, g * stride, n_blocks, tiles, tile, tile_out)
+            first = tile * TILE_TOKENS
+            for k in range(TILE_TOKENS):
+                for i in range(8):
+                    if accumulate:
+                        out[first + k, 8 * g + i] += tile_out[i, k]
+                    else:
+                        out[first + k, 8 * g + i] = tile_out[i, k]
+        t = n_tiled
         while t < n_tokens:
             step = 4 if t + 4 <= n_tokens else 1
             group_dot(packed, qtype, g * stride, n_blocks, xq, xd, xsum, t, step, tmp)
@@ -141,10 +199,11 @@ def matmul_groups(
 
 @njit(nogil=True, cache=True, error_model="numpy")
 def swiglu_groups(gate, up, qtype_gate, qtype_up, n_cols, xq, xd, xsum, n_tokens, out, up_out, group_begin,
-                  group_end, tmp_gate, tmp_up, activation):  # fmt: skip
+                  group_end, tmp_gate, tmp_up, activation, tiles, tile_out):  # fmt: skip
     """out[t, r] = act(gate_r · x[t]) · (up_r · x[t]) for the rows of groups [group_begin, group_end);
     act is SiLU or the tanh GELU (kernels.gate_sigmoid_argument).
 
+    Whole tiles of 16 tokens go through `tiles` where they are in use (tile_out: (2, 8, 16) float32).
     The dot products land first in `out` (gate) and `up_out` (up); the SiLU then runs as one
     contiguous pass over the thread's own columns, where `exp_f32` vectorises (a libm expf per
     element was a sixth of the feed-forward's time at 32 tokens). error_model="numpy": numba's
@@ -154,8 +213,17 @@ def swiglu_groups(gate, up, qtype_gate, qtype_up, n_cols, xq, xd, xsum, n_tokens
     n_blocks = n_cols // 32
     stride_gate = group_stride(qtype_gate, n_blocks)
     stride_up = group_stride(qtype_up, n_blocks)
+    n_tiled = tiled_tokens(tiles, n_tokens)
     for g in range(group_begin, group_end):
-        t = 0
+        for tile in range(n_tiled // TILE_TOKENS):
+            tile_group_dot(gate, qtype_gate, g * stride_gate, n_blocks, tiles, tile, tile_out[0])
+            tile_group_dot(up, qtype_up, g * stride_up, n_blocks, tiles, tile, tile_out[1])
+            first = tile * TILE_TOKENS
+            for k in range(TILE_TOKENS):
+                for i in range(8):
+                    out[first + k, 8 * g + i] = tile_out[0, i, k]
+                    up_out[first + k, 8 * g + i] = tile_out[1, i, k]
+        t = n_tiled
         while t < n_tokens:
             step = 4 if t + 4 <= n_tokens else 1
             group_dot(gate, qtype_gate, g * stride_gate, n_blocks, xq, xd, xsum, t, step, tmp_gate)

@@ -27,6 +27,7 @@ numerics). Both are batch-invariant: a token's numbers never depend on which row
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,8 +44,10 @@ from threadpool import barrier_wait
 from ..model.config import ModelConfig
 from ..model.weights import LayerWeights, ModelWeights, WeightMatrix, release_mapped_pages
 from . import weight_cache
+from .amx import EMULATED, HARDWARE, TileActivations, tile_activations
+from .amx_probe import tile_support
 from .experts import expert_feed_forward, route_tokens
-from .fast_kernels import matmul_groups, quantize_activation_row, swiglu_groups
+from .fast_kernels import matmul_groups, quantize_activation_rows, swiglu_groups
 from .kernels import (
     GATE_GELU_TANH,
     GATE_SILU,
@@ -85,7 +88,27 @@ log = logging.getLogger(__name__)
 # order of a layer's matrices in KernelWeights.matrices
 WQ, WK, WV, WO, W_GATE, W_UP, W_DOWN = range(7)
 MATRICES_PER_LAYER = 7
-KERNEL_MODES = ("fast", "exact")
+# fast: int8 activations, VNNI (AVX2 elsewhere) and AMX tiles where granted; fast-no-amx: the same without
+# tiles (the same numbers: decoding.kernels.amx); exact: float32 activations
+KERNEL_MODES = ("fast", "fast-no-amx", "exact")
+
+
+def int8_kernels(kernels: str) -> bool:
+    """Whether a --kernels mode runs the int8 (`fast`) kernels over repacked weights."""
+    return kernels != "exact"
+
+
+def tile_mode(kernels: str) -> int:
+    """The tiles' mode for a --kernels mode (decoding.kernels.amx): HARDWARE where `fast` and AMX is granted, the
+    emulation where TREADLE_AMX=emulate (to test the tiles' path on any CPU), else 0; the choice is logged."""
+    if kernels != "fast":
+        return 0
+    if os.environ.get("TREADLE_AMX") == "emulate":
+        log.info("AMX tiles: emulated in vector IR (TREADLE_AMX=emulate; slower, for tests)")
+        return EMULATED
+    support = tile_support()
+    log.info("AMX tiles: %s", "used for 16 tokens at a time" if support.granted else f"not used ({support.reason})")
+    return HARDWARE if support.granted else 0
 _NOT_PACKED = np.zeros(0, dtype=np.uint8)
 
 
@@ -290,6 +313,9 @@ class StepScratch(NamedTuple):
     xd: np.ndarray  # (same rows, widest / 32) float32 their block scales
     xsum: np.ndarray  # (same rows, widest / 32) int32 their block sums
     group_out: np.ndarray  # (n_threads, 2, 4, 8) float32 results of one 8-row group for up to 4 tokens
+    tiles: TileActivations  # the activations again in AMX tiles' layout (decoding.kernels.amx), or none
+    untiled: TileActivations  # none: for the experts' gathered rows
+    tile_out: np.ndarray  # (n_threads, 2, 8, 16) float32 results of one 8-row group for a tile of 16 tokens
     phase_cycles: np.ndarray  # (len(PHASES),) int64 cycles per phase while profiling, else empty
     # a mixture of experts (decoding.kernels.experts); a pair is one (token, chosen expert); no rows if dense
     expert_scores: np.ndarray  # (max_tokens, n_experts) float32 router probabilities
@@ -308,7 +334,7 @@ class StepScratch(NamedTuple):
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, max_tokens: int, max_logit_rows: int, n_threads: int,
-                 block_size: int) -> StepScratch:
+                 block_size: int, tile_mode: int = 0) -> StepScratch:
         def zeros(*shape: int) -> np.ndarray:
             return np.zeros(shape, dtype=np.float32)
 
@@ -326,7 +352,8 @@ class StepScratch(NamedTuple):
             attn_scratch=attention_scratch(n_threads, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, block_size),
             xq=np.zeros((rows, widest), dtype=np.int8), xd=zeros(rows, widest // 32),
             xsum=np.zeros((rows, widest // 32), dtype=np.int32), group_out=zeros(n_threads, 2, 4, 8),
-            phase_cycles=no_profile(),
+            tiles=tile_activations(tile_mode, rows, widest), untiled=tile_activations(0, 0, 0),
+            tile_out=zeros(n_threads, 2, 8, 16), phase_cycles=no_profile(),
             expert_scores=zeros(max_tokens if experts else 0, experts),
             expert_choices=np.zeros((max_tokens, used), dtype=np.int64), expert_weights=zeros(max_tokens, used),
             expert_offsets=np.zeros((n_threads, experts + 1), dtype=np.int64),
@@ -341,21 +368,23 @@ class StepScratch(NamedTuple):
 
 @njit(nogil=True, cache=True)
 def project(fast, weight, packed, qtype, packed_qtype, n_rows, n_cols, x, xq, xd, xsum, n_tokens, out, accumulate,
-            tid, nthreads, buf, group_out):  # fmt: skip
-    """out[t, :n_rows] (+)= W · x[t]: VNNI over the repacked weights when there are some, else float32."""
+            tid, nthreads, buf, group_out, tiles, tile_out):  # fmt: skip
+    """out[t, :n_rows] (+)= W · x[t]: int8 (VNNI, AMX tiles) over the repacked weights when there are some,
+    else float32."""
     if fast and packed.shape[0] > 0:
         g0, g1 = split_range(n_rows // 8, tid, nthreads)
-        matmul_groups(packed, packed_qtype, n_cols, xq, xd, xsum, n_tokens, out, g0, g1, accumulate, group_out)
+        matmul_groups(packed, packed_qtype, n_cols, xq, xd, xsum, n_tokens, out, g0, g1, accumulate, group_out,
+                      tiles, tile_out)
     else:
         r0, r1 = split_range(n_rows, tid, nthreads)
         matmul_rows(weight, qtype, n_cols, x, n_tokens, out, 0, r0, r1, accumulate, buf)
 
 
 @njit(nogil=True, cache=True)
-def quantize_rows(fast, x, n_cols, row_begin, row_end, xq, xd, xsum):
+def quantize_rows(fast, x, n_cols, row_begin, row_end, xq, xd, xsum, tiles, n_tokens):
+    """Rows [row_begin, row_end) of the n_tokens of x to int8 for the fast kernels (and the tiles)."""
     if fast:
-        for t in range(row_begin, row_end):
-            quantize_activation_row(x[t], n_cols, xq[t], xd[t], xsum[t])
+        quantize_activation_rows(x, n_cols, row_begin, row_end, xq, xd, xsum, tiles, n_tokens)
 
 
 @njit(nogil=True, cache=True)
@@ -392,6 +421,7 @@ def model_step(tid, nthreads, barrier, fast, step, matrices, packed, weights, ar
     hb, up, final, logits = scratch.hb, scratch.up, scratch.final, scratch.logits
     row_buffers, attn_scratch, group_out = scratch.row_buffers, scratch.attn_scratch, scratch.group_out
     xq, xd, xsum, phase_cycles = scratch.xq, scratch.xd, scratch.xsum, scratch.phase_cycles
+    tiles = scratch.tiles
     n_tokens = token_ids.shape[0]
     n_layers = qtypes.shape[0]
     dim = x.shape[1]
@@ -400,6 +430,7 @@ def model_step(tid, nthreads, barrier, fast, step, matrices, packed, weights, ar
     kv_dim = n_kv_heads * head_dim
     buf = row_buffers[tid]
     tmp = group_out[tid]
+    tile_out = scratch.tile_out[tid]
     t_begin, t_end = split_range(n_tokens, tid, nthreads)
     profile = phase_cycles if tid == 0 else phase_cycles[:0]  # thread 0 times the phases
     clock = cycle_counter() if profile.shape[0] > 0 else 0
@@ -416,17 +447,17 @@ def model_step(tid, nthreads, barrier, fast, step, matrices, packed, weights, ar
         w = layer * 7
         for t in range(t_begin, t_end):  # attention RMSNorm
             rmsnorm_row(x[t], norms[layer, 0], rms_eps, xb[t])
-        quantize_rows(fast, xb, dim, t_begin, t_end, xq, xd, xsum)
+        quantize_rows(fast, xb, dim, t_begin, t_end, xq, xd, xsum, tiles, n_tokens)
         barrier_wait(barrier, tid)
         clock = lap(profile, ATTENTION_NORM, clock)
 
         # Q, K, V projections
         project(fast, matrices[w], packed[w], qtypes[layer, 0], packed_qtypes[layer, 0],
-                q_dim, dim, xb, xq, xd, xsum, n_tokens, q, False, tid, nthreads, buf[0], tmp[0])
+                q_dim, dim, xb, xq, xd, xsum, n_tokens, q, False, tid, nthreads, buf[0], tmp[0], tiles, tile_out[0])
         project(fast, matrices[w + 1], packed[w + 1], qtypes[layer, 1], packed_qtypes[layer, 1],
-                kv_dim, dim, xb, xq, xd, xsum, n_tokens, k, False, tid, nthreads, buf[0], tmp[0])
+                kv_dim, dim, xb, xq, xd, xsum, n_tokens, k, False, tid, nthreads, buf[0], tmp[0], tiles, tile_out[0])
         project(fast, matrices[w + 2], packed[w + 2], qtypes[layer, 2], packed_qtypes[layer, 2],
-                kv_dim, dim, xb, xq, xd, xsum, n_tokens, v, False, tid, nthreads, buf[0], tmp[0])
+                kv_dim, dim, xb, xq, xd, xsum, n_tokens, v, False, tid, nthreads, buf[0], tmp[0], tiles, tile_out[0])
         barrier_wait(barrier, tid)
         clock = lap(profile, QKV, clock)
 
@@ -463,14 +494,14 @@ def model_step(tid, nthreads, barrier, fast, step, matrices, packed, weights, ar
         barrier_wait(barrier, tid)
         clock = lap(profile, ATTENTION, clock)
         if fast:
-            quantize_rows(fast, attn, q_dim, t_begin, t_end, xq, xd, xsum)
+            quantize_rows(fast, attn, q_dim, t_begin, t_end, xq, xd, xsum, tiles, n_tokens)
             barrier_wait(barrier, tid)
             clock = lap(profile, QUANTIZE_ATTENTION, clock)
 
         # output projection, added to the residual (through its own RMSNorm where there are post-norms)
         project(fast, matrices[w + 3], packed[w + 3], qtypes[layer, 3], packed_qtypes[layer, 3],
                 dim, q_dim, attn, xq, xd, xsum, n_tokens, xb if post_norms else x,
-                not post_norms, tid, nthreads, buf[0], tmp[0])
+                not post_norms, tid, nthreads, buf[0], tmp[0], tiles, tile_out[0])
         barrier_wait(barrier, tid)
         clock = lap(profile, OUTPUT_PROJECTION, clock)
         if post_norms:  # the same rows as this thread's feed-forward norm below: no barrier between
@@ -478,7 +509,7 @@ def model_step(tid, nthreads, barrier, fast, step, matrices, packed, weights, ar
 
         for t in range(t_begin, t_end):  # feed-forward RMSNorm
             rmsnorm_row(x[t], norms[layer, 1], rms_eps, xb[t])
-        quantize_rows(fast, xb, dim, t_begin, t_end, xq, xd, xsum)
+        quantize_rows(fast, xb, dim, t_begin, t_end, xq, xd, xsum, tiles, n_tokens)
         if n_experts > 0:
             route_tokens(xb, routers[layer], n_experts_used, norm_topk_prob, t_begin, t_end, scratch.expert_scores,
                          scratch.expert_choices, scratch.expert_weights)
@@ -492,7 +523,7 @@ def model_step(tid, nthreads, barrier, fast, step, matrices, packed, weights, ar
                 packed_qtypes[layer], n_experts, activation, scratch.expert_choices, scratch.expert_weights,
                 scratch.expert_offsets[tid], scratch.expert_cursor[tid], scratch.pair_token[tid], scratch.pair_of[tid],
                 scratch.pair_rows, scratch.pair_hidden, scratch.pair_up, scratch.pair_q, scratch.pair_d,
-                scratch.pair_sum, buf, tmp, profile, clock)
+                scratch.pair_sum, buf, tmp, scratch.untiled, tile_out, profile, clock)
             if layer == n_layers - 1:  # the next layer's norm reads only this thread's rows; the final norm not
                 barrier_wait(barrier, tid)
             clock = lap(profile, COMBINE_EXPERTS, clock)
@@ -501,7 +532,7 @@ def model_step(tid, nthreads, barrier, fast, step, matrices, packed, weights, ar
         if fast and packed[w + 4].shape[0] > 0 and packed[w + 5].shape[0] > 0:  # gated feed-forward
             g0, g1 = split_range(hidden_dim // 8, tid, nthreads)
             swiglu_groups(packed[w + 4], packed[w + 5], packed_qtypes[layer, 4], packed_qtypes[layer, 5], dim, xq, xd,
-                          xsum, n_tokens, hb, up, g0, g1, tmp[0], tmp[1], activation)
+                          xsum, n_tokens, hb, up, g0, g1, tmp[0], tmp[1], activation, tiles, tile_out)
         else:
             r0, r1 = split_range(hidden_dim, tid, nthreads)
             swiglu_rows(matrices[w + 4], qtypes[layer, 4], matrices[w + 5], qtypes[layer, 5], dim, xb, n_tokens, hb,
@@ -509,14 +540,14 @@ def model_step(tid, nthreads, barrier, fast, step, matrices, packed, weights, ar
         barrier_wait(barrier, tid)
         clock = lap(profile, GATE_UP, clock)
         if fast:
-            quantize_rows(fast, hb, hidden_dim, t_begin, t_end, xq, xd, xsum)
+            quantize_rows(fast, hb, hidden_dim, t_begin, t_end, xq, xd, xsum, tiles, n_tokens)
             barrier_wait(barrier, tid)
             clock = lap(profile, QUANTIZE_HIDDEN, clock)
 
         # down projection, added to the residual (through its own RMSNorm where there are post-norms)
         project(fast, matrices[w + 6], packed[w + 6], qtypes[layer, 6], packed_qtypes[layer, 6],
                 dim, hidden_dim, hb, xq, xd, xsum, n_tokens,
-                xb if post_norms else x, not post_norms, tid, nthreads, buf[0], tmp[0])
+                xb if post_norms else x, not post_norms, tid, nthreads, buf[0], tmp[0], tiles, tile_out[0])
         barrier_wait(barrier, tid)
         clock = lap(profile, DOWN_PROJECTION, clock)
         if post_norms:  # the final norm below reads rows of other threads: a barrier after
@@ -528,11 +559,11 @@ def model_step(tid, nthreads, barrier, fast, step, matrices, packed, weights, ar
     i0, i1 = split_range(n_rows, tid, nthreads)
     for i in range(i0, i1):  # final RMSNorm, only for rows that sample or are pooled
         rmsnorm_row(x[logit_rows[i]], output_norm, rms_eps, final[i])
-    quantize_rows(fast, final, dim, i0, i1, xq, xd, xsum)
+    quantize_rows(fast, final, dim, i0, i1, xq, xd, xsum, tiles, step.num_head_rows)
     barrier_wait(barrier, tid)
     clock = lap(profile, FINAL_NORM, clock)
     vocab = logits.shape[1]  # LM head
     project(fast, lm_head, lm_head_packed, lm_head_qtype, lm_head_packed_qtype, vocab, dim, final, xq, xd, xsum,
-            step.num_head_rows, logits, False, tid, nthreads, buf[0], tmp[0])
+            step.num_head_rows, logits, False, tid, nthreads, buf[0], tmp[0], tiles, tile_out[0])
     lap(profile, LM_HEAD, clock)  # thread 0's share: the pool's end is the step's last barrier
 # fmt: on

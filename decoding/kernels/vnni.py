@@ -55,27 +55,27 @@ HALF_SCALES = (QType.Q6_K,)
 _i8, _i16, _i32, _i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _f32 = ir.FloatType()
 
-def _vec(t: ir.Type, n: int) -> ir.VectorType:
+def vec(t: ir.Type, n: int) -> ir.VectorType:
     return ir.VectorType(t, n)
 
 
-def _mask(values: list[int]) -> ir.Constant:
-    return ir.Constant(_vec(_i32, len(values)), values)
+def lane_mask(values: list[int]) -> ir.Constant:
+    return ir.Constant(vec(_i32, len(values)), values)
 
 
-def _splat(builder: ir.IRBuilder, value: ir.Value, n: int) -> ir.Value:
-    vec = builder.insert_element(ir.Constant(_vec(value.type, n), None), value, ir.Constant(_i32, 0))
-    return builder.shuffle_vector(vec, vec, _mask([0] * n))
+def splat(builder: ir.IRBuilder, value: ir.Value, n: int) -> ir.Value:
+    single = builder.insert_element(ir.Constant(vec(value.type, n), None), value, ir.Constant(_i32, 0))
+    return builder.shuffle_vector(single, single, lane_mask([0] * n))
 
 
-def _load(builder: ir.IRBuilder, byte_ptr: ir.Value, offset: ir.Value | int, ty: ir.Type, align: int = 1) -> ir.Value:
+def load_at(builder: ir.IRBuilder, byte_ptr: ir.Value, offset: ir.Value | int, ty: ir.Type, align: int = 1) -> ir.Value:
     if isinstance(offset, int):
         offset = ir.Constant(_i64, offset)
     ptr = builder.gep(byte_ptr, [offset])
     return builder.load(builder.bitcast(ptr, ty.as_pointer()), align=align)
 
 
-def _array_byte_pointer(context, builder, arr_type, arr_value) -> ir.Value:
+def array_byte_pointer(context, builder, arr_type, arr_value) -> ir.Value:
     array = context.make_array(arr_type)(context, builder, arr_value)
     return builder.bitcast(array.data, _i8.as_pointer())
 
@@ -86,18 +86,18 @@ def _row_stride_bytes(context, builder, arr_type, arr_value) -> ir.Value:
     return cgutils.unpack_tuple(builder, array.strides)[0]
 
 
-def _weight_vector(builder: ir.IRBuilder, qtype: QType, block_ptr: ir.Value, step: int) -> ir.Value:
+def weight_vector(builder: ir.IRBuilder, qtype: QType, block_ptr: ir.Value, step: int) -> ir.Value:
     """The 64 unsigned weight bytes of step `step` (0..3) of a block: 8 bytes for each of 8 rows."""
     if qtype == QType.Q8_0:
-        return _load(builder, block_ptr, 64 * step, _vec(_i8, 64))
-    packed = _load(builder, block_ptr, 32 * step, _vec(_i8, 32))  # 4 bytes of nibbles per row
-    low = builder.and_(packed, ir.Constant(_vec(_i8, 32), [15] * 32))
-    high = builder.lshr(packed, ir.Constant(_vec(_i8, 32), [4] * 32))
-    low32 = builder.bitcast(low, _vec(_i32, 8))
-    high32 = builder.bitcast(high, _vec(_i32, 8))
+        return load_at(builder, block_ptr, 64 * step, vec(_i8, 64))
+    packed = load_at(builder, block_ptr, 32 * step, vec(_i8, 32))  # 4 bytes of nibbles per row
+    low = builder.and_(packed, ir.Constant(vec(_i8, 32), [15] * 32))
+    high = builder.lshr(packed, ir.Constant(vec(_i8, 32), [4] * 32))
+    low32 = builder.bitcast(low, vec(_i32, 8))
+    high32 = builder.bitcast(high, vec(_i32, 8))
     # row r's two lanes: its 4 low nibbles (weights 4s..4s+3), then its 4 high ones (16+4s..16+4s+3)
-    interleaved = builder.shuffle_vector(low32, high32, _mask([i // 2 + (8 if i % 2 else 0) for i in range(16)]))
-    weights = builder.bitcast(interleaved, _vec(_i8, 64))
+    interleaved = builder.shuffle_vector(low32, high32, lane_mask([i // 2 + (8 if i % 2 else 0) for i in range(16)]))
+    weights = builder.bitcast(interleaved, vec(_i8, 64))
     if qtype in (QType.Q5_0, QType.Q5_1):
         weights = builder.or_(weights, _fifth_bits_vector(builder, block_ptr, step))
     elif qtype == QType.Q6_K:
@@ -109,32 +109,32 @@ def _high_bits_vector(builder: ir.IRBuilder, block_ptr: ir.Value, step: int) -> 
     """Q6_K: each weight's top two bits, moved to bits 4 and 5, in the 64 bytes' order. Byte p of the
     step's 16 holds in its bits 2j, 2j+1 those of weight byte 16j + p (decoding.kernels.repack), so four
     uniform shifts and masks of one 16-byte vector, then two concatenations, place them all."""
-    packed = _load(builder, block_ptr, HIGH_BITS_OFFSET + 16 * step, _vec(_i8, 16))
-    mask = ir.Constant(_vec(_i8, 16), [0x30] * 16)
+    packed = load_at(builder, block_ptr, HIGH_BITS_OFFSET + 16 * step, vec(_i8, 16))
+    mask = ir.Constant(vec(_i8, 16), [0x30] * 16)
     parts = []
     for j in range(4):
         shift = 4 - 2 * j  # bits 2j, 2j+1 → bits 4, 5
         if shift > 0:
-            moved = builder.shl(packed, ir.Constant(_vec(_i8, 16), [shift] * 16))
+            moved = builder.shl(packed, ir.Constant(vec(_i8, 16), [shift] * 16))
         elif shift < 0:
-            moved = builder.lshr(packed, ir.Constant(_vec(_i8, 16), [-shift] * 16))
+            moved = builder.lshr(packed, ir.Constant(vec(_i8, 16), [-shift] * 16))
         else:
             moved = packed
         parts.append(builder.and_(moved, mask))
-    low = builder.shuffle_vector(parts[0], parts[1], _mask(list(range(32))))
-    high = builder.shuffle_vector(parts[2], parts[3], _mask(list(range(32))))
-    return builder.shuffle_vector(low, high, _mask(list(range(64))))
+    low = builder.shuffle_vector(parts[0], parts[1], lane_mask(list(range(32))))
+    high = builder.shuffle_vector(parts[2], parts[3], lane_mask(list(range(32))))
+    return builder.shuffle_vector(low, high, lane_mask(list(range(64))))
 
 
 def _fifth_bits_vector(builder: ir.IRBuilder, block_ptr: ir.Value, step: int) -> ir.Value:
     """Q5_0: 16 where a weight's fifth bit is set, in the 64 bytes' order. Byte r of the step holds
     row r's eight bits, bit k for the weight in byte k of the row's 8 (decoding.kernels.repack)."""
-    bits = _load(builder, block_ptr, FIFTH_BITS_OFFSET + 8 * step, _vec(_i8, 8))
-    spread = builder.shuffle_vector(bits, bits, _mask([i // 8 for i in range(64)]))  # row r's byte × 8
-    bit_of_lane = ir.Constant(_vec(_i8, 64), [(1 << (i % 8)) if i % 8 < 7 else -128 for i in range(64)])
-    zero = ir.Constant(_vec(_i8, 64), [0] * 64)
+    bits = load_at(builder, block_ptr, FIFTH_BITS_OFFSET + 8 * step, vec(_i8, 8))
+    spread = builder.shuffle_vector(bits, bits, lane_mask([i // 8 for i in range(64)]))  # row r's byte × 8
+    bit_of_lane = ir.Constant(vec(_i8, 64), [(1 << (i % 8)) if i % 8 < 7 else -128 for i in range(64)])
+    zero = ir.Constant(vec(_i8, 64), [0] * 64)
     is_set = builder.icmp_unsigned("!=", builder.and_(spread, bit_of_lane), zero)
-    return builder.select(is_set, ir.Constant(_vec(_i8, 64), [16] * 64), zero)
+    return builder.select(is_set, ir.Constant(vec(_i8, 64), [16] * 64), zero)
 
 
 # the largest unsigned byte each type's weights put into a dot product (its storage offset's range)
@@ -153,17 +153,45 @@ def _k_block_pointers(builder: ir.IRBuilder, w_base: ir.Value, block: ir.Value) 
 
 def _k_scales_and_mins(builder: ir.IRBuilder, block_ptr: ir.Value, header: ir.Value) -> tuple[ir.Value, ir.Value]:
     """Q4_K: the 8 rows' d·scale and −dmin·min of this block, float32 (8 lanes each)."""
-    sub_scales = builder.uitofp(_load(builder, block_ptr, SCALE_OFFSET[QType.Q4_K], _vec(_i8, 8)), _vec(_f32, 8))
-    sub_mins = builder.uitofp(_load(builder, block_ptr, MIN_OFFSET[QType.Q4_K], _vec(_i8, 8)), _vec(_f32, 8))
-    halves = builder.fpext(builder.bitcast(_load(builder, header, 0, _vec(_i16, 16)), _vec(ir.HalfType(), 16)),
-                           _vec(_f32, 16))  # fmt: skip
-    d = builder.shuffle_vector(halves, halves, _mask(list(range(0, 16, 2))))
-    dmin = builder.shuffle_vector(halves, halves, _mask(list(range(1, 16, 2))))
+    sub_scales = builder.uitofp(load_at(builder, block_ptr, SCALE_OFFSET[QType.Q4_K], vec(_i8, 8)), vec(_f32, 8))
+    sub_mins = builder.uitofp(load_at(builder, block_ptr, MIN_OFFSET[QType.Q4_K], vec(_i8, 8)), vec(_f32, 8))
+    halves = builder.fpext(builder.bitcast(load_at(builder, header, 0, vec(_i16, 16)), vec(ir.HalfType(), 16)),
+                           vec(_f32, 16))  # fmt: skip
+    d = builder.shuffle_vector(halves, halves, lane_mask(list(range(0, 16, 2))))
+    dmin = builder.shuffle_vector(halves, halves, lane_mask(list(range(1, 16, 2))))
     return builder.fmul(d, sub_scales), builder.fneg(builder.fmul(dmin, sub_mins))
 
 
+def block_scales(builder: ir.IRBuilder, qtype: QType, w_base: ir.Value, block: ir.Value):
+    """(the bytes of one 8-row group's block, its 16 lanes' scales, its 16 lanes' mins or None): lanes 2r
+    and 2r+1 are row r's weights 0..15 and 16..31; a min belongs to the row, so it is on the even lane
+    and the odd lane's is 0."""
+    duplicate = lane_mask([i // 2 for i in range(16)])
+    even_only = lane_mask([i // 2 if i % 2 == 0 else 8 for i in range(16)])  # lane 8 of the 2nd operand = 0
+    zeros8 = ir.Constant(vec(_f32, 8), [0.0] * 8)
+    mins16 = None
+    if qtype == QType.Q4_K:
+        block_ptr, k_header = _k_block_pointers(builder, w_base, block)
+        scales, mins = _k_scales_and_mins(builder, block_ptr, k_header)
+        mins16 = builder.shuffle_vector(mins, zeros8, even_only)
+        return block_ptr, builder.shuffle_vector(scales, scales, duplicate), mins16
+    block_ptr = builder.gep(w_base, [builder.mul(block, ir.Constant(_i64, BLOCK_STRIDE[qtype]))])
+    if qtype in HALF_SCALES:
+        scales16 = builder.fpext(builder.bitcast(load_at(builder, block_ptr, SCALE_OFFSET[qtype], vec(_i16, 16)),
+                                                 vec(ir.HalfType(), 16)), vec(_f32, 16))
+    else:
+        scales = builder.fpext(builder.bitcast(load_at(builder, block_ptr, SCALE_OFFSET[qtype], vec(_i16, 8)),
+                                               vec(ir.HalfType(), 8)), vec(_f32, 8))
+        scales16 = builder.shuffle_vector(scales, scales, duplicate)
+    if qtype in MIN_OFFSET:
+        mins = builder.fpext(builder.bitcast(load_at(builder, block_ptr, MIN_OFFSET[qtype], vec(_i16, 8)),
+                                             vec(ir.HalfType(), 8)), vec(_f32, 8))
+        mins16 = builder.shuffle_vector(mins, zeros8, even_only)
+    return block_ptr, scales16, mins16
+
+
 def _make_group_dot(qtype: QType, num_tokens: int):  # noqa: C901 - one IR loop, written out
-    stride, scale_offset, bias = BLOCK_STRIDE[qtype], SCALE_OFFSET[qtype], UNSIGNED_BIAS[qtype]
+    bias = UNSIGNED_BIAS[qtype]
 
     @intrinsic
     def group_dot(typingctx, weights, weight_offset, num_blocks, xq, xd, xsum, token, out):
@@ -180,11 +208,11 @@ def _make_group_dot(qtype: QType, num_tokens: int):  # noqa: C901 - one IR loop,
             w_off = context.cast(builder, w_off, signature.args[1], types.int64)
             n_blocks = context.cast(builder, n_blocks, signature.args[2], types.int64)
             tok = context.cast(builder, tok, signature.args[6], types.int64)
-            w_base = builder.gep(_array_byte_pointer(context, builder, signature.args[0], w_arr), [w_off])
-            xq_base = _array_byte_pointer(context, builder, signature.args[3], xq_arr)
-            xd_base = _array_byte_pointer(context, builder, signature.args[4], xd_arr)
-            xs_base = _array_byte_pointer(context, builder, signature.args[5], xs_arr)
-            out_base = _array_byte_pointer(context, builder, signature.args[7], out_arr)
+            w_base = builder.gep(array_byte_pointer(context, builder, signature.args[0], w_arr), [w_off])
+            xq_base = array_byte_pointer(context, builder, signature.args[3], xq_arr)
+            xd_base = array_byte_pointer(context, builder, signature.args[4], xd_arr)
+            xs_base = array_byte_pointer(context, builder, signature.args[5], xs_arr)
+            out_base = array_byte_pointer(context, builder, signature.args[7], out_arr)
             out_row_bytes = _row_stride_bytes(context, builder, signature.args[7], out_arr)
             xq_row_bytes = _row_stride_bytes(context, builder, signature.args[3], xq_arr)
             xd_row_bytes = _row_stride_bytes(context, builder, signature.args[4], xd_arr)
@@ -192,10 +220,9 @@ def _make_group_dot(qtype: QType, num_tokens: int):  # noqa: C901 - one IR loop,
 
             dpbusd = dpbusd_emitter(builder, UNSIGNED_MAX[qtype])
             count = dpbusd_emitter(builder, 1)  # against ones: Σx
-            zero_f = ir.Constant(_vec(_f32, LANES), [0.0] * LANES)
-            zero_i = ir.Constant(_vec(_i32, LANES), [0] * LANES)
-            duplicate = _mask([i // 2 for i in range(16)])
-            even_only = _mask([i // 2 if i % 2 == 0 else 8 for i in range(16)])  # lane 8 of the 2nd operand = 0
+            zero_f = ir.Constant(vec(_f32, LANES), [0.0] * LANES)
+            zero_i = ir.Constant(vec(_i32, LANES), [0] * LANES)
+            even_only = lane_mask([i // 2 if i % 2 == 0 else 8 for i in range(16)])  # lane 8 of the 2nd operand = 0
 
             entry = builder.block
             loop = builder.append_basic_block("blocks")
@@ -207,29 +234,11 @@ def _make_group_dot(qtype: QType, num_tokens: int):  # noqa: C901 - one IR loop,
             block.add_incoming(ir.Constant(_i64, 0), entry)
             accs = []
             for _ in range(num_tokens):
-                acc = builder.phi(_vec(_f32, LANES))
+                acc = builder.phi(vec(_f32, LANES))
                 acc.add_incoming(zero_f, entry)
                 accs.append(acc)
-            if qtype == QType.Q4_K:
-                block_ptr, k_header = _k_block_pointers(builder, w_base, block)
-            else:
-                block_ptr = builder.gep(w_base, [builder.mul(block, ir.Constant(_i64, stride))])
-            weight_vectors = [_weight_vector(builder, qtype, block_ptr, s) for s in range(4)]
-            if qtype == QType.Q4_K:
-                scales, mins = _k_scales_and_mins(builder, block_ptr, k_header)
-                scales16 = builder.shuffle_vector(scales, scales, duplicate)
-                mins16 = builder.shuffle_vector(mins, ir.Constant(_vec(_f32, 8), [0.0] * 8), even_only)
-            elif qtype in HALF_SCALES:
-                scales16 = builder.fpext(builder.bitcast(_load(builder, block_ptr, scale_offset, _vec(_i16, 16)),
-                                                         _vec(ir.HalfType(), 16)), _vec(_f32, 16))
-            else:
-                scales = builder.fpext(builder.bitcast(_load(builder, block_ptr, scale_offset, _vec(_i16, 8)),
-                                                       _vec(ir.HalfType(), 8)), _vec(_f32, 8))
-                scales16 = builder.shuffle_vector(scales, scales, duplicate)
-            if qtype in MIN_OFFSET and qtype != QType.Q4_K:
-                mins = builder.fpext(builder.bitcast(_load(builder, block_ptr, MIN_OFFSET[qtype], _vec(_i16, 8)),
-                                                     _vec(ir.HalfType(), 8)), _vec(_f32, 8))
-                mins16 = builder.shuffle_vector(mins, ir.Constant(_vec(_f32, 8), [0.0] * 8), even_only)
+            block_ptr, scales16, mins16 = block_scales(builder, qtype, w_base, block)
+            weight_vectors = [weight_vector(builder, qtype, block_ptr, s) for s in range(4)]
             next_accs = []
             for k in range(num_tokens):
                 row = builder.add(tok, ir.Constant(_i64, k))
@@ -238,30 +247,30 @@ def _make_group_dot(qtype: QType, num_tokens: int):  # noqa: C901 - one IR loop,
                 acc_i = zero_i
                 half_sums = zero_i  # Q6_K: Σx over each lane's 16 activations (even: 0..15, odd: 16..31)
                 for s in range(4):
-                    x8 = _load(builder, x_ptr, 8 * s, _i64)
-                    x_vec = builder.bitcast(_splat(builder, x8, 8), _vec(_i8, 64))
+                    x8 = load_at(builder, x_ptr, 8 * s, _i64)
+                    x_vec = builder.bitcast(splat(builder, x8, 8), vec(_i8, 64))
                     acc_i = dpbusd(acc_i, weight_vectors[s], x_vec)
                     if qtype in HALF_SCALES:
-                        half_sums = count(half_sums, ir.Constant(_vec(_i8, 64), [1] * 64), x_vec)
+                        half_sums = count(half_sums, ir.Constant(vec(_i8, 64), [1] * 64), x_vec)
                 block_bytes = builder.mul(block, ir.Constant(_i64, 4))
-                x_scale = _load(builder, xd_base, builder.add(builder.mul(row, xd_row_bytes), block_bytes), _f32,
+                x_scale = load_at(builder, xd_base, builder.add(builder.mul(row, xd_row_bytes), block_bytes), _f32,
                                 align=4)
                 if (bias and qtype not in HALF_SCALES) or qtype in MIN_OFFSET:
-                    x_sum = _load(builder, xs_base, builder.add(builder.mul(row, xs_row_bytes), block_bytes), _i32,
+                    x_sum = load_at(builder, xs_base, builder.add(builder.mul(row, xs_row_bytes), block_bytes), _i32,
                                   align=4)
                 if qtype in HALF_SCALES:  # each lane has its own scale: take its offset back in the lane
-                    acc_i = builder.sub(acc_i, builder.mul(half_sums, ir.Constant(_vec(_i32, 16), [bias] * 16)))
+                    acc_i = builder.sub(acc_i, builder.mul(half_sums, ir.Constant(vec(_i32, 16), [bias] * 16)))
                 elif bias:  # take back the unsigned storage offset: Σ(w + bias)·x − bias·Σx, once per row
                     correction = builder.mul(x_sum, ir.Constant(_i32, bias))
-                    corr16 = builder.shuffle_vector(_splat(builder, correction, 8), ir.Constant(_vec(_i32, 8), [0] * 8),
+                    corr16 = builder.shuffle_vector(splat(builder, correction, 8), ir.Constant(vec(_i32, 8), [0] * 8),
                                                     even_only)
                     acc_i = builder.sub(acc_i, corr16)
-                lanes = builder.sitofp(acc_i, _vec(_f32, LANES))
-                scaled = builder.fmul(lanes, builder.fmul(scales16, _splat(builder, x_scale, LANES)))
+                lanes = builder.sitofp(acc_i, vec(_f32, LANES))
+                scaled = builder.fmul(lanes, builder.fmul(scales16, splat(builder, x_scale, LANES)))
                 acc = builder.fadd(accs[k], scaled)
                 if qtype in MIN_OFFSET:
                     x_mass = builder.fmul(builder.sitofp(x_sum, _f32), x_scale)
-                    acc = builder.fadd(acc, builder.fmul(mins16, _splat(builder, x_mass, LANES)))
+                    acc = builder.fadd(acc, builder.fmul(mins16, splat(builder, x_mass, LANES)))
                 next_accs.append(acc)
             next_block = builder.add(block, ir.Constant(_i64, 1))
             block.add_incoming(next_block, loop)
@@ -272,16 +281,16 @@ def _make_group_dot(qtype: QType, num_tokens: int):  # noqa: C901 - one IR loop,
             builder.position_at_end(done)
             finals = []
             for k in range(num_tokens):  # phis first: LLVM wants them at the top of the block
-                final = builder.phi(_vec(_f32, LANES))
+                final = builder.phi(vec(_f32, LANES))
                 final.add_incoming(zero_f, entry)
                 final.add_incoming(next_accs[k], loop)
                 finals.append(final)
             for k, final in enumerate(finals):
-                even = builder.shuffle_vector(final, final, _mask(list(range(0, 16, 2))))
-                odd = builder.shuffle_vector(final, final, _mask(list(range(1, 16, 2))))
+                even = builder.shuffle_vector(final, final, lane_mask(list(range(0, 16, 2))))
+                odd = builder.shuffle_vector(final, final, lane_mask(list(range(1, 16, 2))))
                 rows = builder.fadd(even, odd)  # row r = lane 2r + lane 2r+1
                 out_ptr = builder.gep(out_base, [builder.mul(ir.Constant(_i64, k), out_row_bytes)])
-                builder.store(rows, builder.bitcast(out_ptr, _vec(_f32, 8).as_pointer()), align=4)
+                builder.store(rows, builder.bitcast(out_ptr, vec(_f32, 8).as_pointer()), align=4)
             return context.get_dummy_value()
 
         return sig, codegen

@@ -1,0 +1,162 @@
+"""The AMX tile kernels give the VNNI kernels' numbers bit for bit: emulated on every CPU, on the tiles themselves
+where the CPU and the kernel grant them."""
+
+import numpy as np
+import pytest
+
+from bench.kernels import store_as
+from decoding.kernels.amx import EMULATED, HARDWARE, tile_activations
+from decoding.kernels.fast_kernels import matmul_groups, quantize_activation_rows, swiglu_groups
+from decoding.kernels.kernels import GATE_SILU
+from decoding.kernels.repack import repack
+from decoding.model.quant import QType
+
+PACKED_TYPES = [QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0, QType.Q6_K, QType.Q4_K]
+WIDEST = 768  # the scratch is wider than the matrices, as the engine's is
+
+
+def quantized(x: np.ndarray, mode: int):
+    tokens, cols = x.shape
+    xq = np.zeros((tokens, WIDEST), np.int8)
+    xd = np.zeros((tokens, WIDEST // 32), np.float32)
+    xsum = np.zeros((tokens, WIDEST // 32), np.int32)
+    tiles = tile_activations(mode, tokens, WIDEST)
+    quantize_activation_rows(x, cols, 0, tokens, xq, xd, xsum, tiles, tokens)
+    return xq, xd, xsum, tiles
+
+
+def matmul(packed, qtype, rows, x, mode, accumulate=False):
+    tokens, cols = x.shape
+    xq, xd, xsum, tiles = quantized(x, mode)
+    out = np.full((tokens, rows), 0.25, np.float32)
+    matmul_groups(packed, int(qtype), cols, xq, xd, xsum, tokens, out, 0, rows // 8, accumulate,
+                  np.zeros((4, 8), np.float32), tiles, np.zeros((8, 16), np.float32))
+    return out
+
+
+def assert_same_bits(a: np.ndarray, b: np.ndarray) -> None:
+    np.testing.assert_array_equal(a.view(np.int32), b.view(np.int32))
+
+
+def weights(qtype: QType, rows: int, cols: int, seed: int):
+    rng = np.random.default_rng(seed)
+    stored = store_as(rng.standard_normal((rows, cols)).astype(np.float32), qtype, rng)
+    return repack(stored, qtype, rows, cols)
+
+
+def tile_modes():
+    from decoding.kernels.amx_probe import tile_support
+
+    support = tile_support()
+    hardware = pytest.param(HARDWARE, id="hardware", marks=pytest.mark.skipif(
+        not support.granted, reason=f"AMX tiles not usable here: {support.reason}"))
+    return [pytest.param(EMULATED, id="emulated"), hardware]
+
+
+@pytest.mark.parametrize("mode", tile_modes())
+@pytest.mark.parametrize("qtype", PACKED_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("tokens", [16, 37])
+def test_tiles_give_the_vnni_kernels_bits(mode, qtype, tokens):
+    rows, cols = 48, 512
+    packed = weights(qtype, rows, cols, int(qtype) * 7 + tokens)
+    x = np.random.default_rng(tokens).standard_normal((tokens, cols)).astype(np.float32) * 3
+    x[3, :64] = 0.0  # a token with all-zero blocks: scale 0
+    vector = matmul(packed, qtype, rows, x, 0)
+    tiled = matmul(packed, qtype, rows, x, mode)
+    assert np.isfinite(vector).all() and np.abs(vector).max() > 0
+    assert_same_bits(tiled, vector)
+    assert_same_bits(matmul(packed, qtype, rows, x, mode, accumulate=True),
+                     matmul(packed, qtype, rows, x, 0, accumulate=True))
+
+
+@pytest.mark.parametrize("mode", tile_modes())
+def test_a_token_gets_the_same_bits_alone_and_in_a_tile(mode):
+    rows, cols = 32, 256
+    packed = weights(QType.Q4_K, rows, cols, 5)
+    x = np.random.default_rng(6).standard_normal((21, cols)).astype(np.float32)
+    together = matmul(packed, QType.Q4_K, rows, x, mode)
+    for t in (0, 7, 15, 20):
+        assert_same_bits(together[t], matmul(packed, QType.Q4_K, rows, x[t : t + 1], mode)[0])
+
+
+@pytest.mark.parametrize("mode", tile_modes())
+def test_the_gated_feed_forward_through_tiles_gives_the_same_bits(mode):
+    rows, cols, tokens = 40, 256, 19
+    gate, up = weights(QType.Q4_K, rows, cols, 8), weights(QType.Q6_K, rows, cols, 9)
+    x = np.random.default_rng(10).standard_normal((tokens, cols)).astype(np.float32)
+    results = []
+    for m in (0, mode):
+        xq, xd, xsum, tiles = quantized(x, m)
+        out, up_out = np.zeros((tokens, rows), np.float32), np.zeros((tokens, rows), np.float32)
+        swiglu_groups(gate, up, int(QType.Q4_K), int(QType.Q6_K), cols, xq, xd, xsum, tokens, out, up_out, 0,
+                      rows // 8, np.zeros((4, 8), np.float32), np.zeros((4, 8), np.float32), GATE_SILU, tiles,
+                      np.zeros((2, 8, 16), np.float32))
+        results.append(out)
+    assert np.abs(results[0]).max() > 0
+    assert_same_bits(results[1], results[0])
+
+
+def step_logits(model, kernels: str) -> list[np.ndarray]:
+    """Logits of three mixed steps (whole prompts of 16+ tokens, a chunk, decodes): tiles and a remainder."""
+    from tests.test_forward_step import StepDriver
+
+    rng = np.random.default_rng(4)
+    prompts = {1: rng.integers(3, model.config.vocab_size, 40).tolist(),
+               2: rng.integers(3, model.config.vocab_size, 25).tolist()}  # fmt: skip
+    driver = StepDriver(model, 2, kernels=kernels)
+    try:
+        for s, ids in prompts.items():
+            driver.add(s, ids)
+        steps = [{1: 37, 2: 16}, {1: 1, 2: 9}, {1: 1, 2: 0}]
+        return [np.concatenate(list(driver.step({s: n for s, n in work.items() if n}).values()))
+                for work in steps]  # fmt: skip
+    finally:
+        driver.close()
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q6_K, QType.Q8_0, QType.Q4_0], ids=lambda q: q.name)
+def test_the_model_step_through_emulated_tiles_gives_the_same_logits(tmp_path_factory, monkeypatch, qtype):
+    """The whole step's tile path (the activations' second layout, every projection, the gated feed-forward,
+    the LM head) against the vector kernels, bit for bit."""
+    from tests.test_forward_step import tiny_model
+
+    model = tiny_model(tmp_path_factory, qtype)
+    vector = step_logits(model, "fast-no-amx")
+    monkeypatch.setenv("TREADLE_AMX", "emulate")
+    tiled = step_logits(model, "fast")
+    assert np.isfinite(vector[0]).all()
+    for a, b in zip(tiled, vector, strict=True):
+        assert_same_bits(a, b)
+
+
+def test_the_tiles_are_chosen_only_for_fast_and_logged(monkeypatch, caplog):
+    from decoding.kernels.amx_probe import tile_support
+    from decoding.kernels.forward import tile_mode
+
+    monkeypatch.delenv("TREADLE_AMX", raising=False)
+    with caplog.at_level("INFO", logger="decoding.kernels.forward"):
+        assert tile_mode("fast") == (HARDWARE if tile_support().granted else 0)
+    assert "AMX tiles: " in caplog.text and (tile_support().reason in caplog.text or tile_support().granted)
+    assert tile_mode("fast-no-amx") == 0 and tile_mode("exact") == 0
+    monkeypatch.setenv("TREADLE_AMX", "emulate")
+    assert tile_mode("fast") == EMULATED and tile_mode("fast-no-amx") == 0
+
+
+def test_the_hardware_kernel_is_built_on_every_cpu():
+    """The tile instructions are compiled everywhere (AMX in the kernel's own target features), so the code is
+    the same on every machine; where AMX is missing they are never run."""
+    from numba import njit
+
+    from decoding.kernels.amx import tile_dot_q4_k
+
+    @njit  # not cached: numba keeps no assembly for cached code
+    def one_tile(packed, n_blocks, tiles, out):
+        tile_dot_q4_k(packed, 0, n_blocks, tiles, 0, out)
+
+    rows, cols = 8, 256
+    _, _, _, tiles = quantized(np.zeros((16, cols), np.float32), EMULATED)
+    out = np.zeros((8, 16), np.float32)
+    one_tile(weights(QType.Q4_K, rows, cols, 1), cols // 32, tiles, out)
+    asm = one_tile.inspect_asm(one_tile.signatures[0])
+    for instruction in ("ldtilecfg", "tileloadd", "tdpbusd", "tilestored", "tilerelease"):
+        assert instruction in asm
