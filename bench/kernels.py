@@ -8,7 +8,8 @@ One synthetic matrix per type (R × C, random weights; K types as random super-b
 - weights in cache (the matrix is small enough for L2): multiply-accumulates per second, the compute
   ceiling of a batched step;
 - weights from DRAM (a matrix 128 times larger, read once per repeat): the bytes of weights, as held
-  in memory (repacked), per second a single-stream decode reads.
+  in memory (repacked), per second a single-stream decode reads;
+- where AMX is granted (decoding.kernels.amx_probe), the 32 rows again through the AMX tiles.
 
 Types the int8 kernels do not run yet are timed on the float32 path, which every mode falls back to.
 """
@@ -26,7 +27,9 @@ from numba import njit
 
 from bench.engine_rooflines import int8_matmul_repeats
 from bench.pool import machine_description
-from decoding.kernels.fast_kernels import quantize_activation_row
+from decoding.kernels.amx import HARDWARE, tile_activations
+from decoding.kernels.amx_probe import tile_support
+from decoding.kernels.fast_kernels import quantize_activation_rows
 from decoding.kernels.kernels import matmul_rows, split_range
 from decoding.kernels.repack import is_packable, packed_type, repack
 from decoding.model.quant import BLOCK_SHAPES, FP16_FIELDS, K_TYPES, QType, dequantize, quantize
@@ -78,7 +81,8 @@ def stored_matrix(qtype: QType, rows: int, cols: int, rng: np.random.Generator) 
     return store_as(weights, qtype, rng).view(np.uint8).reshape(rows, -1)
 
 
-def time_matmul(qtype: QType, rows: int, cols: int, tokens: int, threads: int, repeats: int) -> dict[str, Any]:
+def time_matmul(qtype: QType, rows: int, cols: int, tokens: int, threads: int, repeats: int,
+                tile_mode: int = 0) -> dict[str, Any]:
     rng = np.random.default_rng(int(qtype))
     stored = stored_matrix(qtype, rows, cols, rng)
     x = rng.standard_normal((tokens, cols)).astype(np.float32)
@@ -89,12 +93,13 @@ def time_matmul(qtype: QType, rows: int, cols: int, tokens: int, threads: int, r
             xq = np.zeros((tokens, cols), np.int8)
             xd = np.zeros((tokens, cols // 32), np.float32)
             xsum = np.zeros((tokens, cols // 32), np.int32)
-            for t in range(tokens):
-                quantize_activation_row(x[t], cols, xq[t], xd[t], xsum[t])
+            tiles = tile_activations(tile_mode, tokens, cols)
+            quantize_activation_rows(x, cols, 0, tokens, xq, xd, xsum, tiles, tokens)
             packed = repack(stored, qtype, rows, cols)
             resident = packed.nbytes
             args: tuple[Any, ...] = (packed, int(packed_type(qtype)), rows, cols, xq, xd, xsum, tokens, out,
-                                     np.zeros((threads, 4, 8), np.float32))
+                                     np.zeros((threads, 4, 8), np.float32), tiles,
+                                     np.zeros((threads, 8, 16), np.float32))
             kernel = int8_matmul_repeats
         else:
             resident = stored.nbytes
@@ -122,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     threads = args.threads or len(usable_cores())
     results = []
+    tiles_granted = tile_support().granted
     # a type stores whole blocks (32 weights; 256 for the K types; float types any width): a width a
     # type's block does not divide is skipped
     types = [qtype for qtype in TYPES if args.cols % BLOCK_SHAPES.get(qtype, (1,))[0] == 0]
@@ -129,16 +135,19 @@ def main(argv: list[str] | None = None) -> int:
     for qtype in types:
         in_cache = [time_matmul(qtype, args.rows, args.cols, tokens, threads, 50) for tokens in (1, 32)]
         from_dram = time_matmul(qtype, 128 * args.rows, args.cols, 1, threads, 5)
-        results.append({"in_cache": in_cache, "from_dram": from_dram})
+        tiles = (time_matmul(qtype, args.rows, args.cols, 32, threads, 50, HARDWARE)
+                 if tiles_granted and is_packable(qtype, args.rows) else None)  # fmt: skip
+        results.append({"in_cache": in_cache, "from_dram": from_dram, "amx_tiles": tiles})
     print(f"Matmul kernels per storage type, {threads} threads, {args.rows} x {args.cols} in cache, "
           f"{128 * args.rows} x {args.cols} from DRAM")
     print(f"{'type':<6} {'path':<8} {'bits/w stored':>13} {'in memory':>9} {'GMAC/s x1':>10} {'GMAC/s x32':>11} "
-          f"{'DRAM GB/s x1':>13}")
+          f"{'DRAM GB/s x1':>13}" + (f" {'AMX x32':>8}" if tiles_granted else ""))
     for r in results:
         one, many = r["in_cache"]
         print(f"{one['type']:<6} {one['path']:<8} {one['bits_per_weight']:>13.2f} "
               f"{one['resident_bits_per_weight']:>9.2f} "
-              f"{one['gmacs']:>10.1f} {many['gmacs']:>11.1f} {r['from_dram']['weight_gbs']:>13.1f}")
+              f"{one['gmacs']:>10.1f} {many['gmacs']:>11.1f} {r['from_dram']['weight_gbs']:>13.1f}"
+              + (f" {r['amx_tiles']['gmacs'] if r['amx_tiles'] else float('nan'):>8.1f}" if tiles_granted else ""))
     if skipped:
         print(f"skipped (rows of {args.cols} weights are not whole blocks of theirs): {', '.join(skipped)}")
     if args.json:

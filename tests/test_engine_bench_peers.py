@@ -17,6 +17,7 @@ from bench.engine_rooflines import measure_int8_gmacs
 from decoding import load_model
 from decoding.engine.engine import Engine, EngineConfig
 from decoding.engine.params import SamplingParams
+from decoding.kernels.amx import EMULATED
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -115,6 +116,7 @@ def test_int8_compute_ceiling_is_measured_on_the_pool_and_skipped_for_float_weig
     one, two = measure_int8_gmacs(default_model, 1), measure_int8_gmacs(default_model, 2)
     assert one > 1 and two > 1  # GMAC/s of real VNNI (or plain-vector) dot products
     assert measure_int8_gmacs(load_model(tiny_gguf), 1) is None  # float32 weights: nothing to repack
+    assert measure_int8_gmacs(default_model, 1, tile_mode=EMULATED) > 0.1  # the AMX roof's path, emulated here
 
 
 def test_closed_loop_keeps_every_slot_busy_and_counts_whole_answers(default_model) -> None:
