@@ -31,7 +31,8 @@ SYS_ARCH_PRCTL = 158  # x86-64
 
 @dataclass(frozen=True)
 class TileSupport:
-    granted: bool
+    available: bool  # the CPU lists AMX int8 and Linux granted this process the tile state
+    granted: bool  # available, and the tile kernels gave the VNNI kernels' bits: the fast kernels use them
     reason: str  # why not, or what was checked
 
 
@@ -74,14 +75,14 @@ def _check_in_child() -> str | None:
 def tile_support() -> TileSupport:
     """Whether the fast kernels may run through AMX tiles in this process (asks Linux for them if so)."""
     if os.environ.get("TREADLE_NO_AMX"):
-        return TileSupport(False, "TREADLE_NO_AMX is set")
+        return TileSupport(False, False, "TREADLE_NO_AMX is set")
     if sys.platform != "linux" or platform.machine() != "x86_64":
-        return TileSupport(False, "not Linux on x86-64")
+        return TileSupport(False, False, "not Linux on x86-64")
     if not cpu_lists_amx():
-        return TileSupport(False, "the CPU does not list AMX int8 tiles (or the OS does not save their state)")
+        return TileSupport(False, False, "the CPU does not list AMX int8 tiles (or the OS does not save their state)")
     refused = request_tile_permission()
     if refused:
-        return TileSupport(False, refused)
+        return TileSupport(False, False, refused)
     path = _verdict_path()
     try:
         verdict = json.loads(path.read_text())
@@ -90,8 +91,8 @@ def tile_support() -> TileSupport:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(verdict))
     if verdict["failure"]:
-        return TileSupport(False, verdict["failure"])
-    return TileSupport(True, "AMX int8 tiles granted; the tile kernels gave the VNNI kernels' bits")
+        return TileSupport(True, False, verdict["failure"])
+    return TileSupport(True, True, "AMX int8 tiles granted; the tile kernels gave the VNNI kernels' bits")
 
 
 def check_tiles() -> list[str]:
