@@ -1,7 +1,7 @@
 """`treadle bench long-decode FILE.gguf`: one decode step at long contexts, without their prefill.
 
     .venv/bin/treadle bench long-decode /tmp/shapes/qwen2.5-1.5b-q4_k_m.gguf --contexts 1024,8192,32768
-        [--kv-dtypes float16,int8] [--threads 2] [--steps 12] [--json PATH]
+        [--kv-dtypes float16,int8] [--threads 2] [--steps 12] [--block-size 16] [--json PATH]
 
 The model's real step (`ModelRunner.forward`, the fast kernels on the spin pool, the weight cache
 mapped) decodes one token at position C - 1 of a sequence whose C - 1 earlier positions' keys and
@@ -32,8 +32,6 @@ from kvcache.batch import KVBatchArrays
 from kvcache.storage import KVCacheSpec, KVCacheStorage
 from threadpool import SpinPool
 
-BLOCK_SIZE = 16
-
 
 def _fill_random(storage: KVCacheStorage, rng: np.random.Generator) -> None:
     """Values a real cache could hold, layer by layer: half floats of N(0, 1), or int8 values with
@@ -54,8 +52,8 @@ def _fill_random(storage: KVCacheStorage, rng: np.random.Generator) -> None:
             tiles[..., spec.head_dim * spec.block_size :].view(np.float16)[...] = np.float16(1 / 127)
 
 
-def _decode_batch(token: int, context: int) -> StepBatch:
-    blocks = -(-context // BLOCK_SIZE)
+def _decode_batch(token: int, context: int, block_size: int) -> StepBatch:
+    blocks = -(-context // block_size)
     position = context - 1
     kv = KVBatchArrays(block_tables=np.arange(blocks, dtype=np.int32)[None, :],
                        context_lens=np.array([context], np.int32), query_start_loc=np.array([0, 1], np.int32),
@@ -64,7 +62,8 @@ def _decode_batch(token: int, context: int) -> StepBatch:
     return StepBatch(token_ids=np.array([token], np.int32), kv=kv, logit_rows=np.array([0], np.int32))
 
 
-def measure(path: Path, contexts: list[int], kv_dtypes: list[str], threads: int, steps: int) -> dict[str, Any]:
+def measure(path: Path, contexts: list[int], kv_dtypes: list[str], threads: int, steps: int,
+            block_size: int = 16) -> dict[str, Any]:
     model = load_model(path)
     cfg = model.config
     if max(contexts) > cfg.max_context:
@@ -72,15 +71,16 @@ def measure(path: Path, contexts: list[int], kv_dtypes: list[str], threads: int,
     cache = weight_cache.cache_file(model.path) if model.path.is_file() else None
     weights = KernelWeights.build(cfg, model.weights, fast=True, cache=cache)
     rng = np.random.default_rng(0)
-    results: dict[str, Any] = {"model": str(path), "threads": threads, "contexts": contexts, "runs": {}}
+    results: dict[str, Any] = {"model": str(path), "threads": threads, "contexts": contexts, "block_size": block_size,
+                               "runs": {}}
     with SpinPool(threads) as pool:
         for dtype in kv_dtypes:
             spec = KVCacheSpec(n_layers=cfg.n_layers, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-                               block_size=BLOCK_SIZE, dtype=dtype)  # fmt: skip
-            storage = KVCacheStorage.allocate(spec, -(-max(contexts) // BLOCK_SIZE))
+                               block_size=block_size, dtype=dtype)  # fmt: skip
+            storage = KVCacheStorage.allocate(spec, -(-max(contexts) // block_size))
             _fill_random(storage, rng)
             runner = ModelRunner(model, storage, pool, max_num_tokens=1, max_logit_rows=1, weights=weights)
-            batches = [_decode_batch(1, context) for context in contexts]
+            batches = [_decode_batch(1, context, block_size) for context in contexts]
             for context, batch in zip(contexts, batches, strict=True):
                 logits = runner.forward(batch)  # compile or load the kernels, touch the tiles
                 if not np.isfinite(logits).all():
@@ -121,13 +121,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-dtypes", default="float16,int8")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (the server's --block-size)")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",")]
-    results = measure(args.file, contexts, args.kv_dtypes.split(","), args.threads, args.steps)
+    results = measure(args.file, contexts, args.kv_dtypes.split(","), args.threads, args.steps, args.block_size)
     print(report(results))
     print(f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; `treadle bench long-decode {args.file} "
-          f"--contexts {args.contexts} --kv-dtypes {args.kv_dtypes} --threads {args.threads}`")  # fmt: skip
+          f"--contexts {args.contexts} --kv-dtypes {args.kv_dtypes} --threads {args.threads} "
+          f"--block-size {args.block_size}`")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
