@@ -138,6 +138,12 @@ def test_where_the_cpu_grants_tiles_the_start_up_check_passes():
     assert support.granted, support.reason
 
 
+def test_the_start_up_check_compares_every_type_with_the_vector_kernels():
+    from decoding.kernels.amx_probe import check_tiles
+
+    assert check_tiles(EMULATED) == []
+
+
 def test_the_child_process_check_says_why_it_failed():
     """The check a server runs before using tiles, run as the server runs it (a child process)."""
     from decoding.kernels.amx_probe import _check_in_child, tile_support

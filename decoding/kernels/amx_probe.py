@@ -95,26 +95,32 @@ def tile_support() -> TileSupport:
     return TileSupport(True, True, "AMX int8 tiles granted; the tile kernels gave the VNNI kernels' bits")
 
 
-def check_tiles() -> list[str]:
-    """Every packed type through the hardware tiles against the VNNI kernels: the mismatches (empty if none)."""
+def check_tiles(mode: int | None = None) -> list[str]:
+    """Every packed type through the hardware tiles (or `mode`: the emulation, to test this check) against the
+    VNNI kernels: the mismatches (empty if none)."""
     import numpy as np
 
-    from bench.kernels import store_as
     from decoding.kernels.amx import HARDWARE, tile_activations
     from decoding.kernels.fast_kernels import matmul_groups, quantize_activation_rows
     from decoding.kernels.repack import repack
-    from decoding.model.quant import QType
+    from decoding.model.quant import BLOCK_SHAPES, FP16_FIELDS, QType
 
+    mode = HARDWARE if mode is None else mode
     rng = np.random.default_rng(0)
     rows, cols, tokens = 16, 512, 35
     x = rng.standard_normal((tokens, cols)).astype(np.float32)
     mismatches = []
     for qtype in (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0, QType.Q6_K, QType.Q4_K):
-        packed = repack(store_as(rng.standard_normal((rows, cols)).astype(np.float32), qtype, rng), qtype, rows, cols)
+        per_block, size = BLOCK_SHAPES[qtype]  # random blocks: every quantized bit random, scales in (0.01, 0.02)
+        blocks = rng.integers(0, 256, (rows, cols // per_block, size), dtype=np.uint8)
+        for offset in FP16_FIELDS[qtype]:
+            scales = (0.01 * (1 + rng.random(blocks.shape[:2]))).astype(np.float16)
+            blocks[..., offset : offset + 2] = scales[..., None].view(np.uint8)
+        packed = repack(blocks.reshape(rows, -1), qtype, rows, cols)
         results = []
-        for mode in (0, HARDWARE):
+        for tiles_mode in (0, mode):
             xq, xd = np.zeros((tokens, cols), np.int8), np.zeros((tokens, cols // 32), np.float32)
-            xsum, tiles = np.zeros((tokens, cols // 32), np.int32), tile_activations(mode, tokens, cols)
+            xsum, tiles = np.zeros((tokens, cols // 32), np.int32), tile_activations(tiles_mode, tokens, cols)
             quantize_activation_rows(x, cols, 0, tokens, xq, xd, xsum, tiles, tokens)
             out = np.zeros((tokens, rows), np.float32)
             matmul_groups(packed, int(qtype), cols, xq, xd, xsum, tokens, out, 0, rows // 8, False,
