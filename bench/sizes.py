@@ -260,6 +260,12 @@ def report_table(path: Path, costs: dict[str, Any], runs: dict[str, dict[str, An
                 share = expert_share(costs["n_experts"], costs["n_experts_used"], s)
                 label += f" (a step reads {share:.0%} of experts)"
             add(label, lambda r, s=s: (r.get("aggregate_tokens_per_s") or {}).get(s), "{:.1f}")
+            if costs["int8_gmacs"]:  # a batch's step is int8 dot products, each token a prompt token's MACs
+                roof = costs.get("amx_int8_gmacs") if s >= 16 else None
+                add(f"{s} streams, share of {'the AMX tiles' if roof else 'int8'} roof",
+                    lambda r, s=s, roof=roof or costs["int8_gmacs"]: (r.get("aggregate_tokens_per_s") or {}).get(s)
+                    * costs["prompt_macs_per_token"] / 1e9 / roof
+                    if (r.get("aggregate_tokens_per_s") or {}).get(s) else None, "{:.0%}")
     add("prompt, tokens/s", lambda r: r["prompt_tokens"] * 1000 / r["prompt_ttft_ms"] if r.get("prompt_ttft_ms")
         else None, "{:.1f}")
     prompt_roof = costs.get("amx_int8_gmacs") or costs["int8_gmacs"]
