@@ -8,8 +8,8 @@ tile kernel forms those same integers and repeats the same float operations: per
 bytes (B, prepared once per activation by `tile_activation_row`), so row r of the int32 result C0 (C1) is lane 2r
 (2r+1) of the VNNI kernel for each of the 16 tokens. The float work is then the VNNI kernel's, with the vector
 running over tokens instead of lanes: what the tiles save is the four `vpdpbusd`s and activation broadcasts a
-token costs per block, not the scaling, which is why the gain is bounded (about 2x on the matmuls, not AMX's
-nominal 8x).
+token costs per block, not the scaling, which is why the gain is bounded (by the compiled Q4_K loops' instruction
+counts, up to ~3x on the matmuls, not AMX's nominal 8x: docs/performance.md).
 
 `TDPBUSD` multiplies unsigned bytes of A by signed bytes of B, as `vpdpbusd` multiplies the weights' unsigned
 bytes by the activations' signed ones. Tile registers are named by immediates: C0, C1, A0, A1, B0, B1 are
