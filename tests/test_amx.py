@@ -186,3 +186,69 @@ def test_the_hardware_kernel_is_built_on_every_cpu():
     asm = one_tile.inspect_asm(one_tile.signatures[0])
     for instruction in ("ldtilecfg", "tileloadd", "tdpbusd", "tilestored", "tilerelease"):
         assert instruction in asm
+
+
+def tile_product(tiles_class):
+    """An njit function c = tdpbusd(0, a, b) run by `tiles_class`'s instructions on the configured A0/B0/C0."""
+    from numba import njit, types
+    from numba.extending import intrinsic
+
+    from decoding.kernels.amx import A0, B0, C0, TILE_SHAPES
+    from decoding.kernels.vnni import array_byte_pointer
+
+    @intrinsic
+    def product(typingctx, a, b, c):
+        def codegen(context, builder, signature, args):
+            pointers = [array_byte_pointer(context, builder, t, v) for t, v in zip(signature.args, args, strict=True)]
+            tiles = tiles_class(builder)
+            tiles.configure()
+            tiles.load(A0, pointers[0], TILE_SHAPES[A0][1])
+            tiles.load(B0, pointers[1], TILE_SHAPES[B0][1])
+            tiles.zero(C0)
+            tiles.dot(C0, A0, B0)
+            tiles.store(C0, pointers[2], TILE_SHAPES[C0][1])
+            tiles.release()
+            return context.get_dummy_value()
+
+        return types.void(a, b, c), codegen
+
+    @njit
+    def run(a, b, c):
+        product(a, b, c)
+
+    return run
+
+
+def test_the_emulated_tile_product_is_the_intel_manuals_tdpbusd():
+    """TDPBUSD as the SDM defines it: C[m][n] += Σ_k Σ_j A[m][4k+j] (unsigned) · B[k][4n+j] (signed), for the
+    configured shapes (A 8 × 16 bytes, B 4 × 64, C 8 × 16 int32) — the emulation the kernel is tested through."""
+    from decoding.kernels.amx import _EmulatedTiles
+
+    rng = np.random.default_rng(12)
+    a = rng.integers(0, 256, (8, 16), dtype=np.uint8)
+    b = rng.integers(-128, 128, (4, 64), dtype=np.int8)
+    c = np.zeros((8, 16), np.int32)
+    tile_product(_EmulatedTiles)(a, b, c)
+    expected = np.einsum("mkj,knj->mn", a.reshape(8, 4, 4).astype(np.int64), b.reshape(4, 16, 4).astype(np.int64))
+    np.testing.assert_array_equal(c, expected)
+    a[:] = 255
+    b[:] = -128  # the extremes: no saturation, no overflow at these sizes
+    tile_product(_EmulatedTiles)(a, b, c)
+    assert (c == 16 * 255 * -128).all()
+
+
+def test_the_hardware_tile_product_is_the_emulations():
+    from decoding.kernels.amx import _EmulatedTiles, _HardwareTiles
+    from decoding.kernels.amx_probe import tile_support
+
+    if not tile_support().available:
+        pytest.skip(f"AMX tiles not usable here: {tile_support().reason}")
+    rng = np.random.default_rng(13)
+    a = rng.integers(0, 256, (8, 16), dtype=np.uint8)
+    b = rng.integers(-128, 128, (4, 64), dtype=np.int8)
+    results = []
+    for tiles_class in (_EmulatedTiles, _HardwareTiles):
+        c = np.zeros((8, 16), np.int32)
+        tile_product(tiles_class)(a, b, c)
+        results.append(c)
+    np.testing.assert_array_equal(results[1], results[0])
