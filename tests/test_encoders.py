@@ -293,3 +293,22 @@ def test_task_refusals_say_what_the_model_is():
         load_served_model(ServerSettings(model=str(GOLDEN / "tiny-bert-cross"), task="embed"))
     with pytest.raises(ModelLoadError, match="embeds texts"):
         load_served_model(ServerSettings(model=str(GOLDEN / "tiny-bert-embed"), task="rerank"))
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_an_encoder_through_emulated_amx_tiles_gives_the_same_bits(tmp_path, monkeypatch, name):
+    """The encoder's step passes its activations to the tiles as the decoder's does (decoding.kernels.amx)."""
+    model = load_any_model(convert_bert(GOLDEN / name, tmp_path / f"{name}.gguf", QType.Q8_0))
+    inputs, _ = tiny_golden(name)
+    assert sum(len(ids) for ids, _ in inputs) >= 16  # a step fills a tile of 16 tokens
+    results = []
+    for kernels, amx in (("fast-no-amx", None), ("fast", "emulate")):
+        if amx:
+            monkeypatch.setenv("TREADLE_AMX", amx)
+        engine = EmbeddingEngine(model, EngineConfig(kernels=kernels)).start()
+        try:
+            assert engine.forward.weights.packed[0].size > 0  # the int8 kernels, not the float fallback
+            results.append(engine.encode(inputs))
+        finally:
+            engine.shutdown()
+    np.testing.assert_array_equal(results[1].view(np.int32), results[0].view(np.int32))
