@@ -10,7 +10,8 @@ prefill leaves behind (consecutive ids), every layer its own. A step's time does
 values, so this measures what a server's decode costs at that context in seconds instead of the
 minutes a 32k-token prefill takes. The contexts take turns step by step, so a ratio compares steps
 taken at the same moments. Reported per context and KV type: the median step time (ms per output
-token), its ratio to the shortest context's, and the KV bytes one step reads.
+token), its ratio to the shortest context's (each round's pair of steps divided, the median of those
+ratios: a shared host's slow minutes slow both steps of a round), and the KV bytes one step reads.
 """
 
 from __future__ import annotations
@@ -92,7 +93,10 @@ def measure(path: Path, contexts: list[int], kv_dtypes: list[str], threads: int,
                     started = time.perf_counter()
                     runner.forward(batch)
                     context_times.append(time.perf_counter() - started)
+            # each round's steps are paired: the median of their ratios is steadier than the ratio of medians
             results["runs"][dtype] = [{"context": context, "ms_per_token": 1e3 * statistics.median(context_times),
+                                       "paired_ratio": statistics.median(t / s for t, s in zip(context_times, times[0],
+                                                                                               strict=True)),
                                        "kv_mb_read": context * spec.bytes_per_token / 1e6}
                                       for context, context_times in zip(contexts, times, strict=True)]  # fmt: skip
             del runner, storage
@@ -101,15 +105,15 @@ def measure(path: Path, contexts: list[int], kv_dtypes: list[str], threads: int,
 
 def report(results: dict[str, Any]) -> str:
     lines = [f"**{Path(results['model']).name}**, {results['threads']} threads: one decode step at each context "
-             "(median ms per output token; its ratio to the shortest context's; KV read per step)", "",
+             "(median ms per output token; its ratio to the shortest context's step taken in the same round, the "
+             "median of those ratios; KV read per step)", "",
              "| context | " + " | ".join(results["runs"]) + " |",
              "| ---: | " + " | ".join("---:" for _ in results["runs"]) + " |"]  # fmt: skip
     for i, context in enumerate(results["contexts"]):
         cells = []
         for runs in results["runs"].values():
-            run, base = runs[i], runs[0]
-            cells.append(f"{run['ms_per_token']:.1f} ms, {run['ms_per_token'] / base['ms_per_token']:.2f}x, "
-                         f"{run['kv_mb_read']:.0f} MB")  # fmt: skip
+            run = runs[i]
+            cells.append(f"{run['ms_per_token']:.1f} ms, {run['paired_ratio']:.2f}x, {run['kv_mb_read']:.0f} MB")
         lines.append(f"| {context:,} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

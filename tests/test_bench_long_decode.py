@@ -35,10 +35,16 @@ def test_each_context_and_cache_type_gets_a_step_time_and_its_kv_bytes(tiny_file
         short, long = results["runs"][dtype]
         assert short["context"] == 16 and long["context"] == 300
         assert short["ms_per_token"] > 0 and long["ms_per_token"] > 0
+        assert short["paired_ratio"] == 1.0 and long["paired_ratio"] > 0  # each round's steps over its shortest's
         spec = KVCacheSpec(n_layers=2, n_kv_heads=2, head_dim=64, block_size=16, dtype=dtype)
         assert long["kv_mb_read"] == pytest.approx(300 * spec.bytes_per_token / 1e6)
     table = report(results)
     assert "| 300 |" in table and "float16" in table and "int8" in table
+
+
+def test_the_block_size_is_the_servers_option_and_recorded(tiny_file):
+    results = measure(tiny_file, [16, 300], ["int8"], threads=1, steps=1, block_size=32)
+    assert results["block_size"] == 32 and results["runs"]["int8"][1]["ms_per_token"] > 0
 
 
 def test_a_context_past_the_models_positions_is_refused(tiny_file):
