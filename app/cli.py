@@ -22,6 +22,7 @@ BENCHMARKS = {
     "synth": "bench.synth",
     "sizes": "bench.sizes",
     "long-decode": "bench.long_decode",
+    "batch-decode": "bench.batch_decode",
     "embed": "bench.embed",
     "prefix-tiers": "bench.prefix_tiers",
     "serve": "bench.serve",

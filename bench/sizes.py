@@ -191,6 +191,7 @@ def context_table(path: Path, runs: dict[str, dict[str, Any]], contexts: list[in
 
 def model_costs(gguf: Path, threads: int) -> dict[str, Any]:
     """Bytes of weights treadle reads per decode token, multiply-accumulates per prompt token, and the roofs."""
+    from bench.batch_decode import decode_macs_per_token
     from bench.engine_rooflines import measure_int8_gmacs, measure_read_bandwidth
     from decoding import load_model
     from decoding.kernels.amx import HARDWARE
@@ -208,6 +209,7 @@ def model_costs(gguf: Path, threads: int) -> dict[str, Any]:
         "file_gb": gguf.stat().st_size / 1e9,
         "decode_bytes_per_token": bytes_read_per_token(cfg, model.weights, fast=True),
         "prompt_macs_per_token": cfg.n_layers * (attention + used * feed_forward + cfg.n_experts * cfg.dim),
+        "decode_macs_per_token": decode_macs_per_token(cfg),  # the prompt's and the LM head's
         "n_experts": cfg.n_experts,
         "n_experts_used": cfg.n_experts_used,
         "read_gb_per_s": measure_read_bandwidth(threads),
@@ -260,11 +262,12 @@ def report_table(path: Path, costs: dict[str, Any], runs: dict[str, dict[str, An
                 share = expert_share(costs["n_experts"], costs["n_experts_used"], s)
                 label += f" (a step reads {share:.0%} of experts)"
             add(label, lambda r, s=s: (r.get("aggregate_tokens_per_s") or {}).get(s), "{:.1f}")
-            if costs["int8_gmacs"]:  # a batch's step is int8 dot products, each token a prompt token's MACs
+            if costs["int8_gmacs"]:  # a batch's step is int8 dot products (through HTTP: with its prompts too)
                 roof = costs.get("amx_int8_gmacs") if s >= 16 else None
+                macs = costs.get("decode_macs_per_token") or costs["prompt_macs_per_token"]
                 add(f"{s} streams, share of {'the AMX tiles' if roof else 'int8'} roof",
-                    lambda r, s=s, roof=roof or costs["int8_gmacs"]: (r.get("aggregate_tokens_per_s") or {}).get(s)
-                    * costs["prompt_macs_per_token"] / 1e9 / roof
+                    lambda r, s=s, roof=roof or costs["int8_gmacs"], macs=macs:
+                    (r.get("aggregate_tokens_per_s") or {}).get(s) * macs / 1e9 / roof
                     if (r.get("aggregate_tokens_per_s") or {}).get(s) else None, "{:.0%}")
     add("prompt, tokens/s", lambda r: r["prompt_tokens"] * 1000 / r["prompt_ttft_ms"] if r.get("prompt_ttft_ms")
         else None, "{:.1f}")

@@ -1,0 +1,137 @@
+"""`treadle bench batch-decode FILE.gguf`: one decode step of N sequences together, beside the int8 roof.
+
+    .venv/bin/treadle bench batch-decode /tmp/shapes/qwen2.5-1.5b-q4_k_m.gguf [--streams 1,8,32]
+        [--context 128] [--threads 2] [--steps 10] [--json PATH]
+
+At 1.5B-8B a batched decode step is int8 dot products, not memory traffic: this measures the model's
+real step (`ModelRunner.forward`, the fast kernels on the spin pool, the weight cache mapped) with N
+sequences each decoding one token at position `context` - 1 over a float16 KV cache (random values:
+a step's time does not depend on them), and reports per level the median step time, the
+multiply-accumulates it does per second (every matrix and the LM head, per token) and their share of
+the int8 probe measured in the same run (`bench.engine_rooflines.measure_int8_gmacs`, the AMX tiles'
+where they are granted), and where the step's time goes (the kernels' phases). Through HTTP
+(`bench sizes`) the same streams also carry their prompts, scheduling and streaming; this is the step
+alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from decoding import load_model
+from decoding.engine.runner import ModelRunner, StepBatch
+from decoding.kernels import weight_cache
+from decoding.kernels.forward import KernelWeights
+from decoding.kernels.phases import PHASES
+from decoding.model.config import ModelConfig
+from kvcache.batch import KVBatchArrays
+from kvcache.storage import KVCacheSpec, KVCacheStorage
+from threadpool import SpinPool
+
+BLOCK_SIZE = 16
+
+
+def decode_macs_per_token(cfg: ModelConfig) -> int:
+    """Multiply-accumulates of one decoded token's matrices: each layer's projections and feed-forward (the
+    experts a token uses, and the router), and the LM head."""
+    attention = (cfg.q_dim + 2 * cfg.kv_dim) * cfg.dim + cfg.dim * cfg.q_dim
+    feed_forward = max(cfg.n_experts_used, 1) * 3 * cfg.dim * cfg.hidden_dim + cfg.n_experts * cfg.dim
+    return cfg.n_layers * (attention + feed_forward) + cfg.vocab_size * cfg.dim
+
+
+def _decode_batch(streams: int, context: int) -> StepBatch:
+    blocks = -(-context // BLOCK_SIZE)
+    tables = np.arange(streams * blocks, dtype=np.int32).reshape(streams, blocks)
+    position = context - 1
+    kv = KVBatchArrays(block_tables=tables, context_lens=np.full(streams, context, np.int32),
+                       query_start_loc=np.arange(streams + 1, dtype=np.int32),
+                       positions=np.full(streams, position, np.int32),
+                       slot_mapping=(tables[:, position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE))
+    return StepBatch(token_ids=np.ones(streams, np.int32), kv=kv, logit_rows=np.arange(streams, dtype=np.int32))
+
+
+def measure(path: Path, streams: list[int], context: int, threads: int, steps: int) -> dict[str, Any]:
+    from bench.engine_rooflines import measure_int8_gmacs
+    from decoding.kernels.amx import HARDWARE
+    from decoding.kernels.amx_probe import tile_support
+
+    model = load_model(path)
+    cfg = model.config
+    cache = weight_cache.cache_file(model.path) if model.path.is_file() else None
+    weights = KernelWeights.build(cfg, model.weights, fast=True, cache=cache)
+    spec = KVCacheSpec(n_layers=cfg.n_layers, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                       block_size=BLOCK_SIZE, dtype="float16")  # fmt: skip
+    storage = KVCacheStorage.allocate(spec, max(streams) * -(-context // BLOCK_SIZE))
+    rng = np.random.default_rng(0)
+    for layer in range(cfg.n_layers):
+        for cache_array in (storage.key_cache[layer], storage.value_cache[layer]):
+            cache_array[...] = rng.standard_normal(cache_array.shape, dtype=np.float32).astype(np.float16).view(
+                np.uint16)
+    macs = decode_macs_per_token(cfg)
+    results: dict[str, Any] = {"model": str(path), "threads": threads, "context": context,
+                               "decode_macs_per_token": macs, "levels": []}  # fmt: skip
+    with SpinPool(threads) as pool:
+        runner = ModelRunner(model, storage, pool, max_num_tokens=max(streams), max_logit_rows=max(streams),
+                             weights=weights)  # fmt: skip
+        for n in streams:
+            batch = _decode_batch(n, context)
+            logits = runner.forward(batch)  # compile or load the kernels, warm the caches
+            if not np.isfinite(logits).all():
+                raise RuntimeError(f"{n} streams: the step's logits are not finite")
+            runner.profile_phases(True)
+            times = []
+            for _ in range(steps):
+                started = time.perf_counter()
+                runner.forward(batch)
+                times.append(time.perf_counter() - started)
+            cycles = runner.phase_cycles
+            runner.profile_phases(False)
+            step = statistics.median(times)
+            results["levels"].append({
+                "streams": n, "step_ms": 1e3 * step, "tokens_per_s": n / step, "gmacs": n * macs / step / 1e9,
+                "phases": {name: float(c / cycles.sum()) for name, c in zip(PHASES, cycles, strict=True) if c}})
+    results["int8_gmacs"] = measure_int8_gmacs(model, threads)
+    results["amx_int8_gmacs"] = measure_int8_gmacs(model, threads, tile_mode=HARDWARE) if tile_support().granted \
+        else None  # fmt: skip
+    return results
+
+
+def report(results: dict[str, Any]) -> str:
+    roof = results["amx_int8_gmacs"] or results["int8_gmacs"]
+    roof_name = "the AMX tiles' probe" if results["amx_int8_gmacs"] else "the int8 probe"
+    lines = [f"**{Path(results['model']).name}**, {results['threads']} threads, context {results['context']}: one "
+             f"decode step of N sequences ({results['decode_macs_per_token'] / 1e9:.2f} GMAC a token; {roof_name} "
+             f"{roof or 0:.0f} GMAC/s, measured after the steps)", "",
+             "| streams | step, ms | tokens/s | GMAC/s | share of the roof | largest phases |",
+             "| ---: | ---: | ---: | ---: | ---: | --- |"]  # fmt: skip
+    for level in results["levels"]:
+        phases = sorted(level["phases"].items(), key=lambda item: -item[1])[:3]
+        share = f"{level['gmacs'] / roof:.0%}" if roof else "—"
+        lines.append(f"| {level['streams']} | {level['step_ms']:.1f} | {level['tokens_per_s']:.1f} | "
+                     f"{level['gmacs']:.0f} | {share} | " + ", ".join(f"{n} {s:.0%}" for n, s in phases) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="treadle bench batch-decode", description=__doc__.split("\n")[0])
+    parser.add_argument("file", type=Path)
+    parser.add_argument("--streams", default="1,8,32")
+    parser.add_argument("--context", type=int, default=128, help="each sequence's position (default %(default)s)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args(argv)
+    results = measure(args.file, [int(s) for s in args.streams.split(",")], args.context, args.threads, args.steps)
+    print(report(results))
+    print(f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; `treadle bench batch-decode {args.file} "
+          f"--streams {args.streams} --context {args.context} --threads {args.threads}`")  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0

@@ -1,0 +1,34 @@
+"""`treadle bench batch-decode`: a decode step of N sequences together beside the int8 roof."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.batch_decode import decode_macs_per_token, measure, report
+from bench.synth import write_model
+from decoding import load_model
+
+
+@pytest.fixture(scope="module")
+def tiny_file(tmp_path_factory, default_model):
+    path = tmp_path_factory.mktemp("batch-decode") / "tiny.gguf"
+    write_model("tiny", path, tokenizer=default_model.path)
+    return path
+
+
+def test_a_tokens_multiply_accumulates_are_its_matrices_and_the_lm_head(tiny_file):
+    cfg = load_model(tiny_file).config
+    per_layer = (cfg.q_dim + 2 * cfg.kv_dim) * cfg.dim + cfg.dim * cfg.q_dim + 3 * cfg.dim * cfg.hidden_dim
+    assert decode_macs_per_token(cfg) == cfg.n_layers * per_layer + cfg.vocab_size * cfg.dim
+
+
+def test_each_level_gets_a_step_time_its_rate_and_where_its_time_went(tiny_file):
+    results = measure(tiny_file, [1, 4], context=40, threads=2, steps=2)
+    assert [level["streams"] for level in results["levels"]] == [1, 4]
+    for level in results["levels"]:
+        assert level["step_ms"] > 0 and level["gmacs"] == pytest.approx(
+            level["streams"] * results["decode_macs_per_token"] / level["step_ms"] / 1e6)
+        assert sum(level["phases"].values()) == pytest.approx(1.0) and "lm head" in level["phases"]
+    assert results["int8_gmacs"] > 0
+    table = report(results)
+    assert "| 4 |" in table and "share of the roof" in table
