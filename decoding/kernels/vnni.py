@@ -51,6 +51,10 @@ UNSIGNED_BIAS = {QType.Q4_0: 8, QType.Q5_0: 16, QType.Q8_0: 128, QType.Q4_1: 0, 
 # Q6_K's form has a scale per 16 weights, one per lane: lane 2r holds row r's weights 0..15 of the
 # block, lane 2r+1 its weights 16..31 (the step order of decoding.kernels.repack)
 HALF_SCALES = (QType.Q6_K,)
+# bytes past a block's start that the four-token kernels ask for (two lines, ~7 blocks ahead): a batch of 8
+# computes on each group's weights while they stream from DRAM, and the hardware prefetcher alone left it waiting
+# (docs/performance.md); the one-token kernel, which only streams, is faster without
+PREFETCH_AHEAD = (1024, 1088)
 
 _i8, _i16, _i32, _i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _f32 = ir.FloatType()
@@ -238,6 +242,11 @@ def _make_group_dot(qtype: QType, num_tokens: int):  # noqa: C901 - one IR loop,
                 acc.add_incoming(zero_f, entry)
                 accs.append(acc)
             block_ptr, scales16, mins16 = block_scales(builder, qtype, w_base, block)
+            prefetch = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+                ir.VoidType(), [_i8.as_pointer(), _i32, _i32, _i32]), "llvm.prefetch.p0i8")
+            for ahead in (PREFETCH_AHEAD if num_tokens > 1 else ()):
+                builder.call(prefetch, [builder.gep(block_ptr, [ir.Constant(_i64, ahead)]), ir.Constant(_i32, 0),
+                                        ir.Constant(_i32, 3), ir.Constant(_i32, 1)])
             weight_vectors = [weight_vector(builder, qtype, block_ptr, s) for s in range(4)]
             next_accs = []
             for k in range(num_tokens):
