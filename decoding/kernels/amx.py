@@ -42,8 +42,10 @@ from .vnni import (
     UNSIGNED_BIAS,
     array_byte_pointer,
     block_scales,
+    close_block_loop,
     lane_mask,
     load_at,
+    open_block_loop,
     splat,
     vec,
     weight_vector,
@@ -235,8 +237,7 @@ def _define_tile_dot(module: ir.Module, qtype: QType, tiles_class) -> ir.Functio
     if tiles_class is _HardwareTiles:
         fn.attributes = _TargetFeatures(_amx_features())
     w_base, n_blocks, bq_base, xd_base, xs_base, hs_base, out_base = fn.args
-    entry = fn.append_basic_block("entry")
-    builder = ir.IRBuilder(entry)
+    builder = ir.IRBuilder(fn.append_basic_block("entry"))
     tiles = tiles_class(builder)
     tiles.configure()
     a_slot = builder.alloca(vec(_i32, 64))  # A0 (2 × 16 words) then A1
@@ -245,20 +246,9 @@ def _define_tile_dot(module: ir.Module, qtype: QType, tiles_class) -> ir.Functio
     c_slot.align = 64
     a_buf, c_buf = builder.bitcast(a_slot, _i8p), builder.bitcast(c_slot, _i8p)
     bias = UNSIGNED_BIAS[qtype]
-    zero_f = ir.Constant(vec(_f32, 16), [0.0] * 16)
 
-    loop = fn.append_basic_block("blocks")
-    done = fn.append_basic_block("done")
-    builder.cbranch(builder.icmp_signed(">", n_blocks, ir.Constant(_i64, 0)), loop, done)
-
-    builder.position_at_end(loop)
-    block = builder.phi(_i64)
-    block.add_incoming(ir.Constant(_i64, 0), entry)
-    accs = []  # accs[2r + h]: lane 2r + h of the VNNI kernel, over the 16 tokens
-    for _ in range(16):
-        acc = builder.phi(vec(_f32, 16))
-        acc.add_incoming(zero_f, entry)
-        accs.append(acc)
+    blocks = open_block_loop(builder, n_blocks, 16)
+    block, accs = blocks.block, blocks.accs  # accs[2r + h]: lane 2r + h of the VNNI kernel, over the 16 tokens
 
     block_ptr, scales16, mins16 = block_scales(builder, qtype, w_base, block)
     steps = [builder.bitcast(weight_vector(builder, qtype, block_ptr, s), vec(_i32, 16)) for s in range(4)]
@@ -305,19 +295,7 @@ def _define_tile_dot(module: ir.Module, qtype: QType, tiles_class) -> ir.Functio
             lane_min = splat(builder, builder.extract_element(mins16, ir.Constant(_i32, lane)), 16)
             acc = builder.fadd(acc, builder.fmul(lane_min, x_mass))
         next_accs.append(acc)
-    next_block = builder.add(block, ir.Constant(_i64, 1))
-    block.add_incoming(next_block, loop)
-    for acc, nxt in zip(accs, next_accs, strict=True):
-        acc.add_incoming(nxt, loop)
-    builder.cbranch(builder.icmp_signed("<", next_block, n_blocks), loop, done)
-
-    builder.position_at_end(done)
-    finals = []
-    for lane in range(16):
-        final = builder.phi(vec(_f32, 16))
-        final.add_incoming(zero_f, entry)
-        final.add_incoming(next_accs[lane], loop)
-        finals.append(final)
+    finals = close_block_loop(builder, blocks, n_blocks, next_accs)
     for r in range(8):
         row = builder.fadd(finals[2 * r], finals[2 * r + 1])
         out_ptr = builder.bitcast(builder.gep(out_base, [ir.Constant(_i64, 64 * r)]), vec(_f32, 16).as_pointer())

@@ -22,6 +22,8 @@ of operations whether it is computed alone or with three others, so results are 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -194,6 +196,51 @@ def block_scales(builder: ir.IRBuilder, qtype: QType, w_base: ir.Value, block: i
     return block_ptr, scales16, mins16
 
 
+class BlockLoop(NamedTuple):
+    entry: ir.Block
+    loop: ir.Block
+    done: ir.Block
+    block: ir.Value  # the block index, 0..n_blocks-1
+    accs: list[ir.Value]  # the float32 × 16 accumulators' values at the top of the body
+
+
+def open_block_loop(builder: ir.IRBuilder, n_blocks: ir.Value, n_accs: int) -> BlockLoop:
+    """A loop over the blocks (none when n_blocks <= 0) carrying `n_accs` float32 × 16 accumulators from 0,
+    positioned at the top of its body."""
+    entry = builder.block
+    loop = builder.append_basic_block("blocks")
+    done = builder.append_basic_block("done")
+    builder.cbranch(builder.icmp_signed(">", n_blocks, ir.Constant(_i64, 0)), loop, done)
+    builder.position_at_end(loop)
+    block = builder.phi(_i64)
+    block.add_incoming(ir.Constant(_i64, 0), entry)
+    accs = []
+    for _ in range(n_accs):
+        acc = builder.phi(vec(_f32, LANES))
+        acc.add_incoming(ir.Constant(vec(_f32, LANES), [0.0] * LANES), entry)
+        accs.append(acc)
+    return BlockLoop(entry, loop, done, block, accs)
+
+
+def close_block_loop(builder: ir.IRBuilder, blocks: BlockLoop, n_blocks: ir.Value,
+                     next_accs: list[ir.Value]) -> list[ir.Value]:  # fmt: skip
+    """End the body (each accumulator takes its next value), position after the loop and return each
+    accumulator's final value (0 where the loop did not run)."""
+    next_block = builder.add(blocks.block, ir.Constant(_i64, 1))
+    blocks.block.add_incoming(next_block, blocks.loop)
+    for acc, nxt in zip(blocks.accs, next_accs, strict=True):
+        acc.add_incoming(nxt, blocks.loop)
+    builder.cbranch(builder.icmp_signed("<", next_block, n_blocks), blocks.loop, blocks.done)
+    builder.position_at_end(blocks.done)
+    finals = []  # phis first: LLVM wants them at the top of the block
+    for nxt in next_accs:
+        final = builder.phi(vec(_f32, LANES))
+        final.add_incoming(ir.Constant(vec(_f32, LANES), [0.0] * LANES), blocks.entry)
+        final.add_incoming(nxt, blocks.loop)
+        finals.append(final)
+    return finals
+
+
 def _make_group_dot(qtype: QType, num_tokens: int):  # noqa: C901 - one IR loop, written out
     bias = UNSIGNED_BIAS[qtype]
 
@@ -224,23 +271,11 @@ def _make_group_dot(qtype: QType, num_tokens: int):  # noqa: C901 - one IR loop,
 
             dpbusd = dpbusd_emitter(builder, UNSIGNED_MAX[qtype])
             count = dpbusd_emitter(builder, 1)  # against ones: Σx
-            zero_f = ir.Constant(vec(_f32, LANES), [0.0] * LANES)
             zero_i = ir.Constant(vec(_i32, LANES), [0] * LANES)
             even_only = lane_mask([i // 2 if i % 2 == 0 else 8 for i in range(16)])  # lane 8 of the 2nd operand = 0
 
-            entry = builder.block
-            loop = builder.append_basic_block("blocks")
-            done = builder.append_basic_block("done")
-            builder.cbranch(builder.icmp_signed(">", n_blocks, ir.Constant(_i64, 0)), loop, done)
-
-            builder.position_at_end(loop)
-            block = builder.phi(_i64)
-            block.add_incoming(ir.Constant(_i64, 0), entry)
-            accs = []
-            for _ in range(num_tokens):
-                acc = builder.phi(vec(_f32, LANES))
-                acc.add_incoming(zero_f, entry)
-                accs.append(acc)
+            blocks = open_block_loop(builder, n_blocks, num_tokens)
+            block, accs = blocks.block, blocks.accs
             block_ptr, scales16, mins16 = block_scales(builder, qtype, w_base, block)
             prefetch = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
                 ir.VoidType(), [_i8.as_pointer(), _i32, _i32, _i32]), "llvm.prefetch.p0i8")
@@ -281,20 +316,7 @@ def _make_group_dot(qtype: QType, num_tokens: int):  # noqa: C901 - one IR loop,
                     x_mass = builder.fmul(builder.sitofp(x_sum, _f32), x_scale)
                     acc = builder.fadd(acc, builder.fmul(mins16, splat(builder, x_mass, LANES)))
                 next_accs.append(acc)
-            next_block = builder.add(block, ir.Constant(_i64, 1))
-            block.add_incoming(next_block, loop)
-            for acc, nxt in zip(accs, next_accs, strict=True):
-                acc.add_incoming(nxt, loop)
-            builder.cbranch(builder.icmp_signed("<", next_block, n_blocks), loop, done)
-
-            builder.position_at_end(done)
-            finals = []
-            for k in range(num_tokens):  # phis first: LLVM wants them at the top of the block
-                final = builder.phi(vec(_f32, LANES))
-                final.add_incoming(zero_f, entry)
-                final.add_incoming(next_accs[k], loop)
-                finals.append(final)
-            for k, final in enumerate(finals):
+            for k, final in enumerate(close_block_loop(builder, blocks, n_blocks, next_accs)):
                 even = builder.shuffle_vector(final, final, lane_mask(list(range(0, 16, 2))))
                 odd = builder.shuffle_vector(final, final, lane_mask(list(range(1, 16, 2))))
                 rows = builder.fadd(even, odd)  # row r = lane 2r + lane 2r+1
