@@ -152,7 +152,7 @@ def measure_int8_gmacs(model: Model, threads: int, tokens: int = 32, tile_mode: 
     tiles = tile_activations(tile_mode, tokens, cols)
     quantize_activation_rows(x, cols, 0, tokens, xq, xd, xsum, tiles, tokens)
     out = np.zeros((tokens, rows), np.float32)
-    tmp = np.zeros((threads, 4, 8), np.float32)
+    tmp = np.zeros((threads, 8, 8), np.float32)
     tile_out = np.zeros((threads, 8, 16), np.float32)
     repeats = 50
     best = float("inf")

@@ -98,7 +98,7 @@ def time_matmul(qtype: QType, rows: int, cols: int, tokens: int, threads: int, r
             packed = repack(stored, qtype, rows, cols)
             resident = packed.nbytes
             args: tuple[Any, ...] = (packed, int(packed_type(qtype)), rows, cols, xq, xd, xsum, tokens, out,
-                                     np.zeros((threads, 4, 8), np.float32), tiles,
+                                     np.zeros((threads, 8, 8), np.float32), tiles,
                                      np.zeros((threads, 8, 16), np.float32))
             kernel = int8_matmul_repeats
         else:

@@ -30,7 +30,7 @@ def matmul(packed, qtype, rows, x, mode, accumulate=False):
     xq, xd, xsum, tiles = quantized(x, mode)
     out = np.full((tokens, rows), 0.25, np.float32)
     matmul_groups(packed, int(qtype), cols, xq, xd, xsum, tokens, out, 0, rows // 8, accumulate,
-                  np.zeros((4, 8), np.float32), tiles, np.zeros((8, 16), np.float32))
+                  np.zeros((8, 8), np.float32), tiles, np.zeros((8, 16), np.float32))
     return out
 
 
@@ -89,7 +89,7 @@ def test_the_gated_feed_forward_through_tiles_gives_the_same_bits(mode):
         xq, xd, xsum, tiles = quantized(x, m)
         out, up_out = np.zeros((tokens, rows), np.float32), np.zeros((tokens, rows), np.float32)
         swiglu_groups(gate, up, int(QType.Q4_K), int(QType.Q6_K), cols, xq, xd, xsum, tokens, out, up_out, 0,
-                      rows // 8, np.zeros((4, 8), np.float32), np.zeros((4, 8), np.float32), GATE_SILU, tiles,
+                      rows // 8, np.zeros((8, 8), np.float32), np.zeros((8, 8), np.float32), GATE_SILU, tiles,
                       np.zeros((2, 8, 16), np.float32))
         results.append(out)
     assert np.abs(results[0]).max() > 0

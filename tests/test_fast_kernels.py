@@ -51,24 +51,29 @@ def test_group_dot_products_equal_numpy_on_the_same_quantized_inputs(qtype, toke
                 @ dequantize(stored, qtype, cols).T.astype(np.float64))
     out = np.full((tokens, rows + 5), np.nan, np.float32)
     matmul_groups(repack(stored, qtype, rows, cols), int(qtype), cols, xq, xd, xsum, tokens, out, 0, rows // 8, False,
-                  np.zeros((4, 8), np.float32), *UNTILED)
+                  np.zeros((8, 8), np.float32), *UNTILED)
     np.testing.assert_allclose(out[:, :rows], expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
     assert np.isnan(out[:, rows:]).all()  # nothing written past the matrix
 
 
-def test_groups_of_four_tokens_give_the_same_bits_as_one_at_a_time():
-    rng = np.random.default_rng(3)
-    rows, cols, tokens = 64, 576, 7
-    stored = quantize(rng.standard_normal((rows, cols)).astype(np.float32), QType.Q4_1)
-    packed = repack(stored, QType.Q4_1, rows, cols)
+@pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0, QType.Q6_K, QType.Q4_K],
+                         ids=lambda q: q.name)
+def test_groups_of_eight_and_four_tokens_give_the_same_bits_as_one_at_a_time(qtype):
+    """13 tokens run as one call of 8, one of 4 and one of 1: each token's bits are its own alone."""
+    from decoding.kernels.repack import packed_type
+
+    rng = np.random.default_rng(3 + int(qtype))
+    rows, cols, tokens = 64, 512, 13
+    stored = store_as(rng.standard_normal((rows, cols)).astype(np.float32) / 20, qtype, rng)
+    packed, form = repack(stored, qtype, rows, cols), int(packed_type(qtype))
     xq, xd, xsum = quantized_activations(rng.standard_normal((tokens, cols)).astype(np.float32))
     together = np.zeros((tokens, rows), np.float32)
-    matmul_groups(packed, int(QType.Q4_1), cols, xq, xd, xsum, tokens, together, 0, 8, False,
-                  np.zeros((4, 8), np.float32), *UNTILED)
+    matmul_groups(packed, form, cols, xq, xd, xsum, tokens, together, 0, 8, False, np.zeros((8, 8), np.float32),
+                  *UNTILED)
     for t in range(tokens):
         alone = np.zeros((1, rows), np.float32)
-        matmul_groups(packed, int(QType.Q4_1), cols, xq[t : t + 1], xd[t : t + 1], xsum[t : t + 1], 1, alone, 0, 8,
-                      False, np.zeros((4, 8), np.float32), *UNTILED)
+        matmul_groups(packed, form, cols, xq[t : t + 1], xd[t : t + 1], xsum[t : t + 1], 1, alone, 0, 8,
+                      False, np.zeros((8, 8), np.float32), *UNTILED)
         np.testing.assert_array_equal(alone[0], together[t])
 
 
@@ -83,12 +88,12 @@ def test_accumulate_adds_to_the_residual_and_the_gated_unit_combines_both_projec
     residual = rng.standard_normal((tokens, rows)).astype(np.float32)
     out = residual.copy()
     matmul_groups(repack(gate, QType.Q8_0, rows, cols), int(QType.Q8_0), cols, xq, xd, xsum, tokens, out, 0, 2, True,
-                  np.zeros((4, 8), np.float32), *UNTILED)
+                  np.zeros((8, 8), np.float32), *UNTILED)
     np.testing.assert_allclose(out, residual + x @ dequantize(gate, QType.Q8_0, cols).T, rtol=1e-4, atol=1e-4)
     hidden, up_scratch = np.zeros((tokens, rows), np.float32), np.zeros((tokens, rows), np.float32)
     swiglu_groups(repack(gate, QType.Q8_0, rows, cols), repack(up, QType.Q4_1, rows, cols), int(QType.Q8_0),
-                  int(QType.Q4_1), cols, xq, xd, xsum, tokens, hidden, up_scratch, 0, 2, np.zeros((4, 8), np.float32),
-                  np.zeros((4, 8), np.float32), GATE_GELU_TANH if activation == "gelu_tanh" else GATE_SILU,
+                  int(QType.Q4_1), cols, xq, xd, xsum, tokens, hidden, up_scratch, 0, 2, np.zeros((8, 8), np.float32),
+                  np.zeros((8, 8), np.float32), GATE_GELU_TANH if activation == "gelu_tanh" else GATE_SILU,
                   UNTILED[0], np.zeros((2, 8, 16), np.float32))
     g = x @ dequantize(gate, QType.Q8_0, cols).T
     u = x @ dequantize(up, QType.Q4_1, cols).T
@@ -113,7 +118,7 @@ def test_q4_k_runs_in_its_own_form_with_the_exact_weights(tokens):
     activations = dequantized_activations(xq, xd, cols).astype(np.float64)
     out = np.full((tokens, rows), np.nan, np.float32)
     matmul_groups(packed, int(QType.Q4_K), cols, xq, xd, xsum, tokens, out, 0, rows // 8, False,
-                  np.zeros((4, 8), np.float32), *UNTILED)  # fmt: skip
+                  np.zeros((8, 8), np.float32), *UNTILED)  # fmt: skip
     expected = activations @ dequantize(stored, QType.Q4_K, cols).T.astype(np.float64)
     np.testing.assert_allclose(out, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
 
@@ -136,7 +141,7 @@ def test_q5_k_runs_on_the_kernel_of_its_sub_blocks_form_with_fp16_scale_and_min(
     activations = dequantized_activations(xq, xd, cols).astype(np.float64)
     out = np.full((tokens, rows), np.nan, np.float32)
     matmul_groups(repack(stored, qtype, rows, cols), int(form), cols, xq, xd, xsum, tokens, out, 0,
-                  rows // 8, False, np.zeros((4, 8), np.float32), *UNTILED)
+                  rows // 8, False, np.zeros((8, 8), np.float32), *UNTILED)
     expected = activations @ converted.T.astype(np.float64)
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
     against_stored = activations @ exact_weights.T.astype(np.float64)
@@ -178,7 +183,7 @@ def test_q6_k_runs_in_7_bits_with_a_scale_per_16_weights_rounded_to_fp16(tokens)
     packed = repack(stored, QType.Q6_K, rows, cols)
     assert packed.nbytes == rows * cols * 7 // 8  # 6 bits a weight and a fp16 scale per 16
     matmul_groups(packed, int(QType.Q6_K), cols, xq, xd, xsum, tokens, out, 0,
-                  rows // 8, False, np.zeros((4, 8), np.float32), *UNTILED)
+                  rows // 8, False, np.zeros((8, 8), np.float32), *UNTILED)
     expected = activations @ form.T.astype(np.float64)
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
 
@@ -203,7 +208,7 @@ def extreme_products() -> np.ndarray:
                 xq, xd, xsum = quantized_activations(x)
                 out = np.zeros((4, rows), np.float32)
                 matmul_groups(repack(stored, qtype, rows, cols), int(qtype), cols, xq, xd, xsum, 4, out, 0, rows // 8,
-                              False, np.zeros((4, 8), np.float32), *UNTILED)  # fmt: skip
+                              False, np.zeros((8, 8), np.float32), *UNTILED)  # fmt: skip
                 results.append(out)
     return np.stack(results)
 

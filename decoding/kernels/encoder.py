@@ -37,6 +37,7 @@ from .fast_kernels import quantize_activation_row, tiled_tokens
 from .forward import _as_bytes, project
 from .kernels import dequantize_row, split_range
 from .repack import is_packable, packed_type, repack
+from .vnni import GROUP_ROWS, MOST_GROUP_TOKENS
 
 WQ, WK, WV, WO, W_UP, W_DOWN = range(6)
 MATRICES_PER_LAYER = 6
@@ -159,7 +160,7 @@ class EncoderScratch(NamedTuple):
     hidden: np.ndarray  # (max_tokens, hidden_dim)
     scores: np.ndarray  # (n_threads, max_context) float32 one query's attention weights
     row_buffers: np.ndarray  # (n_threads, 2, max(dim, hidden_dim)) dequantized weight rows
-    group_out: np.ndarray  # (n_threads, 2, 4, 8) float32
+    group_out: np.ndarray  # (n_threads, 2, 8, 8) float32
     tiles: TileActivations  # the activations again in AMX tiles' layout (decoding.kernels.amx), or none
     tile_out: np.ndarray  # (n_threads, 2, 8, 16) float32
     xq: np.ndarray  # (max_tokens, max(dim, hidden_dim)) int8 quantized activations (fast mode)
@@ -178,7 +179,7 @@ class EncoderScratch(NamedTuple):
             values_by_dim=zeros(cfg.n_heads, cfg.head_dim, max_tokens),
             v=zeros(max_tokens, cfg.dim), attn=zeros(max_tokens, cfg.dim), out=zeros(max_tokens, cfg.dim),
             hidden=zeros(max_tokens, cfg.hidden_dim), scores=zeros(n_threads, cfg.max_context),
-            row_buffers=zeros(n_threads, 2, widest), group_out=zeros(n_threads, 2, 4, 8),
+            row_buffers=zeros(n_threads, 2, widest), group_out=zeros(n_threads, 2, MOST_GROUP_TOKENS, GROUP_ROWS),
             tiles=tile_activations(tile_mode, max_tokens, widest), tile_out=zeros(n_threads, 2, 8, 16),
             xq=np.zeros((max_tokens, widest), dtype=np.int8), xd=zeros(max_tokens, widest // 32),
             xsum=np.zeros((max_tokens, widest // 32), dtype=np.int32),

@@ -2,7 +2,7 @@
 
 Like llama.cpp's CPU path: each activation row is quantized once per matrix it feeds (Q8_0-style,
 scale = max|x| / 127, round half away from zero), then every 8-row weight group is dotted with up to
-four tokens at a time (decoding.kernels.vnni), or sixteen through AMX tiles where the CPU grants
+eight tokens at a time (decoding.kernels.vnni), or sixteen through AMX tiles where the CPU grants
 them (decoding.kernels.amx). A row's numbers never depend on the batch: a token's
 quantization and dot products are the same operations whether it is alone or among many.
 """
@@ -31,18 +31,25 @@ from .vnni import (
     BLOCK_STRIDE,
     group_dot_q4_0_x1,
     group_dot_q4_0_x4,
+    group_dot_q4_0_x8,
     group_dot_q4_1_x1,
     group_dot_q4_1_x4,
+    group_dot_q4_1_x8,
     group_dot_q4_k_x1,
     group_dot_q4_k_x4,
+    group_dot_q4_k_x8,
     group_dot_q5_0_x1,
     group_dot_q5_0_x4,
+    group_dot_q5_0_x8,
     group_dot_q5_1_x1,
     group_dot_q5_1_x4,
+    group_dot_q5_1_x8,
     group_dot_q6_k_x1,
     group_dot_q6_k_x4,
+    group_dot_q6_k_x8,
     group_dot_q8_0_x1,
     group_dot_q8_0_x4,
+    group_dot_q8_0_x8,
 )
 
 Q4_0, Q4_1, Q5_0, Q8_0 = int(QType.Q4_0), int(QType.Q4_1), int(QType.Q5_0), int(QType.Q8_0)
@@ -92,39 +99,53 @@ def group_stride(qtype, n_blocks):
 
 @njit(nogil=True, cache=True)
 def group_dot(packed, qtype, offset, n_blocks, xq, xd, xsum, token, num_tokens, out):
-    """out[k, :8] for tokens token..token+num_tokens-1 (num_tokens is 1 or 4)."""
+    """out[k, :8] for tokens token..token+num_tokens-1 (num_tokens is 1, 4 or 8)."""
     if qtype == Q4_1:
-        if num_tokens == 4:
+        if num_tokens == 8:
+            group_dot_q4_1_x8(packed, offset, n_blocks, xq, xd, xsum, token, out)
+        elif num_tokens == 4:
             group_dot_q4_1_x4(packed, offset, n_blocks, xq, xd, xsum, token, out)
         else:
             group_dot_q4_1_x1(packed, offset, n_blocks, xq, xd, xsum, token, out)
     elif qtype == Q4_K:
-        if num_tokens == 4:
+        if num_tokens == 8:
+            group_dot_q4_k_x8(packed, offset, n_blocks, xq, xd, xsum, token, out)
+        elif num_tokens == 4:
             group_dot_q4_k_x4(packed, offset, n_blocks, xq, xd, xsum, token, out)
         else:
             group_dot_q4_k_x1(packed, offset, n_blocks, xq, xd, xsum, token, out)
     elif qtype == Q6_K:
-        if num_tokens == 4:
+        if num_tokens == 8:
+            group_dot_q6_k_x8(packed, offset, n_blocks, xq, xd, xsum, token, out)
+        elif num_tokens == 4:
             group_dot_q6_k_x4(packed, offset, n_blocks, xq, xd, xsum, token, out)
         else:
             group_dot_q6_k_x1(packed, offset, n_blocks, xq, xd, xsum, token, out)
     elif qtype == Q5_1:
-        if num_tokens == 4:
+        if num_tokens == 8:
+            group_dot_q5_1_x8(packed, offset, n_blocks, xq, xd, xsum, token, out)
+        elif num_tokens == 4:
             group_dot_q5_1_x4(packed, offset, n_blocks, xq, xd, xsum, token, out)
         else:
             group_dot_q5_1_x1(packed, offset, n_blocks, xq, xd, xsum, token, out)
     elif qtype == Q5_0:
-        if num_tokens == 4:
+        if num_tokens == 8:
+            group_dot_q5_0_x8(packed, offset, n_blocks, xq, xd, xsum, token, out)
+        elif num_tokens == 4:
             group_dot_q5_0_x4(packed, offset, n_blocks, xq, xd, xsum, token, out)
         else:
             group_dot_q5_0_x1(packed, offset, n_blocks, xq, xd, xsum, token, out)
     elif qtype == Q8_0:
-        if num_tokens == 4:
+        if num_tokens == 8:
+            group_dot_q8_0_x8(packed, offset, n_blocks, xq, xd, xsum, token, out)
+        elif num_tokens == 4:
             group_dot_q8_0_x4(packed, offset, n_blocks, xq, xd, xsum, token, out)
         else:
             group_dot_q8_0_x1(packed, offset, n_blocks, xq, xd, xsum, token, out)
     else:
-        if num_tokens == 4:
+        if num_tokens == 8:
+            group_dot_q4_0_x8(packed, offset, n_blocks, xq, xd, xsum, token, out)
+        elif num_tokens == 4:
             group_dot_q4_0_x4(packed, offset, n_blocks, xq, xd, xsum, token, out)
         else:
             group_dot_q4_0_x1(packed, offset, n_blocks, xq, xd, xsum, token, out)
@@ -169,7 +190,7 @@ def quantize_activation_rows(x, n_cols, row_begin, row_end, xq, xd, xsum, tiles,
 def matmul_groups(
     packed, qtype, n_cols, xq, xd, xsum, n_tokens, out, group_begin, group_end, accumulate, tmp, tiles, tile_out
 ):
-    """out[t, 8g + i] (+)= row 8g+i · x[t] for groups [group_begin, group_end); tmp: (4, 8) float32, tile_out:
+    """out[t, 8g + i] (+)= row 8g+i · x[t] for groups [group_begin, group_end); tmp: (8, 8) float32, tile_out:
     (8, 16) float32. Whole tiles of 16 tokens go through `tiles` where they are in use (the same numbers)."""
     n_blocks = n_cols // 32
     stride = group_stride(qtype, n_blocks)
@@ -186,7 +207,7 @@ def matmul_groups(
                         out[first + k, 8 * g + i] = tile_out[i, k]
         t = n_tiled
         while t < n_tokens:
-            step = 4 if t + 4 <= n_tokens else 1
+            step = 8 if t + 8 <= n_tokens else (4 if t + 4 <= n_tokens else 1)
             group_dot(packed, qtype, g * stride, n_blocks, xq, xd, xsum, t, step, tmp)
             for k in range(step):
                 for i in range(8):
@@ -225,7 +246,7 @@ def swiglu_groups(gate, up, qtype_gate, qtype_up, n_cols, xq, xd, xsum, n_tokens
                     up_out[first + k, 8 * g + i] = tile_out[1, i, k]
         t = n_tiled
         while t < n_tokens:
-            step = 4 if t + 4 <= n_tokens else 1
+            step = 8 if t + 8 <= n_tokens else (4 if t + 4 <= n_tokens else 1)
             group_dot(gate, qtype_gate, g * stride_gate, n_blocks, xq, xd, xsum, t, step, tmp_gate)
             group_dot(up, qtype_up, g * stride_up, n_blocks, xq, xd, xsum, t, step, tmp_up)
             for k in range(step):

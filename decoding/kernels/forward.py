@@ -82,6 +82,7 @@ from .phases import (
 )
 from .reference import rope_tables
 from .repack import is_packable, packed_nbytes, packed_type, repack
+from .vnni import GROUP_ROWS, MOST_GROUP_TOKENS
 
 log = logging.getLogger(__name__)
 
@@ -312,7 +313,7 @@ class StepScratch(NamedTuple):
     xq: np.ndarray  # (max(max_tokens, max_logit_rows), widest) int8 quantized activations (fast mode)
     xd: np.ndarray  # (same rows, widest / 32) float32 their block scales
     xsum: np.ndarray  # (same rows, widest / 32) int32 their block sums
-    group_out: np.ndarray  # (n_threads, 2, 4, 8) float32 results of one 8-row group for up to 4 tokens
+    group_out: np.ndarray  # (n_threads, 2, 8, 8) float32 results of one 8-row group for up to 8 tokens
     tiles: TileActivations  # the activations again in AMX tiles' layout (decoding.kernels.amx), or none
     untiled: TileActivations  # none: for the experts' gathered rows
     tile_out: np.ndarray  # (n_threads, 2, 8, 16) float32 results of one 8-row group for a tile of 16 tokens
@@ -351,7 +352,8 @@ class StepScratch(NamedTuple):
             row_buffers=zeros(n_threads, 2, widest),
             attn_scratch=attention_scratch(n_threads, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, block_size),
             xq=np.zeros((rows, widest), dtype=np.int8), xd=zeros(rows, widest // 32),
-            xsum=np.zeros((rows, widest // 32), dtype=np.int32), group_out=zeros(n_threads, 2, 4, 8),
+            xsum=np.zeros((rows, widest // 32), dtype=np.int32),
+            group_out=zeros(n_threads, 2, MOST_GROUP_TOKENS, GROUP_ROWS),
             tiles=tile_activations(tile_mode, rows, widest), untiled=tile_activations(0, 0, 0),
             tile_out=zeros(n_threads, 2, 8, 16), phase_cycles=no_profile(),
             expert_scores=zeros(max_tokens if experts else 0, experts),

@@ -2,7 +2,7 @@
 
 numba never emits `vpdpbusd` on its own (MEASURED.md), so each kernel here is an LLVM IR loop
 written with llvmlite and exposed to nopython code as an intrinsic. One call computes 8 weight rows
-(an interleaved group, see decoding.kernels.repack) against 1 or 4 tokens, and stores 8 float32 results
+(an interleaved group, see decoding.kernels.repack) against 1, 4 or 8 tokens, and stores 8 float32 results
 per token.
 
 Per 32-weight block and 8 rows, four `vpdpbusd`s multiply unsigned weight bytes with signed
@@ -35,6 +35,7 @@ from ..model.quant import QType
 
 LANES = 16
 GROUP_ROWS = 8
+MOST_GROUP_TOKENS = 8  # the widest call: results are (MOST_GROUP_TOKENS, GROUP_ROWS) float32
 # bytes of one (8-row group, 32-weight block) in the repacked stream, and where its scales start
 BLOCK_STRIDE = {QType.Q4_0: 144, QType.Q4_1: 160, QType.Q5_0: 176, QType.Q5_1: 192, QType.Q8_0: 272,
                 QType.Q6_K: 224, QType.Q4_K: 148}  # Q4_K: 144 a block and its share of the super-block's 32
@@ -53,10 +54,12 @@ UNSIGNED_BIAS = {QType.Q4_0: 8, QType.Q5_0: 16, QType.Q8_0: 128, QType.Q4_1: 0, 
 # Q6_K's form has a scale per 16 weights, one per lane: lane 2r holds row r's weights 0..15 of the
 # block, lane 2r+1 its weights 16..31 (the step order of decoding.kernels.repack)
 HALF_SCALES = (QType.Q6_K,)
-# bytes past a block's start that the four-token kernels ask for (two lines, ~7 blocks ahead): a batch of 8
-# computes on each group's weights while they stream from DRAM, and the hardware prefetcher alone left it waiting
-# (docs/performance.md); the one-token kernel, which only streams, is faster without
-PREFETCH_AHEAD = (1024, 1088)
+# how far ahead of its block the batched kernels ask for weights: ~28 blocks of Q4_K, ~300 ns of an 8-token
+# call, past the DRAM latency. At 8 tokens the step is compute-bound only if the weights arrive while the
+# kernel works; with the hardware prefetcher alone (or 1 KiB ahead) it waited for them (docs/performance.md).
+# Each block asks for as many lines as it is long. The one-token kernel, which only streams, keeps to the
+# hardware prefetcher.
+PREFETCH_AHEAD = 4096
 
 _i8, _i16, _i32, _i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _f32 = ir.FloatType()
@@ -279,9 +282,10 @@ def _make_group_dot(qtype: QType, num_tokens: int):  # noqa: C901 - one IR loop,
             block_ptr, scales16, mins16 = block_scales(builder, qtype, w_base, block)
             prefetch = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
                 ir.VoidType(), [_i8.as_pointer(), _i32, _i32, _i32]), "llvm.prefetch.p0i8")
-            for ahead in (PREFETCH_AHEAD if num_tokens > 1 else ()):
-                builder.call(prefetch, [builder.gep(block_ptr, [ir.Constant(_i64, ahead)]), ir.Constant(_i32, 0),
-                                        ir.Constant(_i32, 3), ir.Constant(_i32, 1)])
+            for line in range(-(-BLOCK_STRIDE[qtype] // 64) if num_tokens > 1 else 0):
+                ahead = ir.Constant(_i64, PREFETCH_AHEAD + 64 * line)
+                builder.call(prefetch, [builder.gep(block_ptr, [ahead]), ir.Constant(_i32, 0), ir.Constant(_i32, 3),
+                                        ir.Constant(_i32, 1)])
             weight_vectors = [weight_vector(builder, qtype, block_ptr, s) for s in range(4)]
             next_accs = []
             for k in range(num_tokens):
@@ -331,15 +335,22 @@ def _make_group_dot(qtype: QType, num_tokens: int):  # noqa: C901 - one IR loop,
 
 group_dot_q4_0_x1 = _make_group_dot(QType.Q4_0, 1)
 group_dot_q4_0_x4 = _make_group_dot(QType.Q4_0, 4)
+group_dot_q4_0_x8 = _make_group_dot(QType.Q4_0, 8)
 group_dot_q4_1_x1 = _make_group_dot(QType.Q4_1, 1)
 group_dot_q4_1_x4 = _make_group_dot(QType.Q4_1, 4)
+group_dot_q4_1_x8 = _make_group_dot(QType.Q4_1, 8)
 group_dot_q4_k_x1 = _make_group_dot(QType.Q4_K, 1)
 group_dot_q4_k_x4 = _make_group_dot(QType.Q4_K, 4)
+group_dot_q4_k_x8 = _make_group_dot(QType.Q4_K, 8)
 group_dot_q5_0_x1 = _make_group_dot(QType.Q5_0, 1)
 group_dot_q5_0_x4 = _make_group_dot(QType.Q5_0, 4)
+group_dot_q5_0_x8 = _make_group_dot(QType.Q5_0, 8)
 group_dot_q5_1_x1 = _make_group_dot(QType.Q5_1, 1)
 group_dot_q5_1_x4 = _make_group_dot(QType.Q5_1, 4)
+group_dot_q5_1_x8 = _make_group_dot(QType.Q5_1, 8)
 group_dot_q6_k_x1 = _make_group_dot(QType.Q6_K, 1)
 group_dot_q6_k_x4 = _make_group_dot(QType.Q6_K, 4)
+group_dot_q6_k_x8 = _make_group_dot(QType.Q6_K, 8)
 group_dot_q8_0_x1 = _make_group_dot(QType.Q8_0, 1)
 group_dot_q8_0_x4 = _make_group_dot(QType.Q8_0, 4)
+group_dot_q8_0_x8 = _make_group_dot(QType.Q8_0, 8)
