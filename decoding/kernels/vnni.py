@@ -54,11 +54,10 @@ UNSIGNED_BIAS = {QType.Q4_0: 8, QType.Q5_0: 16, QType.Q8_0: 128, QType.Q4_1: 0, 
 # Q6_K's form has a scale per 16 weights, one per lane: lane 2r holds row r's weights 0..15 of the
 # block, lane 2r+1 its weights 16..31 (the step order of decoding.kernels.repack)
 HALF_SCALES = (QType.Q6_K,)
-# how far ahead of its block the batched kernels ask for weights: ~28 blocks of Q4_K, ~300 ns of an 8-token
-# call, past the DRAM latency. At 8 tokens the step is compute-bound only if the weights arrive while the
-# kernel works; with the hardware prefetcher alone (or 1 KiB ahead) it waited for them (docs/performance.md).
-# Each block asks for as many lines as it is long. The one-token kernel, which only streams, keeps to the
-# hardware prefetcher.
+# how far ahead of its block a kernel asks for weights (every line of the block that far on): ~28 blocks
+# of Q4_K, ~300 ns of an 8-token call, past the DRAM latency. At 8 tokens the step is compute-bound only
+# if the weights arrive while the kernel works; with the hardware prefetcher alone (or 1 KiB ahead) it
+# waited for them, and one token streams ~9% faster with it too (docs/performance.md).
 PREFETCH_AHEAD = 4096
 
 _i8, _i16, _i32, _i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
@@ -282,7 +281,7 @@ def _make_group_dot(qtype: QType, num_tokens: int):  # noqa: C901 - one IR loop,
             block_ptr, scales16, mins16 = block_scales(builder, qtype, w_base, block)
             prefetch = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
                 ir.VoidType(), [_i8.as_pointer(), _i32, _i32, _i32]), "llvm.prefetch.p0i8")
-            for line in range(-(-BLOCK_STRIDE[qtype] // 64) if num_tokens > 1 else 0):
+            for line in range(-(-BLOCK_STRIDE[qtype] // 64)):
                 ahead = ir.Constant(_i64, PREFETCH_AHEAD + 64 * line)
                 builder.call(prefetch, [builder.gep(block_ptr, [ahead]), ir.Constant(_i32, 0), ir.Constant(_i32, 3),
                                         ir.Constant(_i32, 1)])
