@@ -1,7 +1,7 @@
 """`treadle bench batch-decode FILE.gguf`: one decode step of N sequences together, beside the int8 roof.
 
     .venv/bin/treadle bench batch-decode /tmp/shapes/qwen2.5-1.5b-q4_k_m.gguf [--streams 1,8,32]
-        [--context 128] [--threads 2] [--steps 10] [--json PATH]
+        [--context 128] [--prompt-tokens 512] [--threads 2] [--steps 10] [--json PATH]
 
 At 1.5B-8B a batched decode step is int8 dot products, not memory traffic: this measures the model's
 real step (`ModelRunner.forward`, the fast kernels on the spin pool, the weight cache mapped) with N
@@ -9,9 +9,11 @@ sequences each decoding one token at position `context` - 1 over a float16 KV ca
 a step's time does not depend on them), and reports per level the median step time, the
 multiply-accumulates it does per second (every matrix and the LM head, per token) and their share of
 the int8 probe measured in the same run (`bench.engine_rooflines.measure_int8_gmacs`, the AMX tiles'
-where they are granted), and where the step's time goes (the kernels' phases). Through HTTP
-(`bench sizes`) the same streams also carry their prompts, scheduling and streaming; this is the step
-alone.
+where they are granted), and where the step's time goes (the kernels' phases). With
+--prompt-tokens, one more row: one sequence's prompt of that many tokens as a single step (causal
+attention over itself, no LM head but its last row's), whose multiply-accumulates are every layer's
+matrices per token. Through HTTP (`bench sizes`) the same streams also carry their prompts,
+scheduling and streaming; this is the step alone.
 """
 
 from __future__ import annotations
@@ -38,12 +40,18 @@ from threadpool import SpinPool
 BLOCK_SIZE = 16
 
 
+def prompt_macs_per_token(cfg: ModelConfig) -> int:
+    """Multiply-accumulates of one prompt token's matrices: each layer's projections and feed-forward (the
+    experts a token uses, and the router); the LM head runs for the last token only."""
+    attention = (cfg.q_dim + 2 * cfg.kv_dim) * cfg.dim + cfg.dim * cfg.q_dim
+    return cfg.n_layers * (attention + max(cfg.n_experts_used, 1) * 3 * cfg.dim * cfg.hidden_dim
+                           + cfg.n_experts * cfg.dim)
+
+
 def decode_macs_per_token(cfg: ModelConfig) -> int:
     """Multiply-accumulates of one decoded token's matrices: each layer's projections and feed-forward (the
     experts a token uses, and the router), and the LM head."""
-    attention = (cfg.q_dim + 2 * cfg.kv_dim) * cfg.dim + cfg.dim * cfg.q_dim
-    feed_forward = max(cfg.n_experts_used, 1) * 3 * cfg.dim * cfg.hidden_dim + cfg.n_experts * cfg.dim
-    return cfg.n_layers * (attention + feed_forward) + cfg.vocab_size * cfg.dim
+    return prompt_macs_per_token(cfg) + cfg.vocab_size * cfg.dim
 
 
 def _decode_batch(streams: int, context: int) -> StepBatch:
@@ -57,7 +65,37 @@ def _decode_batch(streams: int, context: int) -> StepBatch:
     return StepBatch(token_ids=np.ones(streams, np.int32), kv=kv, logit_rows=np.arange(streams, dtype=np.int32))
 
 
-def measure(path: Path, streams: list[int], context: int, threads: int, steps: int) -> dict[str, Any]:
+def _prompt_batch(tokens: int) -> StepBatch:
+    blocks = -(-tokens // BLOCK_SIZE)
+    table = np.arange(blocks, dtype=np.int32)
+    positions = np.arange(tokens, dtype=np.int32)
+    kv = KVBatchArrays(block_tables=table.reshape(1, blocks), context_lens=np.array([tokens], np.int32),
+                       query_start_loc=np.array([0, tokens], np.int32), positions=positions,
+                       slot_mapping=table[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE)
+    token_ids = np.random.default_rng(1).integers(0, 1000, tokens).astype(np.int32)
+    return StepBatch(token_ids=token_ids, kv=kv, logit_rows=np.array([tokens - 1], np.int32))
+
+
+def _time_step(runner: ModelRunner, batch: StepBatch, steps: int) -> tuple[float, dict[str, float]]:
+    """The median of `steps` steps after a first one (compiles or loads the kernels, warms the caches), and
+    each phase's share of their time."""
+    logits = runner.forward(batch)
+    if not np.isfinite(logits).all():
+        raise RuntimeError("the step's logits are not finite")
+    runner.profile_phases(True)
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        runner.forward(batch)
+        times.append(time.perf_counter() - started)
+    cycles = runner.phase_cycles
+    runner.profile_phases(False)
+    return statistics.median(times), {name: float(c / cycles.sum()) for name, c in zip(PHASES, cycles, strict=True)
+                                      if c}
+
+
+def measure(path: Path, streams: list[int], context: int, threads: int, steps: int,
+            prompt_tokens: int = 0) -> dict[str, Any]:  # fmt: skip
     from bench.engine_rooflines import measure_int8_gmacs
     from decoding.kernels.amx import HARDWARE
     from decoding.kernels.amx_probe import tile_support
@@ -68,7 +106,8 @@ def measure(path: Path, streams: list[int], context: int, threads: int, steps: i
     weights = KernelWeights.build(cfg, model.weights, fast=True, cache=cache)
     spec = KVCacheSpec(n_layers=cfg.n_layers, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
                        block_size=BLOCK_SIZE, dtype="float16")  # fmt: skip
-    storage = KVCacheStorage.allocate(spec, max(streams) * -(-context // BLOCK_SIZE))
+    n_blocks = max(max(streams) * -(-context // BLOCK_SIZE), -(-prompt_tokens // BLOCK_SIZE))
+    storage = KVCacheStorage.allocate(spec, n_blocks)
     rng = np.random.default_rng(0)
     for layer in range(cfg.n_layers):
         for cache_array in (storage.key_cache[layer], storage.value_cache[layer]):
@@ -77,26 +116,19 @@ def measure(path: Path, streams: list[int], context: int, threads: int, steps: i
     macs = decode_macs_per_token(cfg)
     results: dict[str, Any] = {"model": str(path), "threads": threads, "context": context,
                                "decode_macs_per_token": macs, "levels": []}  # fmt: skip
+    rows = max(max(streams), prompt_tokens)
     with SpinPool(threads) as pool:
-        runner = ModelRunner(model, storage, pool, max_num_tokens=max(streams), max_logit_rows=max(streams),
-                             weights=weights)  # fmt: skip
+        runner = ModelRunner(model, storage, pool, max_num_tokens=rows, max_logit_rows=rows, weights=weights)
         for n in streams:
-            batch = _decode_batch(n, context)
-            logits = runner.forward(batch)  # compile or load the kernels, warm the caches
-            if not np.isfinite(logits).all():
-                raise RuntimeError(f"{n} streams: the step's logits are not finite")
-            runner.profile_phases(True)
-            times = []
-            for _ in range(steps):
-                started = time.perf_counter()
-                runner.forward(batch)
-                times.append(time.perf_counter() - started)
-            cycles = runner.phase_cycles
-            runner.profile_phases(False)
-            step = statistics.median(times)
-            results["levels"].append({
-                "streams": n, "step_ms": 1e3 * step, "tokens_per_s": n / step, "gmacs": n * macs / step / 1e9,
-                "phases": {name: float(c / cycles.sum()) for name, c in zip(PHASES, cycles, strict=True) if c}})
+            step, phases = _time_step(runner, _decode_batch(n, context), steps)
+            results["levels"].append({"streams": n, "step_ms": 1e3 * step, "tokens_per_s": n / step,
+                                      "gmacs": n * macs / step / 1e9, "phases": phases})  # fmt: skip
+        if prompt_tokens:
+            step, phases = _time_step(runner, _prompt_batch(prompt_tokens), steps)
+            # the LM head runs once, for the prompt's last row
+            prompt_macs = prompt_tokens * prompt_macs_per_token(cfg) + cfg.vocab_size * cfg.dim
+            results["prompt"] = {"tokens": prompt_tokens, "step_ms": 1e3 * step, "tokens_per_s": prompt_tokens / step,
+                                 "gmacs": prompt_macs / step / 1e9, "phases": phases}  # fmt: skip
     results["int8_gmacs"] = measure_int8_gmacs(model, threads)
     results["amx_int8_gmacs"] = measure_int8_gmacs(model, threads, tile_mode=HARDWARE) if tile_support().granted \
         else None  # fmt: skip
@@ -111,10 +143,13 @@ def report(results: dict[str, Any]) -> str:
              f"{roof or 0:.0f} GMAC/s, measured after the steps)", "",
              "| streams | step, ms | tokens/s | GMAC/s | share of the roof | largest phases |",
              "| ---: | ---: | ---: | ---: | ---: | --- |"]  # fmt: skip
-    for level in results["levels"]:
+    rows = [(str(level["streams"]), level) for level in results["levels"]]
+    if results.get("prompt"):
+        rows.append((f"a {results['prompt']['tokens']}-token prompt", results["prompt"]))
+    for label, level in rows:
         phases = sorted(level["phases"].items(), key=lambda item: -item[1])[:3]
         share = f"{level['gmacs'] / roof:.0%}" if roof else "—"
-        lines.append(f"| {level['streams']} | {level['step_ms']:.1f} | {level['tokens_per_s']:.1f} | "
+        lines.append(f"| {label} | {level['step_ms']:.1f} | {level['tokens_per_s']:.1f} | "
                      f"{level['gmacs']:.0f} | {share} | " + ", ".join(f"{n} {s:.0%}" for n, s in phases) + " |")
     return "\n".join(lines)
 
@@ -124,14 +159,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("file", type=Path)
     parser.add_argument("--streams", default="1,8,32")
     parser.add_argument("--context", type=int, default=128, help="each sequence's position (default %(default)s)")
+    parser.add_argument("--prompt-tokens", type=int, default=0,
+                        help="also one prompt of this many tokens as a single step (default: none)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
-    results = measure(args.file, [int(s) for s in args.streams.split(",")], args.context, args.threads, args.steps)
+    results = measure(args.file, [int(s) for s in args.streams.split(",")], args.context, args.threads, args.steps,
+                      args.prompt_tokens)
     print(report(results))
+    prompt = f" --prompt-tokens {args.prompt_tokens}" if args.prompt_tokens else ""
     print(f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; `treadle bench batch-decode {args.file} "
-          f"--streams {args.streams} --context {args.context} --threads {args.threads}`")  # fmt: skip
+          f"--streams {args.streams} --context {args.context}{prompt} --threads {args.threads}`")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

@@ -191,7 +191,7 @@ def context_table(path: Path, runs: dict[str, dict[str, Any]], contexts: list[in
 
 def model_costs(gguf: Path, threads: int) -> dict[str, Any]:
     """Bytes of weights treadle reads per decode token, multiply-accumulates per prompt token, and the roofs."""
-    from bench.batch_decode import decode_macs_per_token
+    from bench.batch_decode import decode_macs_per_token, prompt_macs_per_token
     from bench.engine_rooflines import measure_int8_gmacs, measure_read_bandwidth
     from decoding import load_model
     from decoding.kernels.amx import HARDWARE
@@ -208,7 +208,7 @@ def model_costs(gguf: Path, threads: int) -> dict[str, Any]:
         "active_parameters_b": (cfg.n_layers * (attention + used * feed_forward) + 2 * cfg.vocab_size * cfg.dim) / 1e9,
         "file_gb": gguf.stat().st_size / 1e9,
         "decode_bytes_per_token": bytes_read_per_token(cfg, model.weights, fast=True),
-        "prompt_macs_per_token": cfg.n_layers * (attention + used * feed_forward + cfg.n_experts * cfg.dim),
+        "prompt_macs_per_token": prompt_macs_per_token(cfg),
         "decode_macs_per_token": decode_macs_per_token(cfg),  # the prompt's and the LM head's
         "n_experts": cfg.n_experts,
         "n_experts_used": cfg.n_experts_used,

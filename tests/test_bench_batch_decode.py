@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.batch_decode import decode_macs_per_token, measure, report
+from bench.batch_decode import decode_macs_per_token, measure, prompt_macs_per_token, report
 from bench.synth import write_model
 from decoding import load_model
 
@@ -20,10 +20,11 @@ def test_a_tokens_multiply_accumulates_are_its_matrices_and_the_lm_head(tiny_fil
     cfg = load_model(tiny_file).config
     per_layer = (cfg.q_dim + 2 * cfg.kv_dim) * cfg.dim + cfg.dim * cfg.q_dim + 3 * cfg.dim * cfg.hidden_dim
     assert decode_macs_per_token(cfg) == cfg.n_layers * per_layer + cfg.vocab_size * cfg.dim
+    assert prompt_macs_per_token(cfg) == cfg.n_layers * per_layer
 
 
 def test_each_level_gets_a_step_time_its_rate_and_where_its_time_went(tiny_file):
-    results = measure(tiny_file, [1, 4], context=40, threads=2, steps=2)
+    results = measure(tiny_file, [1, 4], context=40, threads=2, steps=2, prompt_tokens=37)
     assert [level["streams"] for level in results["levels"]] == [1, 4]
     for level in results["levels"]:
         assert level["step_ms"] > 0 and level["gmacs"] == pytest.approx(
@@ -32,3 +33,9 @@ def test_each_level_gets_a_step_time_its_rate_and_where_its_time_went(tiny_file)
     assert results["int8_gmacs"] > 0
     table = report(results)
     assert "| 4 |" in table and "share of the roof" in table
+    prompt = results["prompt"]
+    cfg = load_model(tiny_file).config
+    assert prompt["tokens"] == 37 and prompt["gmacs"] == pytest.approx(
+        (37 * prompt_macs_per_token(cfg) + cfg.vocab_size * cfg.dim) / prompt["step_ms"] / 1e6)
+    assert "lm head" in prompt["phases"] and "paged attention" in prompt["phases"]
+    assert "| a 37-token prompt |" in table
