@@ -17,7 +17,7 @@ lane's Σx from a `vpdpbusd` against ones. Q4_K keeps its own 4.5-bit economy ne
 each super-block of 8 blocks opens with the 8 rows' fp16 d and dmin (32 B), then each block has Q4_0's
 nibbles and each row's 6-bit sub-block scale and min as a byte each; the kernel forms d·scale and
 dmin·min in float32 per block, then runs as Q4_1. Every token's arithmetic is the same sequence
-of operations whether it is computed alone or with three others, so results are batch-invariant.
+of operations whether it is computed alone or with three or seven others, so results are batch-invariant.
 """
 
 from __future__ import annotations
