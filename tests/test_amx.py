@@ -186,6 +186,7 @@ def test_the_hardware_kernel_is_built_on_every_cpu():
     asm = one_tile.inspect_asm(one_tile.signatures[0])
     for instruction in ("ldtilecfg", "tileloadd", "tdpbusd", "tilestored", "tilerelease"):
         assert instruction in asm
+    assert "prefetcht0" in asm  # the weights ahead, as the VNNI kernels ask for them
 
 
 def tile_product(tiles_class):

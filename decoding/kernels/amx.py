@@ -46,6 +46,7 @@ from .vnni import (
     lane_mask,
     load_at,
     open_block_loop,
+    prefetch_ahead,
     splat,
     vec,
     weight_vector,
@@ -251,6 +252,7 @@ def _define_tile_dot(module: ir.Module, qtype: QType, tiles_class) -> ir.Functio
     block, accs = blocks.block, blocks.accs  # accs[2r + h]: lane 2r + h of the VNNI kernel, over the 16 tokens
 
     block_ptr, scales16, mins16 = block_scales(builder, qtype, w_base, block)
+    prefetch_ahead(builder, qtype, block_ptr)  # as the VNNI kernels: a batch's step computes while its weights arrive
     steps = [builder.bitcast(weight_vector(builder, qtype, block_ptr, s), vec(_i32, 16)) for s in range(4)]
     # A_h row r = lane 2r + h of the four steps: word 4r + s of A_h is word 2r + h of step s
     low, high = (builder.shuffle_vector(steps[0], steps[1], lane_mask(list(range(32)))),
