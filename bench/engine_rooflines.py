@@ -14,6 +14,7 @@ from decoding.kernels.amx import tile_activations
 from decoding.kernels.fast_kernels import matmul_groups, quantize_activation_rows
 from decoding.kernels.kernels import split_range
 from decoding.kernels.repack import is_packable, packed_type, repack
+from decoding.kernels.vnni import GROUP_ROWS, MOST_GROUP_TOKENS
 from decoding.model.model import Model
 from threadpool import SpinPool, barrier_wait
 
@@ -152,7 +153,7 @@ def measure_int8_gmacs(model: Model, threads: int, tokens: int = 32, tile_mode: 
     tiles = tile_activations(tile_mode, tokens, cols)
     quantize_activation_rows(x, cols, 0, tokens, xq, xd, xsum, tiles, tokens)
     out = np.zeros((tokens, rows), np.float32)
-    tmp = np.zeros((threads, 8, 8), np.float32)
+    tmp = np.zeros((threads, MOST_GROUP_TOKENS, GROUP_ROWS), np.float32)
     tile_out = np.zeros((threads, 8, 16), np.float32)
     repeats = 50
     best = float("inf")

@@ -32,6 +32,7 @@ from decoding.kernels.amx_probe import tile_support
 from decoding.kernels.fast_kernels import quantize_activation_rows
 from decoding.kernels.kernels import matmul_rows, split_range
 from decoding.kernels.repack import is_packable, packed_type, repack
+from decoding.kernels.vnni import GROUP_ROWS, MOST_GROUP_TOKENS
 from decoding.model.quant import BLOCK_SHAPES, FP16_FIELDS, K_TYPES, QType, dequantize, quantize
 from threadpool import SpinPool, barrier_wait
 from threadpool.affinity import usable_cores
@@ -98,7 +99,7 @@ def time_matmul(qtype: QType, rows: int, cols: int, tokens: int, threads: int, r
             packed = repack(stored, qtype, rows, cols)
             resident = packed.nbytes
             args: tuple[Any, ...] = (packed, int(packed_type(qtype)), rows, cols, xq, xd, xsum, tokens, out,
-                                     np.zeros((threads, 8, 8), np.float32), tiles,
+                                     np.zeros((threads, MOST_GROUP_TOKENS, GROUP_ROWS), np.float32), tiles,
                                      np.zeros((threads, 8, 16), np.float32))
             kernel = int8_matmul_repeats
         else:

@@ -103,6 +103,7 @@ def check_tiles(mode: int | None = None) -> list[str]:
     from decoding.kernels.amx import HARDWARE, tile_activations
     from decoding.kernels.fast_kernels import matmul_groups, quantize_activation_rows
     from decoding.kernels.repack import repack
+    from decoding.kernels.vnni import GROUP_ROWS, MOST_GROUP_TOKENS
     from decoding.model.quant import BLOCK_SHAPES, FP16_FIELDS, QType
 
     mode = HARDWARE if mode is None else mode
@@ -124,7 +125,8 @@ def check_tiles(mode: int | None = None) -> list[str]:
             quantize_activation_rows(x, cols, 0, tokens, xq, xd, xsum, tiles, tokens)
             out = np.zeros((tokens, rows), np.float32)
             matmul_groups(packed, int(qtype), cols, xq, xd, xsum, tokens, out, 0, rows // 8, False,
-                          np.zeros((8, 8), np.float32), tiles, np.zeros((8, 16), np.float32))
+                          np.zeros((MOST_GROUP_TOKENS, GROUP_ROWS), np.float32), tiles,
+                          np.zeros((8, 16), np.float32))
             results.append(out)
         if not np.array_equal(results[0].view(np.int32), results[1].view(np.int32)):
             mismatches.append(f"{qtype.name}: {int((results[0] != results[1]).sum())} of {results[0].size} differ")
