@@ -11,7 +11,7 @@ import numpy as np
 from numba import njit
 
 from decoding.kernels.amx import tile_activations
-from decoding.kernels.fast_kernels import matmul_groups, quantize_activation_rows
+from decoding.kernels.fast_kernels import activation_arrays, matmul_groups, quantize_activation_rows
 from decoding.kernels.kernels import split_range
 from decoding.kernels.repack import is_packable, packed_type, repack
 from decoding.kernels.vnni import GROUP_ROWS, MOST_GROUP_TOKENS
@@ -147,9 +147,7 @@ def measure_int8_gmacs(model: Model, threads: int, tokens: int = 32, tile_mode: 
     rows, cols = matrix.n_rows, matrix.n_cols
     packed = repack(matrix.data, matrix.qtype, rows, cols)
     x = np.random.default_rng(0).standard_normal((tokens, cols)).astype(np.float32)
-    xq = np.zeros((tokens, cols), np.int8)
-    xd = np.zeros((tokens, cols // 32), np.float32)
-    xsum = np.zeros((tokens, cols // 32), np.int32)
+    xq, xd, xsum = activation_arrays(tokens, cols)
     tiles = tile_activations(tile_mode, tokens, cols)
     quantize_activation_rows(x, cols, 0, tokens, xq, xd, xsum, tiles, tokens)
     out = np.zeros((tokens, rows), np.float32)

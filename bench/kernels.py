@@ -29,7 +29,7 @@ from bench.engine_rooflines import int8_matmul_repeats
 from bench.pool import machine_description
 from decoding.kernels.amx import HARDWARE, tile_activations
 from decoding.kernels.amx_probe import tile_support
-from decoding.kernels.fast_kernels import quantize_activation_rows
+from decoding.kernels.fast_kernels import activation_arrays, quantize_activation_rows
 from decoding.kernels.kernels import matmul_rows, split_range
 from decoding.kernels.repack import is_packable, packed_type, repack
 from decoding.kernels.vnni import GROUP_ROWS, MOST_GROUP_TOKENS
@@ -91,9 +91,7 @@ def time_matmul(qtype: QType, rows: int, cols: int, tokens: int, threads: int, r
     int8 = is_packable(qtype, rows)
     with SpinPool(threads) as pool:
         if int8:
-            xq = np.zeros((tokens, cols), np.int8)
-            xd = np.zeros((tokens, cols // 32), np.float32)
-            xsum = np.zeros((tokens, cols // 32), np.int32)
+            xq, xd, xsum = activation_arrays(tokens, cols)
             tiles = tile_activations(tile_mode, tokens, cols)
             quantize_activation_rows(x, cols, 0, tokens, xq, xd, xsum, tiles, tokens)
             packed = repack(stored, qtype, rows, cols)

@@ -6,7 +6,7 @@ import pytest
 
 from bench.kernels import store_as
 from decoding.kernels.amx import EMULATED, HARDWARE, tile_activations
-from decoding.kernels.fast_kernels import matmul_groups, quantize_activation_rows, swiglu_groups
+from decoding.kernels.fast_kernels import activation_arrays, matmul_groups, quantize_activation_rows, swiglu_groups
 from decoding.kernels.kernels import GATE_SILU
 from decoding.kernels.repack import repack
 from decoding.model.quant import QType
@@ -17,9 +17,7 @@ WIDEST = 768  # the scratch is wider than the matrices, as the engine's is
 
 def quantized(x: np.ndarray, mode: int):
     tokens, cols = x.shape
-    xq = np.zeros((tokens, WIDEST), np.int8)
-    xd = np.zeros((tokens, WIDEST // 32), np.float32)
-    xsum = np.zeros((tokens, WIDEST // 32), np.int32)
+    xq, xd, xsum = activation_arrays(tokens, WIDEST)
     tiles = tile_activations(mode, tokens, WIDEST)
     quantize_activation_rows(x, cols, 0, tokens, xq, xd, xsum, tiles, tokens)
     return xq, xd, xsum, tiles

@@ -5,7 +5,7 @@ import pytest
 
 from bench.kernels import store_as
 from decoding.kernels.amx import tile_activations
-from decoding.kernels.fast_kernels import matmul_groups, quantize_activation_row, swiglu_groups
+from decoding.kernels.fast_kernels import activation_arrays, matmul_groups, quantize_activation_row, swiglu_groups
 from decoding.kernels.kernels import GATE_GELU_TANH, GATE_SILU
 from decoding.kernels.reference import gate_activation
 from decoding.kernels.repack import ACTIVATION_ORDER, repack
@@ -16,9 +16,7 @@ UNTILED = (tile_activations(0, 0, 0), np.zeros((8, 16), np.float32))  # the kern
 
 def quantized_activations(x: np.ndarray):
     tokens, cols = x.shape
-    xq = np.zeros((tokens, cols + 64), np.int8)  # wider than used, as the engine's scratch is
-    xd = np.zeros((tokens, cols // 32 + 3), np.float32)
-    xsum = np.zeros((tokens, cols // 32 + 3), np.int32)
+    xq, xd, xsum = activation_arrays(tokens, cols + 96)  # wider than used, as the engine's scratch is
     for t in range(tokens):
         quantize_activation_row(x[t], cols, xq[t], xd[t], xsum[t])
     return xq, xd, xsum
@@ -28,7 +26,7 @@ def dequantized_activations(xq, xd, cols: int) -> np.ndarray:
     """What the int8 activations stand for, in natural weight order."""
     inverse = np.argsort(ACTIVATION_ORDER)
     blocks = xq[:, :cols].reshape(xq.shape[0], cols // 32, 32)[..., inverse].astype(np.float32)
-    return (blocks * xd[:, : cols // 32, None]).reshape(xq.shape[0], cols)
+    return (blocks * xd[:, : cols // 32, 0, None]).reshape(xq.shape[0], cols)
 
 
 def test_activation_quantization_is_q8_0_with_round_half_away():
@@ -36,7 +34,8 @@ def test_activation_quantization_is_q8_0_with_round_half_away():
     xq, xd, xsum = quantized_activations(x)
     restored = dequantized_activations(xq, xd, 32)
     np.testing.assert_array_equal(restored, np.round(x + np.sign(x) * 1e-6))  # scale 1: q = round-half-away(x)
-    assert xd[0, 0] == 1.0 and xsum[0, 0] == 1 - 1 + 2 - 3 + 127
+    # per block: the scale, and Σq over weights 0..15 and 16..31, and the scale times their total
+    assert xd[0, 0, 0] == 1.0 and list(xsum[0, 0]) == [1 - 1 + 2 - 3, 127] and xd[0, 0, 1] == 126.0
 
 
 @pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0], ids=lambda q: q.name)

@@ -37,12 +37,11 @@ from kvcache.int8_dot import dpbusd_emitter
 
 from ..model.quant import QType
 from .vnni import (
-    HALF_SCALES,
-    MIN_OFFSET,
     UNSIGNED_BIAS,
     array_byte_pointer,
     block_scales,
     close_block_loop,
+    fused_multiply_add,
     lane_mask,
     load_at,
     open_block_loop,
@@ -71,34 +70,32 @@ class TileActivations(NamedTuple):
     mode: int  # 0: none; HARDWARE; EMULATED
     xq: np.ndarray  # (tiles, blocks, 2, 4, 16) int32: B0 and B1 of each token tile and block
     xd: np.ndarray  # (tiles, blocks, 16) float32 the 16 tokens' scales
-    xsum: np.ndarray  # (tiles, blocks, 16) int32 their Σq
-    half_sums: np.ndarray  # (tiles, blocks, 2, 16) int32 Σq over each half of the block (Q6_K's offsets)
+    mass: np.ndarray  # (tiles, blocks, 16) float32 their scale · Σq (the min term's)
+    half_sums: np.ndarray  # (tiles, blocks, 2, 16) int32 Σq over each half of the block (the storage offsets')
 
 
 def tile_activations(mode: int, max_tokens: int, widest: int) -> TileActivations:
     tiles, blocks = (max_tokens // TILE_TOKENS, widest // 32) if mode else (0, 0)
     return TileActivations(mode, np.zeros((tiles, blocks, 2, 4, TILE_TOKENS), dtype=np.int32),
                            np.zeros((tiles, blocks, TILE_TOKENS), dtype=np.float32),
-                           np.zeros((tiles, blocks, TILE_TOKENS), dtype=np.int32),
+                           np.zeros((tiles, blocks, TILE_TOKENS), dtype=np.float32),
                            np.zeros((tiles, blocks, 2, TILE_TOKENS), dtype=np.int32))  # fmt: skip
 
 
 @njit(nogil=True, cache=True)
 def tile_activation_row(tiles, t, n_cols, xq, xd, xsum):
-    """Copy token t's quantized row (xq in ACTIVATION_ORDER, its scales and sums) into its tile's layout: byte
-    8s + 4h + j of a block is step s, half h, so B_h row s of token n is the row's int32 word 2s + h."""
+    """Copy token t's quantized row (xq in ACTIVATION_ORDER, its block fields: fast_kernels.activation_arrays)
+    into its tile's layout: byte 8s + 4h + j of a block is step s, half h, so B_h row s of token n is the
+    row's int32 word 2s + h."""
     tile, n = t // TILE_TOKENS, t % TILE_TOKENS
     words = xq[:n_cols].view(np.int32)
     for b in range(n_cols // 32):
         for h in range(2):
-            total = 0
             for s in range(4):
                 tiles.xq[tile, b, h, s, n] = words[8 * b + 2 * s + h]
-                for j in range(4):
-                    total += xq[32 * b + 8 * s + 4 * h + j]
-            tiles.half_sums[tile, b, h, n] = total
-        tiles.xd[tile, b, n] = xd[b]
-        tiles.xsum[tile, b, n] = xsum[b]
+            tiles.half_sums[tile, b, h, n] = xsum[b, h]
+        tiles.xd[tile, b, n] = xd[b, 0]
+        tiles.mass[tile, b, n] = xd[b, 1]
 
 
 class _HardwareTiles:
@@ -227,7 +224,7 @@ class _TargetFeatures(FunctionAttributes):
 
 
 def _define_tile_dot(module: ir.Module, qtype: QType, tiles_class) -> ir.Function:  # noqa: C901 - one IR loop
-    """void f(i8* weights, i64 blocks, i8* tile_xq, i8* tile_xd, i8* tile_xsum, i8* half_sums, i8* out): out is
+    """void f(i8* weights, i64 blocks, i8* tile_xq, i8* tile_xd, i8* tile_mass, i8* half_sums, i8* out): out is
     8 rows × 16 tokens float32, row r · token n of the group at `weights` for the tile's 16 tokens."""
     name = f"treadle_tile_dot_{qtype.name.lower()}_{tiles_class.name}"
     existing = module.globals.get(name)
@@ -237,7 +234,7 @@ def _define_tile_dot(module: ir.Module, qtype: QType, tiles_class) -> ir.Functio
     fn.linkage = "internal"
     if tiles_class is _HardwareTiles:
         fn.attributes = _TargetFeatures(_amx_features())
-    w_base, n_blocks, bq_base, xd_base, xs_base, hs_base, out_base = fn.args
+    w_base, n_blocks, bq_base, xd_base, mass_base, hs_base, out_base = fn.args
     builder = ir.IRBuilder(fn.append_basic_block("entry"))
     tiles = tiles_class(builder)
     tiles.configure()
@@ -275,27 +272,25 @@ def _define_tile_dot(module: ir.Module, qtype: QType, tiles_class) -> ir.Functio
 
     token_bytes = builder.mul(block, ir.Constant(_i64, 64))
     x_scale = load_at(builder, xd_base, token_bytes, vec(_f32, 16), align=4)
-    x_sum = load_at(builder, xs_base, token_bytes, vec(_i32, 16), align=4)
-    if qtype in HALF_SCALES:
+    if bias:
         half_bytes = builder.mul(block, ir.Constant(_i64, 128))
-        half_sums = [load_at(builder, hs_base, builder.add(half_bytes, ir.Constant(_i64, 64 * h)), vec(_i32, 16),
-                           align=4) for h in range(2)]  # fmt: skip
-    if qtype in MIN_OFFSET:
-        x_mass = builder.fmul(builder.sitofp(x_sum, vec(_f32, 16)), x_scale)
+        offsets = [builder.mul(load_at(builder, hs_base, builder.add(half_bytes, ir.Constant(_i64, 64 * h)),
+                                       vec(_i32, 16), align=4), ir.Constant(vec(_i32, 16), [-bias] * 16))
+                   for h in range(2)]  # fmt: skip
+    if mins16 is not None:
+        x_mass = load_at(builder, mass_base, token_bytes, vec(_f32, 16), align=4)
+    fma = fused_multiply_add(builder)
     next_accs = []
-    for lane in range(16):
+    for lane in range(16):  # the VNNI kernel's operations on its lane, for 16 tokens at once: the same bits
         r, h = lane // 2, lane % 2
         acc_i = load_at(builder, c_buf, 512 * h + 64 * r, vec(_i32, 16), align=64)
-        if qtype in HALF_SCALES:
-            acc_i = builder.sub(acc_i, builder.mul(half_sums[h], ir.Constant(vec(_i32, 16), [bias] * 16)))
-        elif bias and h == 0:  # the row's storage offset, taken back once (on its even lane) as in the VNNI kernel
-            acc_i = builder.sub(acc_i, builder.mul(x_sum, ir.Constant(vec(_i32, 16), [bias] * 16)))
+        if bias:
+            acc_i = builder.add(offsets[h], acc_i)
         lane_scale = splat(builder, builder.extract_element(scales16, ir.Constant(_i32, lane)), 16)
-        scaled = builder.fmul(builder.sitofp(acc_i, vec(_f32, 16)), builder.fmul(lane_scale, x_scale))
-        acc = builder.fadd(accs[lane], scaled)
+        acc = builder.call(fma, [builder.sitofp(acc_i, vec(_f32, 16)), builder.fmul(lane_scale, x_scale), accs[lane]])
         if mins16 is not None:
             lane_min = splat(builder, builder.extract_element(mins16, ir.Constant(_i32, lane)), 16)
-            acc = builder.fadd(acc, builder.fmul(lane_min, x_mass))
+            acc = builder.call(fma, [lane_min, x_mass, acc])
         next_accs.append(acc)
     finals = close_block_loop(builder, blocks, n_blocks, next_accs)
     for r in range(8):
@@ -330,7 +325,7 @@ def _make_tile_dot(qtype: QType):
                 stride = builder.extract_value(array.strides, 0)
                 return builder.gep(builder.bitcast(array.data, _i8p), [builder.mul(tile_index, stride)])
 
-            pointers = [w_base, n_blocks, tile_base("xq"), tile_base("xd"), tile_base("xsum"), tile_base("half_sums"),
+            pointers = [w_base, n_blocks, tile_base("xq"), tile_base("xd"), tile_base("mass"), tile_base("half_sums"),
                         array_byte_pointer(context, builder, signature.args[5], out_arr)]  # fmt: skip
             mode = context.cast(builder, fields["mode"][0], fields["mode"][1], types.int64)
             hardware = builder.icmp_signed("==", mode, ir.Constant(_i64, HARDWARE))

@@ -101,7 +101,7 @@ def check_tiles(mode: int | None = None) -> list[str]:
     import numpy as np
 
     from decoding.kernels.amx import HARDWARE, tile_activations
-    from decoding.kernels.fast_kernels import matmul_groups, quantize_activation_rows
+    from decoding.kernels.fast_kernels import activation_arrays, matmul_groups, quantize_activation_rows
     from decoding.kernels.repack import repack
     from decoding.kernels.vnni import GROUP_ROWS, MOST_GROUP_TOKENS
     from decoding.model.quant import BLOCK_SHAPES, FP16_FIELDS, QType
@@ -120,8 +120,7 @@ def check_tiles(mode: int | None = None) -> list[str]:
         packed = repack(blocks.reshape(rows, -1), qtype, rows, cols)
         results = []
         for tiles_mode in (0, mode):
-            xq, xd = np.zeros((tokens, cols), np.int8), np.zeros((tokens, cols // 32), np.float32)
-            xsum, tiles = np.zeros((tokens, cols // 32), np.int32), tile_activations(tiles_mode, tokens, cols)
+            (xq, xd, xsum), tiles = activation_arrays(tokens, cols), tile_activations(tiles_mode, tokens, cols)
             quantize_activation_rows(x, cols, 0, tokens, xq, xd, xsum, tiles, tokens)
             out = np.zeros((tokens, rows), np.float32)
             matmul_groups(packed, int(qtype), cols, xq, xd, xsum, tokens, out, 0, rows // 8, False,

@@ -33,7 +33,7 @@ from ..model.encoder import EncoderConfig, EncoderWeights
 from ..model.quant import QType, quantize
 from ..model.weights import WeightMatrix
 from .amx import TileActivations, tile_activation_row, tile_activations
-from .fast_kernels import quantize_activation_row, tiled_tokens
+from .fast_kernels import activation_arrays, quantize_activation_row, tiled_tokens
 from .forward import _as_bytes, project
 from .kernels import dequantize_row, split_range
 from .repack import is_packable, packed_type, repack
@@ -164,8 +164,8 @@ class EncoderScratch(NamedTuple):
     tiles: TileActivations  # the activations again in AMX tiles' layout (decoding.kernels.amx), or none
     tile_out: np.ndarray  # (n_threads, 2, 8, 16) float32
     xq: np.ndarray  # (max_tokens, max(dim, hidden_dim)) int8 quantized activations (fast mode)
-    xd: np.ndarray
-    xsum: np.ndarray
+    xd: np.ndarray  # (max_tokens, widest / 32, 2) float32 (decoding.kernels.fast_kernels.activation_arrays)
+    xsum: np.ndarray  # (max_tokens, widest / 32, 2) int32
 
     @classmethod
     def allocate(cls, cfg: EncoderConfig, max_tokens: int, n_threads: int, tile_mode: int = 0) -> EncoderScratch:
@@ -173,6 +173,7 @@ class EncoderScratch(NamedTuple):
             return np.zeros(shape, dtype=np.float32)
 
         widest = max(cfg.dim, cfg.hidden_dim)
+        xq, xd, xsum = activation_arrays(max_tokens, widest)
         return cls(
             x=zeros(max_tokens, cfg.dim), q=zeros(max_tokens, cfg.dim), k=zeros(max_tokens, cfg.dim),
             keys_by_dim=zeros(cfg.n_heads, cfg.head_dim, max_tokens),
@@ -181,8 +182,7 @@ class EncoderScratch(NamedTuple):
             hidden=zeros(max_tokens, cfg.hidden_dim), scores=zeros(n_threads, cfg.max_context),
             row_buffers=zeros(n_threads, 2, widest), group_out=zeros(n_threads, 2, MOST_GROUP_TOKENS, GROUP_ROWS),
             tiles=tile_activations(tile_mode, max_tokens, widest), tile_out=zeros(n_threads, 2, 8, 16),
-            xq=np.zeros((max_tokens, widest), dtype=np.int8), xd=zeros(max_tokens, widest // 32),
-            xsum=np.zeros((max_tokens, widest // 32), dtype=np.int32),
+            xq=xq, xd=xd, xsum=xsum,
         )  # fmt: skip
 
 

@@ -66,9 +66,19 @@ def _round_half_away(v):
     return np.int32(v + np.float32(0.5) if v >= 0 else v - np.float32(0.5))
 
 
+def activation_arrays(tokens: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Zeroed (xq, xd, xsum) for `tokens` rows of up to `cols` activations, as quantize_activation_row fills
+    them: xq (tokens, cols) int8; xd (tokens, cols // 32, 2) float32, each block's scale d and mass d·Σq;
+    xsum (tokens, cols // 32, 2) int32, Σq over the block's weights 0..15 and over 16..31."""
+    return (np.zeros((tokens, cols), np.int8), np.zeros((tokens, cols // 32, 2), np.float32),
+            np.zeros((tokens, cols // 32, 2), np.int32))  # fmt: skip
+
+
 @njit(nogil=True, cache=True, fastmath={"nnan", "ninf", "nsz"})
 def quantize_activation_row(x, n_cols, xq, xd, xsum):
-    """x: (≥n_cols,) float32 → xq (n_cols,) int8 in ACTIVATION_ORDER per block, xd / xsum per block.
+    """x: (≥n_cols,) float32 → xq (n_cols,) int8 in ACTIVATION_ORDER per block; per block xd (scale, scale·Σq)
+    and xsum (Σq of weights 0..15, of 16..31): what the kernels need of a block besides its bytes, computed
+    once for every matrix row it meets.
 
     Step s of a block holds weights 4s..4s+3 then 16+4s..16+4s+3 (decoding.kernels.repack), so byte 8s+k of
     the block is x[4s+k] and byte 8s+4+k is x[16+4s+k].
@@ -80,16 +90,20 @@ def quantize_activation_row(x, n_cols, xq, xd, xsum):
             amax = max(amax, abs(x[base + j]))
         scale = amax / np.float32(127.0)
         inverse = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
-        total = 0
+        first_half = 0
+        second_half = 0
         for s in range(4):
             for k in range(4):
                 low = _round_half_away(x[base + 4 * s + k] * inverse)
                 high = _round_half_away(x[base + 16 + 4 * s + k] * inverse)
                 xq[base + 8 * s + k] = low
                 xq[base + 8 * s + 4 + k] = high
-                total += low + high
-        xd[b] = scale
-        xsum[b] = total
+                first_half += low
+                second_half += high
+        xd[b, 0] = scale
+        xd[b, 1] = np.float32(first_half + second_half) * scale
+        xsum[b, 0] = first_half
+        xsum[b, 1] = second_half
 
 
 @njit(nogil=True, cache=True)

@@ -47,7 +47,7 @@ from . import weight_cache
 from .amx import EMULATED, HARDWARE, TileActivations, tile_activations
 from .amx_probe import tile_support
 from .experts import expert_feed_forward, route_tokens
-from .fast_kernels import matmul_groups, quantize_activation_rows, swiglu_groups
+from .fast_kernels import activation_arrays, matmul_groups, quantize_activation_rows, swiglu_groups
 from .kernels import (
     GATE_GELU_TANH,
     GATE_SILU,
@@ -311,8 +311,8 @@ class StepScratch(NamedTuple):
     row_buffers: np.ndarray  # (n_threads, 2, max(dim, hidden_dim, q_dim)) dequantized weight rows
     attn_scratch: np.ndarray  # kvcache.attention.attention_scratch
     xq: np.ndarray  # (max(max_tokens, max_logit_rows), widest) int8 quantized activations (fast mode)
-    xd: np.ndarray  # (same rows, widest / 32) float32 their block scales
-    xsum: np.ndarray  # (same rows, widest / 32) int32 their block sums
+    xd: np.ndarray  # (same rows, widest / 32, 2) float32 their blocks' scales and masses (activation_arrays)
+    xsum: np.ndarray  # (same rows, widest / 32, 2) int32 their blocks' sums, a sum per half
     group_out: np.ndarray  # (n_threads, 2, 8, 8) float32 results of one 8-row group for up to 8 tokens
     tiles: TileActivations  # the activations again in AMX tiles' layout (decoding.kernels.amx), or none
     untiled: TileActivations  # none: for the experts' gathered rows
@@ -330,8 +330,8 @@ class StepScratch(NamedTuple):
     pair_hidden: np.ndarray  # (max_pairs, hidden_dim) float32
     pair_up: np.ndarray  # (max_pairs, hidden_dim) float32
     pair_q: np.ndarray  # (max_pairs, max(dim, hidden_dim)) int8 quantized gathered inputs, then hidden rows
-    pair_d: np.ndarray  # (max_pairs, max(dim, hidden_dim) / 32) float32
-    pair_sum: np.ndarray  # (max_pairs, max(dim, hidden_dim) / 32) int32
+    pair_d: np.ndarray  # (max_pairs, max(dim, hidden_dim) / 32, 2) float32
+    pair_sum: np.ndarray  # (max_pairs, max(dim, hidden_dim) / 32, 2) int32
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, max_tokens: int, max_logit_rows: int, n_threads: int,
@@ -344,6 +344,8 @@ class StepScratch(NamedTuple):
         dense_rows = 0 if cfg.is_moe else max_tokens
         experts, used = cfg.n_experts, cfg.n_experts_used
         pairs, pair_width = max_tokens * used, max(cfg.dim, cfg.hidden_dim) if cfg.is_moe else 32
+        xq, xd, xsum = activation_arrays(rows, widest)
+        pair_q, pair_d, pair_sum = activation_arrays(pairs, pair_width)
         return cls(
             x=zeros(max_tokens, cfg.dim), xb=zeros(max_tokens, cfg.dim), q=zeros(max_tokens, cfg.q_dim),
             k=zeros(max_tokens, cfg.kv_dim), v=zeros(max_tokens, cfg.kv_dim), attn=zeros(max_tokens, cfg.q_dim),
@@ -351,8 +353,7 @@ class StepScratch(NamedTuple):
             final=zeros(max_logit_rows, cfg.dim), logits=zeros(max_logit_rows, cfg.vocab_size),
             row_buffers=zeros(n_threads, 2, widest),
             attn_scratch=attention_scratch(n_threads, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, block_size),
-            xq=np.zeros((rows, widest), dtype=np.int8), xd=zeros(rows, widest // 32),
-            xsum=np.zeros((rows, widest // 32), dtype=np.int32),
+            xq=xq, xd=xd, xsum=xsum,
             group_out=zeros(n_threads, 2, MOST_GROUP_TOKENS, GROUP_ROWS),
             tiles=tile_activations(tile_mode, rows, widest), untiled=tile_activations(0, 0, 0),
             tile_out=zeros(n_threads, 2, 8, 16), phase_cycles=no_profile(),
@@ -363,8 +364,7 @@ class StepScratch(NamedTuple):
             pair_token=np.zeros((n_threads, pairs), dtype=np.int64),
             pair_of=np.zeros((n_threads, pairs), dtype=np.int64), pair_rows=zeros(pairs, cfg.dim),
             pair_hidden=zeros(pairs, cfg.hidden_dim), pair_up=zeros(pairs, cfg.hidden_dim),
-            pair_q=np.zeros((pairs, pair_width), dtype=np.int8), pair_d=zeros(pairs, pair_width // 32),
-            pair_sum=np.zeros((pairs, pair_width // 32), dtype=np.int32),
+            pair_q=pair_q, pair_d=pair_d, pair_sum=pair_sum,
         )  # fmt: skip
 
 

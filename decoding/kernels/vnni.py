@@ -6,18 +6,21 @@ written with llvmlite and exposed to nopython code as an intrinsic. One call com
 per token.
 
 Per 32-weight block and 8 rows, four `vpdpbusd`s multiply unsigned weight bytes with signed
-activation bytes and sum groups of four into 16 int32 lanes (two lanes per row). The lanes are
-scaled in float32 once per block — weight scale × activation scale — and accumulated; the Q4_1 min
-term adds m · d_x · Σq_x; unsigned storage offsets (nibble − 8 for Q4_0, byte + 128 for Q8_0) are
-taken back exactly in integers with the block's Σq_x. Q5_0 is Q4_0 (and Q5_1 is Q4_1) with a fifth bit: its nibbles
+activation bytes and sum groups of four into 16 int32 lanes (two lanes per row: weights 0..15 and
+16..31 of the block). The lanes are scaled in float32 once per block — weight scale × activation
+scale — and join the accumulator in one fused multiply-add; the Q4_1 min term adds m · (d_x · Σq_x),
+the activation's mass, quantized beside it. Unsigned storage offsets (nibble − 8 for Q4_0, byte + 128
+for Q8_0) are taken back exactly in integers: each lane starts from −offset × the Σq_x of its half of
+the block, also computed once per activation row, so a token costs four `vpdpbusd`s, a conversion and
+two or three float operations a block. Q5_0 is Q4_0 (and Q5_1 is Q4_1) with a fifth bit: its nibbles
 take 16 more where the bit is set (`_fifth_bits_vector`), and 16 is its storage offset. Q6_K runs in
 a form of its own: Q4_0's nibbles with each weight's top two bits beside them (`_high_bits_vector`,
-q6 with offset 32), a scale per 16 weights, one per lane, and the offset taken back per lane with the
-lane's Σx from a `vpdpbusd` against ones. Q4_K keeps its own 4.5-bit economy nearly whole (4.625 bits):
-each super-block of 8 blocks opens with the 8 rows' fp16 d and dmin (32 B), then each block has Q4_0's
-nibbles and each row's 6-bit sub-block scale and min as a byte each; the kernel forms d·scale and
-dmin·min in float32 per block, then runs as Q4_1. Every token's arithmetic is the same sequence
-of operations whether it is computed alone or with three or seven others, so results are batch-invariant.
+q6 with offset 32) and a scale per 16 weights, one per lane. Q4_K keeps its own 4.5-bit economy
+nearly whole (4.625 bits): each super-block of 8 blocks opens with the 8 rows' fp16 d and dmin
+(32 B), then each block has Q4_0's nibbles and each row's 6-bit sub-block scale and min as a byte
+each; the kernel forms d·scale and dmin·min in float32 per block, then runs as Q4_1. Every token's
+arithmetic is the same sequence of operations whether it is computed alone or with three or seven
+others, so results are batch-invariant.
 """
 
 from __future__ import annotations
@@ -209,6 +212,14 @@ def prefetch_ahead(builder: ir.IRBuilder, qtype: QType, block_ptr: ir.Value) -> 
                                 ir.Constant(_i32, 1)])
 
 
+def fused_multiply_add(builder: ir.IRBuilder):
+    """a · b + c on float32 × 16, rounded once (`vfmadd`): the block's products join the accumulator in one
+    instruction where a multiply and an add took two, and every kernel that must agree with these to the
+    bit (the tiles' epilogue) uses it too."""
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec(_f32, LANES), [vec(_f32, LANES)] * 3),
+                                          "llvm.fma.v16f32")
+
+
 class BlockLoop(NamedTuple):
     entry: ir.Block
     loop: ir.Block
@@ -262,7 +273,8 @@ def _make_group_dot(qtype: QType, num_tokens: int):  # noqa: C901 - one IR loop,
         """out[k, 0:8] = the 8 rows of the group at `weight_offset` · activation row token + k.
 
         weights: (…) uint8 repacked stream; xq: (tokens, 32·num_blocks) int8, reordered per block;
-        xd: (tokens, num_blocks) float32 scales; xsum: (tokens, num_blocks) int32 Σq per block;
+        xd: (tokens, num_blocks, 2) float32 each block's scale d and mass d·Σq; xsum: (tokens, num_blocks, 2)
+        int32 Σq over the block's weights 0..15 and 16..31 (decoding.kernels.fast_kernels.activation_arrays);
         out: (≥num_tokens, 8) float32.
         """
         sig = types.void(weights, weight_offset, num_blocks, xq, xd, xsum, token, out)
@@ -283,47 +295,39 @@ def _make_group_dot(qtype: QType, num_tokens: int):  # noqa: C901 - one IR loop,
             xs_row_bytes = _row_stride_bytes(context, builder, signature.args[5], xs_arr)
 
             dpbusd = dpbusd_emitter(builder, UNSIGNED_MAX[qtype])
-            count = dpbusd_emitter(builder, 1)  # against ones: Σx
+            fma = fused_multiply_add(builder)
             zero_i = ir.Constant(vec(_i32, LANES), [0] * LANES)
-            even_only = lane_mask([i // 2 if i % 2 == 0 else 8 for i in range(16)])  # lane 8 of the 2nd operand = 0
 
             blocks = open_block_loop(builder, n_blocks, num_tokens)
             block, accs = blocks.block, blocks.accs
             block_ptr, scales16, mins16 = block_scales(builder, qtype, w_base, block)
             prefetch_ahead(builder, qtype, block_ptr)
             weight_vectors = [weight_vector(builder, qtype, block_ptr, s) for s in range(4)]
+            pair_bytes = builder.mul(block, ir.Constant(_i64, 8))  # xd and xsum hold two 4-byte fields a block
             next_accs = []
             for k in range(num_tokens):
                 row = builder.add(tok, ir.Constant(_i64, k))
                 x_ptr = builder.gep(xq_base, [builder.add(builder.mul(row, xq_row_bytes),
                                                           builder.mul(block, ir.Constant(_i64, 32)))])
-                acc_i = zero_i
-                half_sums = zero_i  # Q6_K: Σx over each lane's 16 activations (even: 0..15, odd: 16..31)
+                # the unsigned storage offset taken back before the products are added: Σ(w + bias)·x − bias·Σx,
+                # per lane with the Σx of the lane's half of the block (lane 2r: weights 0..15, 2r+1: 16..31)
+                if bias:
+                    halves = load_at(builder, xs_base, builder.add(builder.mul(row, xs_row_bytes), pair_bytes), _i64,
+                                     align=4)
+                    acc_i = builder.mul(builder.bitcast(splat(builder, halves, 8), vec(_i32, LANES)),
+                                        ir.Constant(vec(_i32, LANES), [-bias] * LANES))
+                else:
+                    acc_i = zero_i
                 for s in range(4):
                     x8 = load_at(builder, x_ptr, 8 * s, _i64)
-                    x_vec = builder.bitcast(splat(builder, x8, 8), vec(_i8, 64))
-                    acc_i = dpbusd(acc_i, weight_vectors[s], x_vec)
-                    if qtype in HALF_SCALES:
-                        half_sums = count(half_sums, ir.Constant(vec(_i8, 64), [1] * 64), x_vec)
-                block_bytes = builder.mul(block, ir.Constant(_i64, 4))
-                x_scale = load_at(builder, xd_base, builder.add(builder.mul(row, xd_row_bytes), block_bytes), _f32,
-                                align=4)
-                if (bias and qtype not in HALF_SCALES) or qtype in MIN_OFFSET:
-                    x_sum = load_at(builder, xs_base, builder.add(builder.mul(row, xs_row_bytes), block_bytes), _i32,
-                                  align=4)
-                if qtype in HALF_SCALES:  # each lane has its own scale: take its offset back in the lane
-                    acc_i = builder.sub(acc_i, builder.mul(half_sums, ir.Constant(vec(_i32, 16), [bias] * 16)))
-                elif bias:  # take back the unsigned storage offset: Σ(w + bias)·x − bias·Σx, once per row
-                    correction = builder.mul(x_sum, ir.Constant(_i32, bias))
-                    corr16 = builder.shuffle_vector(splat(builder, correction, 8), ir.Constant(vec(_i32, 8), [0] * 8),
-                                                    even_only)
-                    acc_i = builder.sub(acc_i, corr16)
+                    acc_i = dpbusd(acc_i, weight_vectors[s], builder.bitcast(splat(builder, x8, 8), vec(_i8, 64)))
+                fields = builder.add(builder.mul(row, xd_row_bytes), pair_bytes)
+                x_scale = load_at(builder, xd_base, fields, _f32, align=4)
                 lanes = builder.sitofp(acc_i, vec(_f32, LANES))
-                scaled = builder.fmul(lanes, builder.fmul(scales16, splat(builder, x_scale, LANES)))
-                acc = builder.fadd(accs[k], scaled)
+                acc = builder.call(fma, [lanes, builder.fmul(scales16, splat(builder, x_scale, LANES)), accs[k]])
                 if qtype in MIN_OFFSET:
-                    x_mass = builder.fmul(builder.sitofp(x_sum, _f32), x_scale)
-                    acc = builder.fadd(acc, builder.fmul(mins16, splat(builder, x_mass, LANES)))
+                    x_mass = load_at(builder, xd_base, builder.add(fields, ir.Constant(_i64, 4)), _f32, align=4)
+                    acc = builder.call(fma, [mins16, splat(builder, x_mass, LANES), acc])
                 next_accs.append(acc)
             for k, final in enumerate(close_block_loop(builder, blocks, n_blocks, next_accs)):
                 even = builder.shuffle_vector(final, final, lane_mask(list(range(0, 16, 2))))
