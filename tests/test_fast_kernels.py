@@ -5,7 +5,13 @@ import pytest
 
 from bench.kernels import store_as
 from decoding.kernels.amx import tile_activations
-from decoding.kernels.fast_kernels import activation_arrays, matmul_groups, quantize_activation_row, swiglu_groups
+from decoding.kernels.fast_kernels import (
+    activation_arrays,
+    matmul_groups,
+    quantize_activation_row,
+    swiglu_groups,
+    tokens_per_pass,
+)
 from decoding.kernels.kernels import GATE_GELU_TANH, GATE_SILU
 from decoding.kernels.reference import gate_activation
 from decoding.kernels.repack import ACTIVATION_ORDER, repack
@@ -74,6 +80,43 @@ def test_groups_of_eight_and_four_tokens_give_the_same_bits_as_one_at_a_time(qty
         matmul_groups(packed, form, cols, xq[t : t + 1], xd[t : t + 1], xsum[t : t + 1], 1, alone, 0, 8,
                       False, np.zeros((8, 8), np.float32), *UNTILED)
         np.testing.assert_array_equal(alone[0], together[t])
+
+
+@pytest.mark.parametrize("tiled", [False, True], ids=["vnni", "emulated-tiles"])
+@pytest.mark.parametrize("qtype", [QType.Q6_K, QType.Q4_K], ids=lambda q: q.name)
+def test_a_prompt_in_passes_gives_every_token_the_bits_it_gets_alone(qtype, tiled):
+    """45 tokens of a wide matrix go in passes of 16 (their activations fill the pass): 16 + 16 + 8 + 4 + 1
+    (the first 32 through the tiles' emulation where tiled), and through the gated unit too; every token's
+    outputs are those it gets alone."""
+    from decoding.kernels.amx import EMULATED, tile_activation_row
+    from decoding.kernels.repack import packed_type
+
+    rng = np.random.default_rng(7 + int(qtype))
+    rows, cols, tokens = 16, 33 * 256, 45
+    assert tokens_per_pass(cols) == 16  # more than two passes and a remainder
+    weights = [store_as(rng.standard_normal((rows, cols)).astype(np.float32) / 90, qtype, rng) for _ in range(2)]
+    form = int(packed_type(qtype))
+    gate, up = (repack(w, qtype, rows, cols) for w in weights)
+    xq, xd, xsum = quantized_activations(rng.standard_normal((tokens, cols)).astype(np.float32))
+    tiles = tile_activations(EMULATED, tokens, cols) if tiled else UNTILED[0]
+    for t in range(32 if tiled else 0):
+        tile_activation_row(tiles, t, cols, xq[t], xd[t], xsum[t])
+
+    def run(first: int, count: int, tiles):
+        rows_of = slice(first, first + count)
+        projected, gated, up_out = (np.zeros((count, rows), np.float32) for _ in range(3))
+        matmul_groups(gate, form, cols, xq[rows_of], xd[rows_of], xsum[rows_of], count, projected, 0, rows // 8,
+                      False, np.zeros((8, 8), np.float32), tiles, np.zeros((8, 16), np.float32))
+        swiglu_groups(gate, up, form, form, cols, xq[rows_of], xd[rows_of], xsum[rows_of], count, gated, up_out, 0,
+                      rows // 8, np.zeros((8, 8), np.float32), np.zeros((8, 8), np.float32), GATE_SILU,
+                      tiles, np.zeros((2, 8, 16), np.float32))
+        return projected, gated
+
+    projected, gated = run(0, tokens, tiles)
+    for t in range(tokens):
+        alone_projected, alone_gated = run(t, 1, UNTILED[0])
+        np.testing.assert_array_equal(alone_projected[0], projected[t])
+        np.testing.assert_array_equal(alone_gated[0], gated[t])
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])

@@ -184,6 +184,20 @@ def tile_group_dot(packed, qtype, offset, n_blocks, tiles, tile, out):
         tile_dot_q4_0(packed, offset, n_blocks, tiles, tile, out)
 
 
+# the activations one pass over a thread's weight groups keeps in its L2: a prompt's rows in passes of
+# this many bytes, so each 8-row group meets them from L2, not from L3 (a 512-token row set of a 7B's
+# down projection is 14 MB); the weights, a few bytes per 64 multiply-accumulates, are re-read per pass
+ACTIVATION_PASS_BYTES = 384 * 1024
+
+
+@njit(nogil=True, cache=True)
+def tokens_per_pass(n_cols):
+    """Tokens in one pass of matmul_groups: whole tiles of 16, whose activations (n_cols int8 and 16 bytes a
+    block beside them) fit ACTIVATION_PASS_BYTES; at least one tile. Every token keeps its 8-, 4- and
+    1-token steps, so its numbers do not change."""
+    return max(1, ACTIVATION_PASS_BYTES // ((n_cols + n_cols // 2) * TILE_TOKENS)) * TILE_TOKENS
+
+
 @njit(nogil=True, cache=True)
 def tiled_tokens(tiles, n_tokens):
     """How many of the first tokens go through the tiles: whole tiles of 16, where tiles are in use."""
@@ -205,31 +219,35 @@ def matmul_groups(
     packed, qtype, n_cols, xq, xd, xsum, n_tokens, out, group_begin, group_end, accumulate, tmp, tiles, tile_out
 ):
     """out[t, 8g + i] (+)= row 8g+i · x[t] for groups [group_begin, group_end); tmp: (8, 8) float32, tile_out:
-    (8, 16) float32. Whole tiles of 16 tokens go through `tiles` where they are in use (the same numbers)."""
+    (8, 16) float32. Whole tiles of 16 tokens go through `tiles` where they are in use (the same numbers).
+    Many tokens go in passes of tokens_per_pass, each over all the groups."""
     n_blocks = n_cols // 32
     stride = group_stride(qtype, n_blocks)
     n_tiled = tiled_tokens(tiles, n_tokens)
-    for g in range(group_begin, group_end):
-        for tile in range(n_tiled // TILE_TOKENS):
-            tile_group_dot(packed, qtype, g * stride, n_blocks, tiles, tile, tile_out)
-            first = tile * TILE_TOKENS
-            for k in range(TILE_TOKENS):
-                for i in range(8):
-                    if accumulate:
-                        out[first + k, 8 * g + i] += tile_out[i, k]
-                    else:
-                        out[first + k, 8 * g + i] = tile_out[i, k]
-        t = n_tiled
-        while t < n_tokens:
-            step = 8 if t + 8 <= n_tokens else (4 if t + 4 <= n_tokens else 1)
-            group_dot(packed, qtype, g * stride, n_blocks, xq, xd, xsum, t, step, tmp)
-            for k in range(step):
-                for i in range(8):
-                    if accumulate:
-                        out[t + k, 8 * g + i] += tmp[k, i]
-                    else:
-                        out[t + k, 8 * g + i] = tmp[k, i]
-            t += step
+    chunk = tokens_per_pass(n_cols)
+    for chunk_begin in range(0, n_tokens, chunk):
+        chunk_end = min(n_tokens, chunk_begin + chunk)
+        for g in range(group_begin, group_end):
+            for tile in range(chunk_begin // TILE_TOKENS, min(chunk_end, n_tiled) // TILE_TOKENS):
+                tile_group_dot(packed, qtype, g * stride, n_blocks, tiles, tile, tile_out)
+                first = tile * TILE_TOKENS
+                for k in range(TILE_TOKENS):
+                    for i in range(8):
+                        if accumulate:
+                            out[first + k, 8 * g + i] += tile_out[i, k]
+                        else:
+                            out[first + k, 8 * g + i] = tile_out[i, k]
+            t = max(chunk_begin, n_tiled)
+            while t < chunk_end:
+                step = 8 if t + 8 <= chunk_end else (4 if t + 4 <= chunk_end else 1)
+                group_dot(packed, qtype, g * stride, n_blocks, xq, xd, xsum, t, step, tmp)
+                for k in range(step):
+                    for i in range(8):
+                        if accumulate:
+                            out[t + k, 8 * g + i] += tmp[k, i]
+                        else:
+                            out[t + k, 8 * g + i] = tmp[k, i]
+                t += step
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
@@ -249,25 +267,28 @@ def swiglu_groups(gate, up, qtype_gate, qtype_up, n_cols, xq, xd, xsum, n_tokens
     stride_gate = group_stride(qtype_gate, n_blocks)
     stride_up = group_stride(qtype_up, n_blocks)
     n_tiled = tiled_tokens(tiles, n_tokens)
-    for g in range(group_begin, group_end):
-        for tile in range(n_tiled // TILE_TOKENS):
-            tile_group_dot(gate, qtype_gate, g * stride_gate, n_blocks, tiles, tile, tile_out[0])
-            tile_group_dot(up, qtype_up, g * stride_up, n_blocks, tiles, tile, tile_out[1])
-            first = tile * TILE_TOKENS
-            for k in range(TILE_TOKENS):
-                for i in range(8):
-                    out[first + k, 8 * g + i] = tile_out[0, i, k]
-                    up_out[first + k, 8 * g + i] = tile_out[1, i, k]
-        t = n_tiled
-        while t < n_tokens:
-            step = 8 if t + 8 <= n_tokens else (4 if t + 4 <= n_tokens else 1)
-            group_dot(gate, qtype_gate, g * stride_gate, n_blocks, xq, xd, xsum, t, step, tmp_gate)
-            group_dot(up, qtype_up, g * stride_up, n_blocks, xq, xd, xsum, t, step, tmp_up)
-            for k in range(step):
-                for i in range(8):
-                    out[t + k, 8 * g + i] = tmp_gate[k, i]
-                    up_out[t + k, 8 * g + i] = tmp_up[k, i]
-            t += step
+    chunk = tokens_per_pass(n_cols)
+    for chunk_begin in range(0, n_tokens, chunk):
+        chunk_end = min(n_tokens, chunk_begin + chunk)
+        for g in range(group_begin, group_end):
+            for tile in range(chunk_begin // TILE_TOKENS, min(chunk_end, n_tiled) // TILE_TOKENS):
+                tile_group_dot(gate, qtype_gate, g * stride_gate, n_blocks, tiles, tile, tile_out[0])
+                tile_group_dot(up, qtype_up, g * stride_up, n_blocks, tiles, tile, tile_out[1])
+                first = tile * TILE_TOKENS
+                for k in range(TILE_TOKENS):
+                    for i in range(8):
+                        out[first + k, 8 * g + i] = tile_out[0, i, k]
+                        up_out[first + k, 8 * g + i] = tile_out[1, i, k]
+            t = max(chunk_begin, n_tiled)
+            while t < chunk_end:
+                step = 8 if t + 8 <= chunk_end else (4 if t + 4 <= chunk_end else 1)
+                group_dot(gate, qtype_gate, g * stride_gate, n_blocks, xq, xd, xsum, t, step, tmp_gate)
+                group_dot(up, qtype_up, g * stride_up, n_blocks, xq, xd, xsum, t, step, tmp_up)
+                for k in range(step):
+                    for i in range(8):
+                        out[t + k, 8 * g + i] = tmp_gate[k, i]
+                        up_out[t + k, 8 * g + i] = tmp_up[k, i]
+                t += step
     for t in range(n_tokens):
         # sliced, with a loop from 0: numba then proves the index non-negative and LLVM vectorises
         # (a range(begin, end) index keeps a negative-index check in the loop and runs 16x slower)
