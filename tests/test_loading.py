@@ -237,3 +237,34 @@ def test_the_architecture_is_read_from_the_header_as_gguf_reads_it(tmp_path):
     assert gguf_architecture(path) is None
     path.write_bytes(b"PK\x03\x04 not a gguf")
     assert gguf_architecture(path) is None
+
+
+def test_the_loaders_reader_gives_gguf_pys_fields_whole_and_by_index(tmp_path, tiny_gguf):
+    """gguf_reader reads arrays in one pass (a real vocabulary took ~2 s of every start through gguf-py's
+    per-element parsing): every field's types and contents, whole and element by element, are gguf-py's."""
+    import gguf
+
+    from decoding.model.gguf_loader import gguf_reader
+
+    path = tmp_path / "arrays.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_array("test.strings", ["", "é", "a b", "\u2028", "x" * 300])
+    writer.add_array("test.ints", [3, -1, 7])
+    writer.add_key_value("test.floats", [0.5, -2.25], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.FLOAT32)
+    writer.add_key_value("test.bytes", [0, 255], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.UINT8)
+    writer.add_array("test.empty", [])
+    writer.add_string("test.string", "plain")
+    writer.add_uint32("test.scalar", 9)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    for file in (path, tiny_gguf):
+        ours, theirs = gguf_reader(file), gguf.GGUFReader(file)
+        assert list(ours.fields) == list(theirs.fields)
+        for name, field in theirs.fields.items():
+            mine = ours.fields[name]
+            assert (mine.types, mine.contents()) == (field.types, field.contents()), name
+            for index in range(len(field.data) if field.types[0] == gguf.GGUFValueType.ARRAY else 0):
+                assert mine.contents(index) == field.contents(index), (name, index)
+        assert [(t.name, t.data_offset) for t in ours.tensors] == [(t.name, t.data_offset) for t in theirs.tensors]
