@@ -137,9 +137,10 @@ def measure_int8_gmacs(model: Model, threads: int, tokens: int = 32, tile_mode: 
     """Multiply-accumulates per second of the fast kernels on the pool, weights in cache: the compute
     ceiling of a batched step (a 32-sequence decode step is int8 dot products, not memory traffic).
 
-    One feed-forward matrix of the model (repacked, a few hundred KB: it stays in L2), `tokens`
-    activation rows, split over the threads as a step splits it; through AMX tiles with `tile_mode`
-    (decoding.kernels.amx). None when the matrix is not packable.
+    One feed-forward matrix of the model (repacked: a few hundred KB for a small model, in L2; 8-40 MB at
+    1.5B-7B, streamed from L3 or memory at ~0.02 byte per multiply-accumulate for 32 tokens, well under
+    the memory's speed), `tokens` activation rows (in L1), split over the threads as a step splits it;
+    through AMX tiles with `tile_mode` (decoding.kernels.amx). None when the matrix is not packable.
     """
     matrix = model.weights.layers[0].w_up
     if not is_packable(matrix.qtype, matrix.n_rows):
