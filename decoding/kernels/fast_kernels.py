@@ -214,6 +214,24 @@ def quantize_activation_rows(x, n_cols, row_begin, row_end, xq, xd, xsum, tiles,
             tile_activation_row(tiles, t, n_cols, xq[t], xd[t], xsum[t])
 
 
+@njit(nogil=True, cache=True, inline="always")
+def store_group(out, first, count, g, results, accumulate):
+    """out[first + k, 8g + i] (+)= results[k, i] for the `count` tokens of one 8-row group's call."""
+    for k in range(count):
+        for i in range(8):
+            if accumulate:
+                out[first + k, 8 * g + i] += results[k, i]
+            else:
+                out[first + k, 8 * g + i] = results[k, i]
+
+
+@njit(nogil=True, cache=True, inline="always")
+def group_step(t, end):
+    """Tokens in the VNNI call at token t of [.., end): 8, then 4, then 1 (a token's numbers never depend
+    on which)."""
+    return 8 if t + 8 <= end else (4 if t + 4 <= end else 1)
+
+
 @njit(nogil=True, cache=True)
 def matmul_groups(
     packed, qtype, n_cols, xq, xd, xsum, n_tokens, out, group_begin, group_end, accumulate, tmp, tiles, tile_out
@@ -230,23 +248,12 @@ def matmul_groups(
         for g in range(group_begin, group_end):
             for tile in range(chunk_begin // TILE_TOKENS, min(chunk_end, n_tiled) // TILE_TOKENS):
                 tile_group_dot(packed, qtype, g * stride, n_blocks, tiles, tile, tile_out)
-                first = tile * TILE_TOKENS
-                for k in range(TILE_TOKENS):
-                    for i in range(8):
-                        if accumulate:
-                            out[first + k, 8 * g + i] += tile_out[i, k]
-                        else:
-                            out[first + k, 8 * g + i] = tile_out[i, k]
+                store_group(out, tile * TILE_TOKENS, TILE_TOKENS, g, tile_out.T, accumulate)
             t = max(chunk_begin, n_tiled)
             while t < chunk_end:
-                step = 8 if t + 8 <= chunk_end else (4 if t + 4 <= chunk_end else 1)
+                step = group_step(t, chunk_end)
                 group_dot(packed, qtype, g * stride, n_blocks, xq, xd, xsum, t, step, tmp)
-                for k in range(step):
-                    for i in range(8):
-                        if accumulate:
-                            out[t + k, 8 * g + i] += tmp[k, i]
-                        else:
-                            out[t + k, 8 * g + i] = tmp[k, i]
+                store_group(out, t, step, g, tmp, accumulate)
                 t += step
 
 
@@ -274,20 +281,15 @@ def swiglu_groups(gate, up, qtype_gate, qtype_up, n_cols, xq, xd, xsum, n_tokens
             for tile in range(chunk_begin // TILE_TOKENS, min(chunk_end, n_tiled) // TILE_TOKENS):
                 tile_group_dot(gate, qtype_gate, g * stride_gate, n_blocks, tiles, tile, tile_out[0])
                 tile_group_dot(up, qtype_up, g * stride_up, n_blocks, tiles, tile, tile_out[1])
-                first = tile * TILE_TOKENS
-                for k in range(TILE_TOKENS):
-                    for i in range(8):
-                        out[first + k, 8 * g + i] = tile_out[0, i, k]
-                        up_out[first + k, 8 * g + i] = tile_out[1, i, k]
+                store_group(out, tile * TILE_TOKENS, TILE_TOKENS, g, tile_out[0].T, False)
+                store_group(up_out, tile * TILE_TOKENS, TILE_TOKENS, g, tile_out[1].T, False)
             t = max(chunk_begin, n_tiled)
             while t < chunk_end:
-                step = 8 if t + 8 <= chunk_end else (4 if t + 4 <= chunk_end else 1)
+                step = group_step(t, chunk_end)
                 group_dot(gate, qtype_gate, g * stride_gate, n_blocks, xq, xd, xsum, t, step, tmp_gate)
                 group_dot(up, qtype_up, g * stride_up, n_blocks, xq, xd, xsum, t, step, tmp_up)
-                for k in range(step):
-                    for i in range(8):
-                        out[t + k, 8 * g + i] = tmp_gate[k, i]
-                        up_out[t + k, 8 * g + i] = tmp_up[k, i]
+                store_group(out, t, step, g, tmp_gate, False)
+                store_group(up_out, t, step, g, tmp_up, False)
                 t += step
     for t in range(n_tokens):
         # sliced, with a loop from 0: numba then proves the index non-negative and LLVM vectorises

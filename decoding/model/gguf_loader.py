@@ -376,7 +376,7 @@ def gguf_reader(path: Path) -> Any:
             self._plain_data = mapped.view(np.ndarray)
 
         def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list, list[int], list]:
-            if raw_type != array_type or self.byte_order != "I" or np.little_endian is False:
+            if raw_type != array_type or self.byte_order != "I" or not np.little_endian:
                 return super()._get_field_parts(orig_offs, raw_type)
             item_type, count = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
             offs, parts, types = orig_offs + 12, [item_type, count], [array_type, gguf.GGUFValueType(int(item_type[0]))]
