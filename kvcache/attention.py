@@ -90,6 +90,11 @@ assert Q8_GROUP == HADAMARD_SIZE, "a group's rotation is the 32-point transform"
 # then (int8 caches, numba path) one block's byte weights of a value group.
 _NUM_SOFTMAX_STATS = 2
 
+# A sequence's KV (one layer, every KV head) up to this size stays in the last-level cache while a
+# prefill chunk's rows read it one after another: half of the 32 MB L3 the prefetch was measured on
+# (docs/performance.md, "Long contexts"), leaving room for everything else a step touches.
+CACHED_KV_BYTES = 16 << 20
+
 
 @njit(nogil=True, cache=True, inline="always")
 def query_q8_floats(head_dim: int) -> int:
@@ -246,6 +251,7 @@ def paged_attention_rows(
     """
     require_c_contiguous(key_cache, value_cache, scratch)
     n_kv_heads = key_cache.shape[1]
+    block_bytes = n_kv_heads * (key_cache[0, 0].size + value_cache[0, 0].size) * key_cache.itemsize
     work = scratch[tid]
     item = 0
     for seq in range(context_lens.shape[0]):
@@ -253,19 +259,24 @@ def paged_attention_rows(
         row_begin = query_start_loc[seq]
         row_end = query_start_loc[seq + 1]
         first_position = context_lens[seq] - (row_end - row_begin)
+        # A chunk's first row brings its sequence's tiles in; the rows after it find them in L2 or L3,
+        # where they come sooner without asking (the requests cost a fifth of a block's time), unless
+        # the sequence's KV outgrows the cache.
+        kv_bytes = -(-context_lens[seq] // key_cache.shape[3]) * block_bytes
+        prefetch_every_row = kv_bytes > CACHED_KV_BYTES
         for row in range(row_begin, row_end):
             position = first_position + (row - row_begin)
             for kv_head in range(n_kv_heads):
                 # Round-robin over items balances the causal triangle of a prefill chunk.
                 if item % nthreads == tid:
-                    _attend_row_group(
-                        out, query, key_cache, value_cache, block_table, row, position, kv_head, work, scale, window
-                    )
+                    _attend_row_group(out, query, key_cache, value_cache, block_table, row, position, kv_head, work,
+                                      scale, window, prefetch_every_row or row == row_begin)  # fmt: skip
                 item += 1
 
 
 @njit(nogil=True, cache=True, fastmath=False, inline="always")  # compiled once, in the kernel's body
-def _attend_row_group(out, query, key_cache, value_cache, block_table, row, position, kv_head, work, scale, window):
+def _attend_row_group(out, query, key_cache, value_cache, block_table, row, position, kv_head, work, scale, window,
+                      prefetch):  # fmt: skip
     """Outputs of query row `row` (at `position`) for the query heads of `kv_head`'s group.
 
     work: one thread's `attention_scratch`; row g < group_size serves query head
@@ -307,7 +318,7 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
         # (two blocks ahead, then one): asked for once, two ahead was slower than one ahead, so a burst
         # of 64-128 line requests is not all kept; the second request catches what the first lost.
         for ahead in range(1, 3):
-            if logical_block + ahead <= last_block:
+            if prefetch and logical_block + ahead <= last_block:
                 next_block_id = block_table[logical_block + ahead]
                 prefetch_tile(key_cache[next_block_id, kv_head])
                 prefetch_tile(value_cache[next_block_id, kv_head])
