@@ -223,3 +223,29 @@ def test_a_mapped_file_and_a_converted_directory_give_the_step_the_same_argument
         built = [KernelWeights.build(m.config, m.weights, fast=fast) for m in (mapped, converted)]
         types = [(typeof(w.matrices), typeof(w.packed), typeof(w.arrays)) for w in built]
         assert types[0] == types[1]
+
+
+def test_the_rotary_tables_fill_as_positions_reach_them_with_the_rows_of_the_whole_table(tmp_path):
+    """A 128k-position model keeps only the rotary rows its sequences reached; each row is the one the
+    whole table would hold, so when a row is filled never changes a token's numbers."""
+    from decoding.kernels.forward import ROPE_ROWS_AT_ONCE, KernelWeights
+    from decoding.kernels.reference import rope_tables
+
+    model = load_model(write_gguf(tmp_path / "tiny.gguf", TinyShape(max_context=3 * ROPE_ROWS_AT_ONCE)))
+    cfg = model.config
+    weights = KernelWeights.build(cfg, model.weights, fast=False)
+    whole_cos, whole_sin = rope_tables(np.arange(cfg.max_context), cfg.head_dim, cfg.rope_theta)
+    assert not weights.arrays.rope_cos.any()
+
+    weights.cover_positions(np.array([5, ROPE_ROWS_AT_ONCE + 3]))
+    filled = 2 * ROPE_ROWS_AT_ONCE
+    assert weights.rope_rows == filled
+    assert np.array_equal(weights.arrays.rope_cos[0, :filled], whole_cos[:filled])
+    assert np.array_equal(weights.arrays.rope_sin[0, :filled], whole_sin[:filled])
+    assert not weights.arrays.rope_cos[0, filled:].any()
+
+    weights.cover_positions(np.array([cfg.max_context - 1]))
+    assert np.array_equal(weights.arrays.rope_cos[0], whole_cos)
+    assert np.array_equal(weights.arrays.rope_sin[0], whole_sin)
+    with pytest.raises(ValueError, match="past the model's"):
+        weights.cover_positions(np.array([cfg.max_context]))

@@ -206,6 +206,7 @@ class DecoderForward:
             query_start_loc=starts.astype(np.int32), logit_rows=rows, num_head_rows=0,
         )  # fmt: skip
         w = self.weights
+        w.cover_positions(step.positions)
         self.pool.run(model_step, self.fast, step, w.matrices, w.packed, w.arrays, self.architecture,
                       self.storage.key_cache, self.storage.value_cache, self.scratch)  # fmt: skip
         final = self.scratch.final

@@ -85,6 +85,7 @@ class ModelRunner:
                           query_start_loc=kv.query_start_loc, logit_rows=batch.logit_rows,
                           num_head_rows=batch.num_head_rows)
         w = self.weights
+        w.cover_positions(step.positions)
         self.pool.run(model_step, int8_kernels(self.kernels), step, w.matrices, w.packed, w.arrays, self.architecture,
                       self.storage.key_cache, self.storage.value_cache, self.state)
         return self.state.logits[: batch.num_head_rows]

@@ -202,11 +202,36 @@ class WeightArrays(NamedTuple):
     routers: np.ndarray  # (n_layers, n_experts, dim) float32 each expert's score row; n_experts = 0 if dense
 
 
+# rotary rows filled at a time as positions first reach them (256 KiB a table at a head of 128)
+ROPE_ROWS_AT_ONCE = 1024
+
+
 @dataclass(slots=True)
 class KernelWeights:
     matrices: List  # n_layers · 7 arrays (n_rows, row_bytes) uint8, in WQ..W_DOWN order per layer
     packed: List  # the same matrices repacked for the fast kernels (flat uint8), or empty arrays
     arrays: WeightArrays
+    ropes: list[tuple[float, float]]  # (theta, linear factor) of each rotary table
+    rope_freq_factors: tuple[float, ...]
+    rope_rows: int = 0  # rows of the rotary tables filled so far
+
+    def cover_positions(self, positions: np.ndarray) -> None:
+        """Fill the rotary tables' rows up to the furthest of `positions` before a step reads them. The
+        tables span the model's whole context (64 MiB at Llama 3.1's 131,072 positions) but stay unbacked
+        memory until a sequence reaches a row; each row is the same whenever it is computed."""
+        end = int(positions.max()) + 1 if positions.shape[0] else 0
+        if end <= self.rope_rows:
+            return
+        cos_tables, sin_tables = self.arrays.rope_cos, self.arrays.rope_sin
+        if end > cos_tables.shape[1]:
+            raise ValueError(f"position {end - 1} is past the model's {cos_tables.shape[1]} positions")
+        end = min(cos_tables.shape[1], -(-end // ROPE_ROWS_AT_ONCE) * ROPE_ROWS_AT_ONCE)
+        rows = np.arange(self.rope_rows, end)
+        head_dim = 2 * cos_tables.shape[2]
+        for i, (theta, factor) in enumerate(self.ropes):
+            cos_tables[i, rows], sin_tables[i, rows] = rope_tables(rows, head_dim, theta, self.rope_freq_factors,
+                                                                   factor)  # fmt: skip
+        self.rope_rows = end
 
     @classmethod
     def build(cls, cfg: ModelConfig, weights: ModelWeights, fast: bool, cache: Path | None = None) -> KernelWeights:
@@ -236,8 +261,7 @@ class KernelWeights:
             if cfg.is_moe:
                 routers[i] = layer.router
         ropes = sorted({cfg.layer_rope(i) for i in range(cfg.n_layers)})
-        tables = [rope_tables(np.arange(cfg.max_context), cfg.head_dim, theta, cfg.rope_freq_factors, factor)
-                  for theta, factor in ropes]  # fmt: skip
+        rope_shape = (len(ropes), cfg.max_context, cfg.head_dim // 2)  # zeros: filled by cover_positions
         return cls(matrices, packed, WeightArrays(
             qtypes=qtypes, packed_qtypes=packed_qtypes, norms=norms, biases=biases, head_norms=head_norms,
             layer_windows=np.array([cfg.layer_window(i) for i in range(cfg.n_layers)], dtype=np.int64),
@@ -248,9 +272,9 @@ class KernelWeights:
             # a copy: a read-only view (an F32 tensor of a mapped file) is another numba type, and the
             # step would compile again for it
             output_norm=np.array(weights.output_norm, dtype=np.float32),
-            rope_cos=np.stack([cos for cos, _ in tables]), rope_sin=np.stack([sin for _, sin in tables]),
+            rope_cos=np.zeros(rope_shape, dtype=np.float32), rope_sin=np.zeros(rope_shape, dtype=np.float32),
             routers=routers,
-        ))  # fmt: skip
+        ), ropes=ropes, rope_freq_factors=tuple(cfg.rope_freq_factors))  # fmt: skip
 
 
 class Architecture(NamedTuple):
