@@ -5,6 +5,7 @@ import pytest
 
 from decoding import load_model
 from decoding.engine.runner import ModelRunner, StepBatch
+from decoding.kernels.forward import StepScratch, tile_mode
 from decoding.kernels.phases import PHASES
 from decoding.kernels.reference import forward_logits
 from decoding.model.quant import QType
@@ -20,13 +21,17 @@ BLOCK_SIZE = 8
 class StepDriver:
     """Drives the runner by hand: sequences, their tokens, and which of them compute what each step."""
 
-    def __init__(self, model, n_threads: int, num_blocks: int = 128, kernels: str = "exact"):
+    def __init__(self, model, n_threads: int, num_blocks: int = 128, kernels: str = "exact",
+                 feed_forward_rows: int | None = None):  # fmt: skip
         cfg = model.config
         spec = KVCacheSpec(n_layers=cfg.n_layers, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
                            block_size=BLOCK_SIZE)
         self.kv = KVCacheManager(num_blocks, BLOCK_SIZE, cfg.max_context, enable_prefix_caching=False)
         self.pool = SpinPool(n_threads)
         self.runner = ModelRunner(model, KVCacheStorage.allocate(spec, num_blocks), self.pool, 128, 128, kernels)
+        if feed_forward_rows is not None:
+            self.runner.state = StepScratch.allocate(cfg, 128, 128, n_threads, BLOCK_SIZE, tile_mode(kernels),
+                                                     feed_forward_rows)  # fmt: skip
         self.tokens: dict[int, list[int]] = {}
         self.computed: dict[int, int] = {}
 
@@ -163,6 +168,33 @@ def assert_logits_alone_equal_logits_beside(model, kernels: str, ids: list[int],
             driver.close()
     for rows in results[1:]:
         np.testing.assert_array_equal(rows, results[0])
+
+
+@pytest.mark.parametrize("kernels", ["exact", "fast", "emulated tiles"])
+def test_the_feed_forward_in_passes_gives_the_logits_of_one_pass(tmp_path_factory, monkeypatch, kernels):
+    """A step's gated feed-forward runs in passes of a few tokens (their hidden rows exist for one pass):
+    prompts of several passes and a remainder, beside decodes, give one pass's logits bit for bit."""
+    if kernels == "emulated tiles":
+        monkeypatch.setenv("TREADLE_AMX", "emulate")
+        kernels = "fast"
+    model = tiny_model(tmp_path_factory, QType.Q4_K)
+    rng = np.random.default_rng(8)
+    tokens = {1: rng.integers(3, model.config.vocab_size, 61).tolist(),
+              2: rng.integers(3, model.config.vocab_size, 25).tolist()}  # fmt: skip
+    results = []
+    for rows in (None, 16, 32):
+        driver = StepDriver(model, 2, kernels=kernels, feed_forward_rows=rows)
+        try:
+            assert driver.runner.state.hb.shape[0] == (rows or 128)
+            for s, ids in tokens.items():
+                driver.add(s, ids)
+            steps = [driver.step({1: 50, 2: 23}), driver.step({1: 10, 2: 1}), driver.step({1: 1, 2: 1})]
+            results.append([rows for step in steps for rows in step.values()])
+        finally:
+            driver.close()
+    for passes in results[1:]:
+        for a, b in zip(passes, results[0], strict=True):
+            np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("kernels", ["exact", "fast"])

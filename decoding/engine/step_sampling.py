@@ -61,7 +61,9 @@ def sample_step(step: ScheduledStep, logits: np.ndarray, first_rows: list[int], 
                 requests.append(SampleRequest(choice.params, choice.rng, choice.prompt_ids, choice.output_ids))
     if not rows:
         return StepResult(results)
-    rows_logits = logits[rows]  # a copy: the masks change only it
+    # the masks change the rows they draw from: the step's own rows where each is drawn once and in order (no
+    # copy of 18 MiB at 32 streams of a 152k vocabulary; the step reads them no more), else a copy
+    rows_logits = logits[: len(rows)] if rows == list(range(len(rows))) else logits[rows]
     constrained = [(d.first, grammar, d.drafts) for d in draws if (grammar := _grammar(d.seq, guide)) is not None]
     dead = set(apply_masks(rows_logits, constrained, guide))
     rows_logits[list(dead)] = 0.0  # drawn, then dropped: the sampler needs finite rows

@@ -83,6 +83,14 @@ def tile_activations(mode: int, max_tokens: int, widest: int) -> TileActivations
 
 
 @njit(nogil=True, cache=True)
+def tiles_from(tiles, first_token):
+    """The activations from token `first_token` on (a whole tile's first token): a view, token 0 its first."""
+    first = first_token // TILE_TOKENS
+    return TileActivations(tiles.mode, tiles.xq[first:], tiles.xd[first:], tiles.mass[first:],
+                           tiles.half_sums[first:])  # fmt: skip
+
+
+@njit(nogil=True, cache=True)
 def tile_activation_row(tiles, t, n_cols, xq, xd, xsum):
     """Copy token t's quantized row (xq in ACTIVATION_ORDER, its block fields: fast_kernels.activation_arrays)
     into its tile's layout: byte 8s + 4h + j of a block is step s, half h, so B_h row s of token n is the

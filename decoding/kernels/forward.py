@@ -44,10 +44,10 @@ from threadpool import barrier_wait
 from ..model.config import ModelConfig
 from ..model.weights import LayerWeights, ModelWeights, WeightMatrix, release_mapped_pages
 from . import weight_cache
-from .amx import EMULATED, HARDWARE, TileActivations, tile_activations
+from .amx import EMULATED, HARDWARE, TileActivations, tile_activations, tiles_from
 from .amx_probe import tile_support
 from .experts import expert_feed_forward, route_tokens
-from .fast_kernels import activation_arrays, matmul_groups, quantize_activation_rows, swiglu_groups
+from .fast_kernels import activation_arrays, matmul_groups, quantize_activation_rows, swiglu_groups, tokens_per_pass
 from .kernels import (
     GATE_GELU_TANH,
     GATE_SILU,
@@ -319,6 +319,12 @@ class StepInputs(NamedTuple):
     num_head_rows: int  # the first rows of those also go through the LM head; the rest are pooled (embeddings)
 
 
+def feed_forward_tokens(cfg: ModelConfig, max_tokens: int) -> int:
+    """Tokens in one pass of the dense feed-forward: one pass of the gate and up matrices' kernel (whole tiles
+    of 16), so splitting a step's feed-forward into passes re-reads no weight the kernel did not already."""
+    return min(max_tokens, tokens_per_pass(cfg.dim))
+
+
 class StepScratch(NamedTuple):
     """Scratch for the largest step, allocated once."""
 
@@ -328,15 +334,19 @@ class StepScratch(NamedTuple):
     k: np.ndarray  # (max_tokens, n_kv_heads · head_dim)
     v: np.ndarray  # (max_tokens, n_kv_heads · head_dim)
     attn: np.ndarray  # (max_tokens, n_heads · head_dim) attention output
-    hb: np.ndarray  # (max_tokens, hidden_dim) SwiGLU output (no rows in a mixture of experts)
-    up: np.ndarray  # (max_tokens, hidden_dim) the up projection, before the fast kernels' SiLU pass
+    hb: np.ndarray  # (feed_forward_tokens, hidden_dim) SwiGLU output of a pass (no rows in a mixture of experts)
+    up: np.ndarray  # (feed_forward_tokens, hidden_dim) the up projection, before the fast kernels' SiLU pass
+    hq: np.ndarray  # (feed_forward_tokens, hidden_dim) int8 hb quantized (fast mode); hd, hsum its block fields
+    hd: np.ndarray
+    hsum: np.ndarray
+    hidden_tiles: TileActivations  # hq again in AMX tiles' layout, or none
     final: np.ndarray  # (max_logit_rows, dim) final-normed rows: those that sample, then those pooled
     logits: np.ndarray  # (max_logit_rows, vocab) of the rows that sample
     row_buffers: np.ndarray  # (n_threads, 2, max(dim, hidden_dim, q_dim)) dequantized weight rows
     attn_scratch: np.ndarray  # kvcache.attention.attention_scratch
-    xq: np.ndarray  # (max(max_tokens, max_logit_rows), widest) int8 quantized activations (fast mode)
-    xd: np.ndarray  # (same rows, widest / 32, 2) float32 their blocks' scales and masses (activation_arrays)
-    xsum: np.ndarray  # (same rows, widest / 32, 2) int32 their blocks' sums, a sum per half
+    xq: np.ndarray  # (max(max_tokens, max_logit_rows), max(dim, q_dim)) int8 quantized activations (fast mode)
+    xd: np.ndarray  # (same rows, that / 32, 2) float32 their blocks' scales and masses (activation_arrays)
+    xsum: np.ndarray  # (same rows, that / 32, 2) int32 their blocks' sums, a sum per half
     group_out: np.ndarray  # (n_threads, 2, 8, 8) float32 results of one 8-row group for up to 8 tokens
     tiles: TileActivations  # the activations again in AMX tiles' layout (decoding.kernels.amx), or none
     untiled: TileActivations  # none: for the experts' gathered rows
@@ -359,27 +369,31 @@ class StepScratch(NamedTuple):
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, max_tokens: int, max_logit_rows: int, n_threads: int,
-                 block_size: int, tile_mode: int = 0) -> StepScratch:
+                 block_size: int, tile_mode: int = 0, feed_forward_rows: int | None = None) -> StepScratch:
+        """`feed_forward_rows`: tokens per pass of the dense feed-forward (default feed_forward_tokens; a
+        multiple of 16 where tiles are in use)."""
         def zeros(*shape: int) -> np.ndarray:
             return np.zeros(shape, dtype=np.float32)
 
         widest = max(cfg.dim, cfg.hidden_dim, cfg.q_dim)
         rows = max(max_tokens, max_logit_rows)
-        dense_rows = 0 if cfg.is_moe else max_tokens
+        dense_rows = 0 if cfg.is_moe else feed_forward_rows or feed_forward_tokens(cfg, max_tokens)
         experts, used = cfg.n_experts, cfg.n_experts_used
         pairs, pair_width = max_tokens * used, max(cfg.dim, cfg.hidden_dim) if cfg.is_moe else 32
-        xq, xd, xsum = activation_arrays(rows, widest)
+        xq, xd, xsum = activation_arrays(rows, max(cfg.dim, cfg.q_dim))
+        hq, hd, hsum = activation_arrays(dense_rows, cfg.hidden_dim)
         pair_q, pair_d, pair_sum = activation_arrays(pairs, pair_width)
         return cls(
             x=zeros(max_tokens, cfg.dim), xb=zeros(max_tokens, cfg.dim), q=zeros(max_tokens, cfg.q_dim),
             k=zeros(max_tokens, cfg.kv_dim), v=zeros(max_tokens, cfg.kv_dim), attn=zeros(max_tokens, cfg.q_dim),
-            hb=zeros(dense_rows, cfg.hidden_dim), up=zeros(dense_rows, cfg.hidden_dim),
+            hb=zeros(dense_rows, cfg.hidden_dim), up=zeros(dense_rows, cfg.hidden_dim), hq=hq, hd=hd, hsum=hsum,
+            hidden_tiles=tile_activations(tile_mode, dense_rows, cfg.hidden_dim),
             final=zeros(max_logit_rows, cfg.dim), logits=zeros(max_logit_rows, cfg.vocab_size),
             row_buffers=zeros(n_threads, 2, widest),
             attn_scratch=attention_scratch(n_threads, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, block_size),
             xq=xq, xd=xd, xsum=xsum,
             group_out=zeros(n_threads, 2, MOST_GROUP_TOKENS, GROUP_ROWS),
-            tiles=tile_activations(tile_mode, rows, widest), untiled=tile_activations(0, 0, 0),
+            tiles=tile_activations(tile_mode, rows, max(cfg.dim, cfg.q_dim)), untiled=tile_activations(0, 0, 0),
             tile_out=zeros(n_threads, 2, 8, 16), phase_cycles=no_profile(),
             expert_scores=zeros(max_tokens if experts else 0, experts),
             expert_choices=np.zeros((max_tokens, used), dtype=np.int64), expert_weights=zeros(max_tokens, used),
@@ -555,27 +569,34 @@ def model_step(tid, nthreads, barrier, fast, step, matrices, packed, weights, ar
             clock = lap(profile, COMBINE_EXPERTS, clock)
             continue
 
-        if fast and packed[w + 4].shape[0] > 0 and packed[w + 5].shape[0] > 0:  # gated feed-forward
-            g0, g1 = split_range(hidden_dim // 8, tid, nthreads)
-            swiglu_groups(packed[w + 4], packed[w + 5], packed_qtypes[layer, 4], packed_qtypes[layer, 5], dim, xq, xd,
-                          xsum, n_tokens, hb, up, g0, g1, tmp[0], tmp[1], activation, tiles, tile_out)
-        else:
-            r0, r1 = split_range(hidden_dim, tid, nthreads)
-            swiglu_rows(matrices[w + 4], qtypes[layer, 4], matrices[w + 5], qtypes[layer, 5], dim, xb, n_tokens, hb,
-                        r0, r1, buf[0], buf[1], activation)
-        barrier_wait(barrier, tid)
-        clock = lap(profile, GATE_UP, clock)
-        if fast:
-            quantize_rows(fast, hb, hidden_dim, t_begin, t_end, xq, xd, xsum, tiles, n_tokens)
+        # the gated feed-forward in passes of hb's rows: the hidden rows, 5x a token's width, exist for one
+        # pass at a time; each pass's down projection is added to the residual (through its own RMSNorm where
+        # there are post-norms)
+        ffn_out = xb if post_norms else x
+        for first in range(0, n_tokens, hb.shape[0]):
+            count = min(hb.shape[0], n_tokens - first)
+            if fast and packed[w + 4].shape[0] > 0 and packed[w + 5].shape[0] > 0:
+                g0, g1 = split_range(hidden_dim // 8, tid, nthreads)
+                swiglu_groups(packed[w + 4], packed[w + 5], packed_qtypes[layer, 4], packed_qtypes[layer, 5], dim,
+                              xq[first:], xd[first:], xsum[first:], count, hb, up, g0, g1, tmp[0], tmp[1], activation,
+                              tiles_from(tiles, first), tile_out)
+            else:
+                r0, r1 = split_range(hidden_dim, tid, nthreads)
+                swiglu_rows(matrices[w + 4], qtypes[layer, 4], matrices[w + 5], qtypes[layer, 5], dim, xb[first:],
+                            count, hb, r0, r1, buf[0], buf[1], activation)
             barrier_wait(barrier, tid)
-            clock = lap(profile, QUANTIZE_HIDDEN, clock)
-
-        # down projection, added to the residual (through its own RMSNorm where there are post-norms)
-        project(fast, matrices[w + 6], packed[w + 6], qtypes[layer, 6], packed_qtypes[layer, 6],
-                dim, hidden_dim, hb, xq, xd, xsum, n_tokens,
-                xb if post_norms else x, not post_norms, tid, nthreads, buf[0], tmp[0], tiles, tile_out[0])
-        barrier_wait(barrier, tid)
-        clock = lap(profile, DOWN_PROJECTION, clock)
+            clock = lap(profile, GATE_UP, clock)
+            if fast:
+                h0, h1 = split_range(count, tid, nthreads)
+                quantize_rows(fast, hb, hidden_dim, h0, h1, scratch.hq, scratch.hd, scratch.hsum,
+                              scratch.hidden_tiles, count)
+                barrier_wait(barrier, tid)
+                clock = lap(profile, QUANTIZE_HIDDEN, clock)
+            project(fast, matrices[w + 6], packed[w + 6], qtypes[layer, 6], packed_qtypes[layer, 6],
+                    dim, hidden_dim, hb, scratch.hq, scratch.hd, scratch.hsum, count, ffn_out[first:], not post_norms,
+                    tid, nthreads, buf[0], tmp[0], scratch.hidden_tiles, tile_out[0])
+            barrier_wait(barrier, tid)
+            clock = lap(profile, DOWN_PROJECTION, clock)
         if post_norms:  # the final norm below reads rows of other threads: a barrier after
             add_normed(x, xb, norms[layer, 3], rms_eps, t_begin, t_end)
             barrier_wait(barrier, tid)
