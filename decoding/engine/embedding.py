@@ -199,13 +199,14 @@ class DecoderForward:
         seq_of_row = np.repeat(np.arange(len(inputs)), lengths)
         cfg = self.model.config
         rows = _pooled_rows(cfg, lengths, starts)
-        step = StepInputs(
-            token_ids=np.fromiter(itertools.chain.from_iterable(ids for ids, _ in inputs), np.int32, n),
-            positions=positions, slot_mapping=(tables[seq_of_row, positions // bs] * bs + positions % bs).astype(
-                np.int32), block_tables=tables, context_lens=lengths.astype(np.int32),
-            query_start_loc=starts.astype(np.int32), logit_rows=rows, num_head_rows=0,
-        )  # fmt: skip
+        token_ids = np.fromiter(itertools.chain.from_iterable(ids for ids, _ in inputs), np.int32, n)
         w = self.weights
+        step = StepInputs(
+            token_ids=token_ids, embedding_rows=w.token_rows.gather(token_ids), positions=positions,
+            slot_mapping=(tables[seq_of_row, positions // bs] * bs + positions % bs).astype(np.int32),
+            block_tables=tables, context_lens=lengths.astype(np.int32), query_start_loc=starts.astype(np.int32),
+            logit_rows=rows, num_head_rows=0,
+        )  # fmt: skip
         w.cover_positions(step.positions)
         self.pool.run(model_step, self.fast, step, w.matrices, w.packed, w.arrays, self.architecture,
                       self.storage.key_cache, self.storage.value_cache, self.scratch)  # fmt: skip

@@ -80,11 +80,12 @@ class ModelRunner:
         if batch.block_copies:
             self.storage.copy_blocks(batch.block_copies)
         kv = batch.kv
-        step = StepInputs(token_ids=batch.token_ids, positions=kv.positions, slot_mapping=kv.slot_mapping,
+        w = self.weights
+        step = StepInputs(token_ids=batch.token_ids, embedding_rows=w.token_rows.gather(batch.token_ids),
+                          positions=kv.positions, slot_mapping=kv.slot_mapping,
                           block_tables=kv.block_tables, context_lens=kv.context_lens,
                           query_start_loc=kv.query_start_loc, logit_rows=batch.logit_rows,
                           num_head_rows=batch.num_head_rows)
-        w = self.weights
         w.cover_positions(step.positions)
         self.pool.run(model_step, int8_kernels(self.kernels), step, w.matrices, w.packed, w.arrays, self.architecture,
                       self.storage.key_cache, self.storage.value_cache, self.state)

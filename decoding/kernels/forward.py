@@ -42,6 +42,7 @@ from kvcache.fastmath import is_int8
 from threadpool import barrier_wait
 
 from ..model.config import ModelConfig
+from ..model.token_rows import TokenRows
 from ..model.weights import LayerWeights, ModelWeights, WeightMatrix, release_mapped_pages
 from . import weight_cache
 from .amx import EMULATED, HARDWARE, TileActivations, tile_activations, tiles_from
@@ -190,8 +191,7 @@ class WeightArrays(NamedTuple):
     head_norms: np.ndarray  # (n_layers, 2, head_dim) float32: query and key head norms (ones if none)
     layer_windows: np.ndarray  # (n_layers,) int64: keys each layer attends to, 0 = all
     layer_ropes: np.ndarray  # (n_layers,) int64: which rotary table each layer uses
-    embedding: np.ndarray  # (vocab, row_bytes) uint8
-    embedding_qtype: int
+    embedding_qtype: int  # the token embedding's type: its rows come with each step (StepInputs.embedding_rows)
     lm_head: np.ndarray  # (vocab, row_bytes) uint8
     lm_head_qtype: int
     lm_head_packed: np.ndarray  # flat uint8, or empty
@@ -211,6 +211,7 @@ class KernelWeights:
     matrices: List  # n_layers · 7 arrays (n_rows, row_bytes) uint8, in WQ..W_DOWN order per layer
     packed: List  # the same matrices repacked for the fast kernels (flat uint8), or empty arrays
     arrays: WeightArrays
+    token_rows: TokenRows  # the token embedding's rows for each step
     ropes: list[tuple[float, float]]  # (theta, linear factor) of each rotary table
     rope_freq_factors: tuple[float, ...]
     rope_rows: int = 0  # rows of the rotary tables filled so far
@@ -266,7 +267,7 @@ class KernelWeights:
             qtypes=qtypes, packed_qtypes=packed_qtypes, norms=norms, biases=biases, head_norms=head_norms,
             layer_windows=np.array([cfg.layer_window(i) for i in range(cfg.n_layers)], dtype=np.int64),
             layer_ropes=np.array([ropes.index(cfg.layer_rope(i)) for i in range(cfg.n_layers)], dtype=np.int64),
-            embedding=_as_bytes(weights.token_embedding), embedding_qtype=int(weights.token_embedding.qtype),
+            embedding_qtype=int(weights.token_embedding.qtype),
             lm_head=_as_bytes(weights.lm_head), lm_head_qtype=int(weights.lm_head.qtype),
             lm_head_packed=all_packed[-1], lm_head_packed_qtype=int(packed_type(weights.lm_head.qtype)),
             # a copy: a read-only view (an F32 tensor of a mapped file) is another numba type, and the
@@ -274,7 +275,8 @@ class KernelWeights:
             output_norm=np.array(weights.output_norm, dtype=np.float32),
             rope_cos=np.zeros(rope_shape, dtype=np.float32), rope_sin=np.zeros(rope_shape, dtype=np.float32),
             routers=routers,
-        ), ropes=ropes, rope_freq_factors=tuple(cfg.rope_freq_factors))  # fmt: skip
+        ), token_rows=TokenRows(_as_bytes(weights.token_embedding)), ropes=ropes,
+            rope_freq_factors=tuple(cfg.rope_freq_factors))  # fmt: skip
 
 
 class Architecture(NamedTuple):
@@ -310,6 +312,7 @@ class StepInputs(NamedTuple):
     """One step's flat batch, as the kernels read it."""
 
     token_ids: np.ndarray  # (num_tokens,) int32
+    embedding_rows: np.ndarray  # (num_tokens, row_bytes) uint8 their token embedding rows (KernelWeights.token_rows)
     positions: np.ndarray
     slot_mapping: np.ndarray
     block_tables: np.ndarray
@@ -448,7 +451,7 @@ def model_step(tid, nthreads, barrier, fast, step, matrices, packed, weights, ar
     logit_rows = step.logit_rows
     qtypes, packed_qtypes, norms, biases = weights.qtypes, weights.packed_qtypes, weights.norms, weights.biases
     head_norms, layer_windows, layer_ropes = weights.head_norms, weights.layer_windows, weights.layer_ropes
-    embedding, embedding_qtype = weights.embedding, weights.embedding_qtype
+    embedding_rows, embedding_qtype = step.embedding_rows, weights.embedding_qtype
     lm_head, lm_head_qtype = weights.lm_head, weights.lm_head_qtype
     lm_head_packed, lm_head_packed_qtype = weights.lm_head_packed, weights.lm_head_packed_qtype
     output_norm, rope_cos, rope_sin = weights.output_norm, weights.rope_cos, weights.rope_sin
@@ -476,7 +479,7 @@ def model_step(tid, nthreads, barrier, fast, step, matrices, packed, weights, ar
     clock = cycle_counter() if profile.shape[0] > 0 else 0
 
     for t in range(t_begin, t_end):  # token embeddings
-        dequantize_row(embedding[token_ids[t]], embedding_qtype, dim, x[t])
+        dequantize_row(embedding_rows[t], embedding_qtype, dim, x[t])
         if embedding_scale != 1.0:
             for j in range(dim):
                 x[t, j] *= embedding_scale
