@@ -113,9 +113,26 @@ def measure_server(name: str, gguf: Path, threads: int, streams: list[int], prom
             result["error"] = str(exc)
             print(f"{gguf.name}: {name}: {exc} (log: {log.name})", file=sys.stderr)
         result["peak_rss_mb"] = (_vm_kib(process.pid, "VmHWM") or 0) / 1024
+        if name == "treadle":
+            result["prefix_ram_mb"] = _prefix_ram_mib(base_url)
         return result
     finally:
         stop(process, timeout_s=30)
+
+
+def _prefix_ram_mib(base_url: str) -> float | None:
+    """What treadle's host-memory prefix tier holds (its /metrics): KV blocks the KV pool evicted, kept
+    under their own budget (--prefix-cache-ram-mb) beside the pool's."""
+    import httpx
+
+    try:
+        text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    for line in text.splitlines():
+        if line.startswith('treadle_prefix_cache_tier_bytes{tier="ram"}'):
+            return float(line.split()[-1]) / 2**20
+    return 0.0
 
 
 # llama-server's and treadle's options for the long-context servers: one slot holding the longest
@@ -256,6 +273,8 @@ def report_table(path: Path, costs: dict[str, Any], runs: dict[str, dict[str, An
     file_mib = costs["file_gb"] * 1e9 / 2**20
     add("peak RSS beyond the file, MiB", lambda r: (r.get("peak_rss_mb") or r.get("peak_rss_mb_at_ready") or 0)
         - file_mib if r.get("peak_rss_mb") or r.get("peak_rss_mb_at_ready") else None, "{:.0f}")
+    if any(r.get("prefix_ram_mb") is not None for r in runs.values()):
+        add("of which prefix cache in host memory at the end, MiB", lambda r: r.get("prefix_ram_mb"), "{:.0f}")
     add("1 stream, tokens/s", lambda r: 1000 / r["decode_ms_per_token"] if r.get("decode_ms_per_token") else None,
         "{:.2f}")
     add("1 stream, share of read roof", lambda r: decode * 1000 / r["decode_ms_per_token"] / 1e9

@@ -9,7 +9,8 @@ def test_the_sizes_table_gives_each_figure_its_share_of_its_roof():
     costs = {"parameters_b": 1.5, "file_gb": 1.0, "decode_bytes_per_token": 1e9, "read_gb_per_s": 50.0,
              "int8_gmacs": 300.0, "prompt_macs_per_token": 1.5e9, "n_experts": 0}
     runs = {"treadle": {"decode_ms_per_token": 25.0, "aggregate_tokens_per_s": {8: 100.0},
-                        "prompt_tokens": 512, "prompt_ttft_ms": 4096.0, "peak_rss_mb": 1753.7},
+                        "prompt_tokens": 512, "prompt_ttft_ms": 4096.0, "peak_rss_mb": 1753.7,
+                        "prefix_ram_mb": 64.0},
             "llama-server": {"decode_ms_per_token": 50.0, "aggregate_tokens_per_s": {8: 50.0},
                              "prompt_tokens": 512, "prompt_ttft_ms": 8192.0, "peak_rss_mb": 2953.7}}
     table = report_table(Path("m.gguf"), costs, runs, [1, 8])
@@ -20,3 +21,5 @@ def test_the_sizes_table_gives_each_figure_its_share_of_its_roof():
     assert rows["prompt, share of int8 roof"] == "| prompt, share of int8 roof | 62% | 31% | 2.00x |"
     # peak RSS in MiB, beside the file's 1 GB = 953.7 MiB
     assert rows["peak RSS beyond the file, MiB"] == "| peak RSS beyond the file, MiB | 800 | 2000 | 0.40x |"
+    assert rows["of which prefix cache in host memory at the end, MiB"] == (
+        "| of which prefix cache in host memory at the end, MiB | 64 | — | — |")
