@@ -235,7 +235,8 @@ def paged_attention_rows(
     """Causal grouped-query attention of every query row over its sequence's paged KV.
 
     out, query:      (num_tokens, n_heads, head_dim) float32; query head h reads KV head
-                     h // (n_heads // n_kv_heads); scores are q·k · scale (1 / sqrt(head_dim) for most models)
+                     h // (n_heads // n_kv_heads); scores are q·k · scale (1 / sqrt(head_dim) for most models);
+                     out may be query itself (an item reads its query heads before it writes their outputs)
     window:          0, or the keys a position sees, itself included (sliding-window layers): position p
                      then attends to max(0, p - window + 1) .. p; blocks wholly before that are not read
     key_cache:       (num_blocks, n_kv_heads, head_dim, block_size) float32, or uint16 half floats

@@ -101,7 +101,7 @@ def dequantized_q8(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
 
 def run_paged(
     case: PagedCase, seqs: list[int], context_lens: list[int], query_lens: list[int], nthreads: int = 1,
-    scratch: np.ndarray | None = None, window: int = 0,
+    scratch: np.ndarray | None = None, window: int = 0, in_place: bool = False,
 ) -> np.ndarray:  # fmt: skip
     """Attention of the last query_lens[i] positions of seqs[i], its context cut at context_lens[i];
     the threads are simulated one after another. scratch: default `attention_scratch`'s. Arrays and
@@ -113,7 +113,7 @@ def run_paged(
     query_start_loc = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
     n_heads, head_dim = case.queries[0].shape[1:]
     n_kv_heads, _, block_size = case.key_cache.shape[1:]
-    out = np.full_like(query, np.nan)
+    out = query if in_place else np.full_like(query, np.nan)
     if scratch is None:
         scratch = attention_scratch(nthreads, n_heads, n_kv_heads, head_dim, block_size)
     for tid in range(nthreads):
@@ -353,6 +353,20 @@ def test_output_is_bit_identical_for_any_thread_count(nthreads: int, storage: st
     np.testing.assert_array_equal(
         run_paged(case, seqs, context_lens, query_lens, nthreads),
         run_paged(case, seqs, context_lens, query_lens),
+    )
+
+
+@pytest.mark.parametrize("storage", STORAGE)
+@pytest.mark.parametrize("nthreads", [1, 3])
+def test_outputs_written_over_their_queries_are_the_same_bits(nthreads: int, storage: str) -> None:
+    """The model step's attention output shares the queries' array: every item reads its query heads
+    before any item writes over them, whichever thread runs it."""
+    context_lens, query_lens = [90, 1, 33, 64], [30, 1, 1, 64]
+    case = make_case(np.random.default_rng(6), context_lens, 16, 9, 3, 64, storage)
+    seqs = list(range(4))
+    np.testing.assert_array_equal(
+        run_paged(case, seqs, context_lens, query_lens, nthreads, in_place=True),
+        run_paged(case, seqs, context_lens, query_lens, nthreads),
     )
 
 

@@ -336,7 +336,8 @@ class StepScratch(NamedTuple):
     q: np.ndarray  # (max_tokens, n_heads · head_dim)
     k: np.ndarray  # (max_tokens, n_kv_heads · head_dim)
     v: np.ndarray  # (max_tokens, n_kv_heads · head_dim)
-    attn: np.ndarray  # (max_tokens, n_heads · head_dim) attention output
+    attn: np.ndarray  # (max_tokens, n_heads · head_dim) attention output: q's array, as each attention item
+    # (a row and a KV head) reads its query heads into its own scratch before it writes their outputs
     hb: np.ndarray  # (feed_forward_tokens, hidden_dim) SwiGLU output of a pass (no rows in a mixture of experts)
     up: np.ndarray  # (feed_forward_tokens, hidden_dim) the up projection, before the fast kernels' SiLU pass
     hq: np.ndarray  # (feed_forward_tokens, hidden_dim) int8 hb quantized (fast mode); hd, hsum its block fields
@@ -386,9 +387,10 @@ class StepScratch(NamedTuple):
         xq, xd, xsum = activation_arrays(rows, max(cfg.dim, cfg.q_dim))
         hq, hd, hsum = activation_arrays(dense_rows, cfg.hidden_dim)
         pair_q, pair_d, pair_sum = activation_arrays(pairs, pair_width)
+        q = zeros(max_tokens, cfg.q_dim)
         return cls(
-            x=zeros(max_tokens, cfg.dim), xb=zeros(max_tokens, cfg.dim), q=zeros(max_tokens, cfg.q_dim),
-            k=zeros(max_tokens, cfg.kv_dim), v=zeros(max_tokens, cfg.kv_dim), attn=zeros(max_tokens, cfg.q_dim),
+            x=zeros(max_tokens, cfg.dim), xb=zeros(max_tokens, cfg.dim), q=q,
+            k=zeros(max_tokens, cfg.kv_dim), v=zeros(max_tokens, cfg.kv_dim), attn=q,
             hb=zeros(dense_rows, cfg.hidden_dim), up=zeros(dense_rows, cfg.hidden_dim), hq=hq, hd=hd, hsum=hsum,
             hidden_tiles=tile_activations(tile_mode, dense_rows, cfg.hidden_dim),
             final=zeros(max_logit_rows, cfg.dim), logits=zeros(max_logit_rows, cfg.vocab_size),
