@@ -107,6 +107,27 @@ def test_the_model_step_gives_transformers_logits_in_chunks(arch_model, kernels)
             assert agree >= 0.85, f"{arch} prompt {i}: fast kernels' top-1 agrees on {agree:.0%} of positions"
 
 
+@pytest.mark.parametrize("kernels", ["exact", "fast"])
+def test_the_feed_forward_in_passes_changes_no_logit(arch_model, kernels):
+    """Every architecture's switches (biases, head norms, gemma3's post-norms, GELU) through the dense
+    feed-forward in passes of 16 tokens: the logits of one pass, bit for bit."""
+    arch, model = arch_model
+    if model.config.is_moe:
+        pytest.skip("a mixture of experts has no dense feed-forward")
+    cases, _ = golden(arch)
+    results = []
+    for rows in (None, 16):
+        driver = StepDriver(model, n_threads=2, kernels=kernels, feed_forward_rows=rows)
+        try:
+            for i, case in enumerate(cases):
+                driver.add(i, case["ids"])
+            results.append(driver.step({i: len(case["ids"]) for i, case in enumerate(cases)}))
+        finally:
+            driver.close()
+    for i in results[0]:
+        np.testing.assert_array_equal(results[1][i], results[0][i], err_msg=f"{arch} prompt {i}")
+
+
 def test_exact_greedy_decoding_continues_as_transformers_does(arch_model):
     arch, model = arch_model
     engine = Engine(model, EngineConfig(kernels="exact", kv_cache_mb=16, block_size=8)).start()
