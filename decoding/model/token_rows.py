@@ -47,7 +47,7 @@ class TokenRows:
         self.embedding = embedding
         self.row_bytes = embedding.shape[1]
         extent = _file_extent(embedding) if embedding.size else None
-        self._file = open(extent[0], "rb", buffering=0) if extent else None  # noqa: SIM115 - lives with self
+        self._file = open(extent[0], "rb", buffering=0) if extent else None  # closed by close() or with self
         self._offset = extent[1] if extent else 0
         self._buffer = np.empty((0, self.row_bytes), dtype=np.uint8)
         self._rows: list[memoryview] = []
