@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from bench.serve import BenchConfig, machine_description, run_bench
 from bench.servers import free_port, stop, wait_until_ready
 from bench.side_by_side import PEERS
@@ -123,8 +125,6 @@ def measure_server(name: str, gguf: Path, threads: int, streams: list[int], prom
 def _prefix_ram_mib(base_url: str) -> float | None:
     """What treadle's host-memory prefix tier holds (its /metrics): KV blocks the KV pool evicted, kept
     under their own budget (--prefix-cache-ram-mb) beside the pool's."""
-    import httpx
-
     try:
         text = httpx.get(f"{base_url}/metrics", timeout=10).text
     except httpx.HTTPError:
@@ -267,12 +267,14 @@ def report_table(path: Path, costs: dict[str, Any], runs: dict[str, dict[str, An
 
     decode = costs["decode_bytes_per_token"]
     add("start to healthy, s", lambda r: r.get("start_s"), "{:.1f}")
-    add("peak RSS, MiB", lambda r: r.get("peak_rss_mb") or r.get("peak_rss_mb_at_ready"), "{:.0f}")
+    def peak(r: dict[str, Any]) -> float | None:
+        return r.get("peak_rss_mb") or r.get("peak_rss_mb_at_ready")
+
+    add("peak RSS, MiB", peak, "{:.0f}")
     # what the process holds beyond its model: treadle's KV cache (512 MiB unless told) and the rest of the
     # process, against the issue's bound of KV + 300 MiB; llama-server's KV and compute buffers
     file_mib = costs["file_gb"] * 1e9 / 2**20
-    add("peak RSS beyond the file, MiB", lambda r: (r.get("peak_rss_mb") or r.get("peak_rss_mb_at_ready") or 0)
-        - file_mib if r.get("peak_rss_mb") or r.get("peak_rss_mb_at_ready") else None, "{:.0f}")
+    add("peak RSS beyond the file, MiB", lambda r: peak(r) - file_mib if peak(r) else None, "{:.0f}")
     if any(r.get("prefix_ram_mb") is not None for r in runs.values()):
         add("of which prefix cache in host memory at the end, MiB", lambda r: r.get("prefix_ram_mb"), "{:.0f}")
     add("1 stream, tokens/s", lambda r: 1000 / r["decode_ms_per_token"] if r.get("decode_ms_per_token") else None,

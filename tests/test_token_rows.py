@@ -46,6 +46,8 @@ def test_rows_read_from_the_file_are_the_stored_rows_and_map_none_of_its_pages(w
     with pytest.raises(IndexError, match="outside the vocabulary"):
         rows.gather(np.array([embedding.shape[0]], dtype=np.int32))
     rows.close()
+    assert not rows.reads_file  # closed: never a read through a descriptor number another file may now hold
+    assert np.array_equal(rows.gather(ids[:5]), looked_up[:5])
 
 
 def test_an_embedding_in_memory_is_indexed_there():

@@ -13,6 +13,7 @@ is indexed in memory.
 from __future__ import annotations
 
 import os
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -47,31 +48,35 @@ class TokenRows:
         self.embedding = embedding
         self.row_bytes = embedding.shape[1]
         extent = _file_extent(embedding) if embedding.size else None
-        self._file = open(extent[0], "rb", buffering=0) if extent else None  # closed by close() or with self
+        self._path = extent[0] if extent else None
+        self._fd = os.open(extent[0], os.O_RDONLY) if extent else -1
         self._offset = extent[1] if extent else 0
+        self._close = weakref.finalize(self, os.close, self._fd) if extent else None  # at close() or with self
         self._buffer = np.empty((0, self.row_bytes), dtype=np.uint8)
         self._rows: list[memoryview] = []
 
     @property
     def reads_file(self) -> bool:
-        return self._file is not None
+        return self._fd >= 0
 
     def gather(self, token_ids: np.ndarray) -> np.ndarray:
         """The rows of `token_ids` in order: a view of a buffer this object reuses at the next call."""
         n = token_ids.shape[0]
-        if self._file is None:
+        if self._fd < 0:
             return self.embedding[token_ids]
         if n > self._buffer.shape[0]:
             self._buffer = np.empty((max(n, 2 * self._buffer.shape[0]), self.row_bytes), dtype=np.uint8)
             self._rows = [memoryview(row) for row in self._buffer]
-        fd, offset, row_bytes, vocab = self._file.fileno(), self._offset, self.row_bytes, self.embedding.shape[0]
+        fd, offset, row_bytes, vocab = self._fd, self._offset, self.row_bytes, self.embedding.shape[0]
         for i, token in enumerate(token_ids.tolist()):
             if not 0 <= token < vocab:
                 raise IndexError(f"token id {token} is outside the vocabulary of {vocab}")
             if os.preadv(fd, [self._rows[i]], offset + token * row_bytes) != row_bytes:
-                raise OSError(f"short read of token {token}'s embedding row from {self._file.name}")
+                raise OSError(f"short read of token {token}'s embedding row from {self._path}")
         return self._buffer[:n]
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
+        """Close the file; later rows come from the map (a closed descriptor's number may name another file)."""
+        if self._close is not None:
+            self._close()
+        self._fd = -1
