@@ -129,9 +129,13 @@ def _halves_at(builder: ir.IRBuilder, byte_base: ir.Value, byte_offset: ir.Value
     return builder.fpext(builder.bitcast(raw, ir.VectorType(_half, _LANES)), _V)
 
 
-def _check_c_contiguous(name: str, array: types.Type) -> None:
+def _is_c_contiguous(array: types.Type) -> bool:
     """numba's layout "C" guarantees a C-contiguous array; "A" (a strided view) or "F" may not be."""
-    if not (isinstance(array, types.Array) and array.layout == "C"):
+    return isinstance(array, types.Array) and array.layout == "C"
+
+
+def _check_c_contiguous(name: str, array: types.Type) -> None:
+    if not _is_c_contiguous(array):
         raise TypingError(f"paged attention's vector IR reads {name} by pointer, so {name} must be a C-contiguous "
                           f"array; got {array} (a strided or transposed view? np.ascontiguousarray copies it)")
 
@@ -139,10 +143,14 @@ def _check_c_contiguous(name: str, array: types.Type) -> None:
 @intrinsic
 def require_c_contiguous(typingctx, key_cache, value_cache, scratch):  # type: ignore[no-untyped-def]
     """Typing-time check, no code: the arrays whose tiles and rows `attend_group` reads by pointer
-    are C-contiguous. Called first in the kernel so that this error, naming the array, is the
-    one reported."""
-    for name, array in (("key_cache", key_cache), ("value_cache", value_cache), ("scratch", scratch)):
-        _check_c_contiguous(name, array)
+    are C-contiguous. Called first in the kernel so that this error, naming every array that is
+    not, is the one reported."""
+    named = (("key_cache", key_cache), ("value_cache", value_cache), ("scratch", scratch))
+    refused = [f"{name} ({array})" for name, array in named if not _is_c_contiguous(array)]
+    if refused:
+        raise TypingError(f"paged attention's vector IR reads its caches and scratch by pointer, so each must be a "
+                          f"C-contiguous array; not so: {', '.join(refused)} (a strided or transposed view? "
+                          f"np.ascontiguousarray copies it)")
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
         return context.get_dummy_value()

@@ -124,8 +124,10 @@ def test_32_clients_that_read_nothing_for_a_minute_hold_bounded_memory_and_free_
     clients read nothing for 60 s beside one client that reads. Memory stays bounded and everything is
     freed once they go. The reader's inter-token gaps are printed, not asserted: in 60 s the 32 streams
     produce less than loopback's socket buffers absorb, so nothing yet tells a client that does not
-    read from one that does, and the batch is 33 streams wide (docs/reliability.md)."""
-    with running_server([]) as server:
+    read from one that does, and the batch is 33 streams wide (docs/reliability.md). One option is not
+    the default: a stream whose client left waits 1 s for a reconnect instead of 30, or the killed
+    readers' blocks would sit out that grace before they are freed (tests/test_app_resume.py)."""
+    with running_server(["--stream-grace-seconds", "1"]) as server:
         quiet = stream_gaps(server.base_url, 128)
         rss_before = server.metrics()["process_resident_memory_bytes"]
         loaded: list[float] = []
