@@ -37,6 +37,7 @@ from .fast_kernels import activation_arrays, quantize_activation_row, tiled_toke
 from .forward import _as_bytes, project
 from .kernels import dequantize_row, split_range
 from .repack import is_packable, packed_type, repack
+from .typed_lists import typed_list
 from .vnni import GROUP_ROWS, MOST_GROUP_TOKENS
 
 WQ, WK, WV, WO, W_UP, W_DOWN = range(6)
@@ -103,7 +104,8 @@ class EncoderKernelWeights:
 
     @classmethod
     def build(cls, cfg: EncoderConfig, weights: EncoderWeights, fast: bool) -> EncoderKernelWeights:
-        matrices, packed = List(), List()
+        matrices: list[np.ndarray] = []
+        packed: list[np.ndarray] = []
         rotate = fast and rotates_activations(weights)
         qtypes = np.zeros((cfg.n_layers, MATRICES_PER_LAYER), dtype=np.int64)
         packed_qtypes = np.zeros_like(qtypes)
@@ -113,7 +115,7 @@ class EncoderKernelWeights:
                 repacked, kernel_type = _packed(m, fast, rotate)
                 packed.append(repacked)
                 qtypes[i, j], packed_qtypes[i, j] = int(m.qtype), kernel_type
-        return cls(matrices, packed, EncoderArrays(
+        return cls(typed_list(matrices), typed_list(packed), EncoderArrays(
             qtypes=qtypes, packed_qtypes=packed_qtypes,
             biases=np.ascontiguousarray(np.stack([layer.biases for layer in weights.layers]), dtype=np.float32),
             up_biases=np.ascontiguousarray(np.stack([layer.up_bias for layer in weights.layers]), dtype=np.float32),

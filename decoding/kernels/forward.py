@@ -83,6 +83,7 @@ from .phases import (
 )
 from .reference import rope_tables
 from .repack import is_packable, packed_nbytes, packed_type, repack
+from .typed_lists import typed_list
 from .vnni import GROUP_ROWS, MOST_GROUP_TOKENS
 
 log = logging.getLogger(__name__)
@@ -238,7 +239,8 @@ class KernelWeights:
     def build(cls, cfg: ModelConfig, weights: ModelWeights, fast: bool, cache: Path | None = None) -> KernelWeights:
         """`cache`: a weight-cache file (decoding.kernels.weight_cache) to map the repacked matrices
         from, or to write them into as they are made where it is missing; None repacks in memory."""
-        matrices, packed = List(), List()
+        matrices: list[np.ndarray] = []
+        packed: list[np.ndarray] = []
         qtypes = np.zeros((cfg.n_layers, MATRICES_PER_LAYER), dtype=np.int64)
         packed_qtypes = np.zeros_like(qtypes)
         norms = np.zeros((cfg.n_layers, 4, cfg.dim), dtype=np.float32)
@@ -263,7 +265,7 @@ class KernelWeights:
                 routers[i] = layer.router
         ropes = sorted({cfg.layer_rope(i) for i in range(cfg.n_layers)})
         rope_shape = (len(ropes), cfg.max_context, cfg.head_dim // 2)  # zeros: filled by cover_positions
-        return cls(matrices, packed, WeightArrays(
+        return cls(typed_list(matrices), typed_list(packed), WeightArrays(
             qtypes=qtypes, packed_qtypes=packed_qtypes, norms=norms, biases=biases, head_norms=head_norms,
             layer_windows=np.array([cfg.layer_window(i) for i in range(cfg.n_layers)], dtype=np.int64),
             layer_ropes=np.array([ropes.index(cfg.layer_rope(i)) for i in range(cfg.n_layers)], dtype=np.int64),
