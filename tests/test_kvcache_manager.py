@@ -367,6 +367,23 @@ def test_storage_is_sized_from_the_budget_and_copies_blocks_on_every_layer() -> 
     assert (storage.key_cache[:, 0] == 0.0).all()
 
 
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_allocate_touches_every_page_at_start_and_zeroes_both_caches(dtype: str) -> None:
+    """No step pays the cache's page faults, and a budget that does not fit fails at start."""
+    spec = KVCacheSpec(dtype=dtype)
+    num_blocks = spec.num_blocks_for_mib(64)
+    before = _resident_bytes()
+    storage = KVCacheStorage.allocate(spec, num_blocks)
+    grown = _resident_bytes() - before
+    assert grown >= 0.95 * (storage.key_cache.nbytes + storage.value_cache.nbytes)
+    assert not storage.key_cache.any() and not storage.value_cache.any()
+
+
 def test_a_failed_step_publishes_none_of_the_blocks_it_was_to_fill() -> None:
     kv = KVCacheManager(num_blocks=16, block_size=BLOCK_SIZE, max_model_len=64)
     prompt = list(range(100, 113))  # three full blocks and one token
