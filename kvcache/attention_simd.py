@@ -129,15 +129,15 @@ def _halves_at(builder: ir.IRBuilder, byte_base: ir.Value, byte_offset: ir.Value
     return builder.fpext(builder.bitcast(raw, ir.VectorType(_half, _LANES)), _V)
 
 
-def _is_c_contiguous(array: types.Type) -> bool:
-    """numba's layout "C" guarantees a C-contiguous array; "A" (a strided view) or "F" may not be."""
-    return isinstance(array, types.Array) and array.layout == "C"
-
-
-def _check_c_contiguous(name: str, array: types.Type) -> None:
-    if not _is_c_contiguous(array):
-        raise TypingError(f"paged attention's vector IR reads {name} by pointer, so {name} must be a C-contiguous "
-                          f"array; got {array} (a strided or transposed view? np.ascontiguousarray copies it)")
+def _require_c_contiguous(named: tuple[tuple[str, types.Type], ...]) -> None:
+    """Refuse, naming every one that is not, arrays the vector IR reads by pointer: numba's layout "C"
+    guarantees a C-contiguous array; "A" (a strided view) or "F" may not be."""
+    refused = [f"{name} ({array})" for name, array in named
+               if not (isinstance(array, types.Array) and array.layout == "C")]  # fmt: skip
+    if refused:
+        raise TypingError(f"paged attention's vector IR reads {', '.join(name for name, _ in named)} by pointer, "
+                          f"so each must be a C-contiguous array; not so: {', '.join(refused)} (a strided or "
+                          f"transposed view? np.ascontiguousarray copies it)")
 
 
 @intrinsic
@@ -145,12 +145,7 @@ def require_c_contiguous(typingctx, key_cache, value_cache, scratch):  # type: i
     """Typing-time check, no code: the arrays whose tiles and rows `attend_group` reads by pointer
     are C-contiguous. Called first in the kernel so that this error, naming every array that is
     not, is the one reported."""
-    named = (("key_cache", key_cache), ("value_cache", value_cache), ("scratch", scratch))
-    refused = [f"{name} ({array})" for name, array in named if not _is_c_contiguous(array)]
-    if refused:
-        raise TypingError(f"paged attention's vector IR reads its caches and scratch by pointer, so each must be a "
-                          f"C-contiguous array; not so: {', '.join(refused)} (a strided or transposed view? "
-                          f"np.ascontiguousarray copies it)")
+    _require_c_contiguous((("key_cache", key_cache), ("value_cache", value_cache), ("scratch", scratch)))
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
         return context.get_dummy_value()
@@ -342,8 +337,7 @@ def _make_attend_group(head_dim: int, group_size: int):  # type: ignore[no-untyp
         use (1..16). Each K and V row is loaded (and widened) once for all the group's heads;
         each head's arithmetic is the same as if it were alone.
         """
-        for name, array in (("work", work), ("keys", keys), ("values", values)):
-            _check_c_contiguous(name, array)
+        _require_c_contiguous((("work", work), ("keys", keys), ("values", values)))
         if keys.dtype not in (types.float32, types.uint16, types.int8) or (values.dtype == types.int8) != (
                 keys.dtype == types.int8) or values.dtype not in (types.float32, types.uint16, types.int8):  # fmt: skip
             return None

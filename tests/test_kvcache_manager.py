@@ -391,7 +391,7 @@ print(grown / (storage.key_cache.nbytes + storage.value_cache.nbytes), nonzero)
 
 @pytest.mark.parametrize("dtype", ["float16", "int8"])
 def test_allocate_touches_every_page_at_start_and_zeroes_both_caches(dtype: str) -> None:
-    """No step pays the cache's page faults, and a budget that does not fit fails at start. In a fresh
+    """Every page is resident once allocated, so no step pays the cache's page faults. Checked in a fresh
     process, where the arrays cannot reuse pages an earlier test already touched."""
     result = subprocess.run([sys.executable, "-c", _ALLOCATE, dtype], cwd=Path(__file__).resolve().parent.parent,
                             capture_output=True, text=True, check=True, timeout=120)  # fmt: skip
