@@ -27,4 +27,3 @@ def test_a_tile_is_asked_into_l2_not_l1() -> None:
     for dtype in (np.int8, np.uint16, np.float32):
         asked = _prefetches(np.zeros((136, 16), dtype))
         assert asked and set(asked) == {"prefetcht1"}, (dtype, asked)
-
