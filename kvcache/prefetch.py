@@ -30,9 +30,10 @@ def prefetch_element(typingctx, array, index):  # type: ignore[no-untyped-def]
         prefetch = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(ir.VoidType(), [address.type, i32, i32, i32]), "llvm.prefetch.p0"
         )
-        # read (0), locality 2 (`prefetcht1`: into L2, not L1), data cache (1). Into L1, a tile's
-        # 64-128 lines a block overran the L1's few miss buffers and a long context's attention ran
-        # 35-50% slower than with its tiles brought to L2, where the kernel's loads then find them.
+        # read (0), locality 2 (`prefetcht1`: into L2, not L1), data cache (1). Into L1, a block's
+        # 68-256 lines overran the L1's few miss buffers and a long context's attention ran 35-50%
+        # slower on a Zen 4 guest than with its tiles brought to L2, where the kernel's loads find
+        # them (a Zen 5 guest had measured L1 faster: docs/performance.md, long contexts).
         builder.call(prefetch, [address, i32(0), i32(2), i32(1)])
         return context.get_dummy_value()
 

@@ -23,7 +23,8 @@ def _prefetches(tile: np.ndarray) -> list[str]:
 
 def test_a_tile_is_asked_into_l2_not_l1() -> None:
     """Into L1 (`prefetcht0`) a block's 68-256 line requests overran the L1's miss buffers and long
-    contexts' attention ran 35-50% slower than with the lines brought to L2 (`prefetcht1`)."""
+    contexts' attention ran 35-50% slower on a Zen 4 guest than with the lines brought to L2
+    (`prefetcht1`)."""
     for dtype in (np.int8, np.uint16, np.float32):
         asked = _prefetches(np.zeros((136, 16), dtype))
         assert asked and set(asked) == {"prefetcht1"}, (dtype, asked)
