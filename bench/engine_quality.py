@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib
 
+import numpy as np
+
 from decoding.engine.engine import Engine, EngineConfig
 from decoding.engine.params import SamplingParams
 from decoding.model.model import Model
@@ -70,20 +72,31 @@ def measure_quality(model: Model, num_tokens: int) -> dict:
 def kv_cache_agreement(model: Model, num_tokens: int, dtypes: tuple[str, str] = ("float16", "int8"),
                        chunk: int = 1024) -> dict:  # fmt: skip
     """Top-1 agreement of the fast kernels over real text with the KV cache in `dtypes[1]` against
-    `dtypes[0]`: how much a cheaper cache changes what the model predicts, position by position."""
+    `dtypes[0]`: how much a cheaper cache changes what the model predicts, position by position. An int8
+    cache is measured twice: as served (keys centred, kvcache.key_centres) and with no centres."""
     chunks = quality_corpus(model, num_tokens, chunk)
+    runs = [(dtype, True) for dtype in dtypes] + [("int8", False)] * ("int8" in dtypes)
     predictions = {}
-    for dtype in dtypes:
+    for dtype, centred in runs:
         engine = Engine(model, EngineConfig(kv_cache_mb=256, kv_cache_dtype=dtype, enable_prefix_caching=False,
-                                            max_num_batched_tokens=chunk)).start()  # fmt: skip
+                                            max_num_batched_tokens=chunk))  # fmt: skip
+        if not centred:
+            engine.runner.set_key_centres(np.zeros_like(engine.runner.weights.arrays.key_centres))
+        engine.start()
         try:
-            predictions[dtype] = top1_predictions(engine, chunks)
+            predictions[dtype if centred else "int8, no key centres"] = top1_predictions(engine, chunks)
         finally:
             engine.shutdown()
     def second_halves(rows: list[list[int]]) -> list[list[int]]:  # the positions llama-perplexity scores
         return [row[chunk // 2 :] for row in rows]
 
-    return {"positions": sum(len(c) for c in chunks), "reference": dtypes[0], "compared": dtypes[1],
-            "top1_agreement": agreement(predictions[dtypes[1]], predictions[dtypes[0]]),
-            "top1_agreement_second_halves": agreement(second_halves(predictions[dtypes[1]]),
-                                                      second_halves(predictions[dtypes[0]]))}
+    result = {"positions": sum(len(c) for c in chunks), "reference": dtypes[0], "compared": dtypes[1],
+              "top1_agreement": agreement(predictions[dtypes[1]], predictions[dtypes[0]]),
+              "top1_agreement_second_halves": agreement(second_halves(predictions[dtypes[1]]),
+                                                        second_halves(predictions[dtypes[0]]))}
+    if "int8, no key centres" in predictions:
+        uncentred = predictions["int8, no key centres"]
+        result["uncentred_top1_agreement"] = agreement(uncentred, predictions[dtypes[0]])
+        result["uncentred_top1_agreement_second_halves"] = agreement(second_halves(uncentred),
+                                                                     second_halves(predictions[dtypes[0]]))
+    return result

@@ -343,7 +343,9 @@ def _kv_quality(models: list[str], positions: int, json_path: str | None) -> int
         row["seconds"] = round(time.perf_counter() - started, 1)
         print(f"{row['model']}: treadle's int8 KV cache agrees with float16 on the top-1 token at "
               f"{100 * row['top1_agreement']:.2f}% of {row['positions']} positions of real text "
-              f"({100 * row['top1_agreement_second_halves']:.2f}% on each chunk's second half)", flush=True)
+              f"({100 * row['top1_agreement_second_halves']:.2f}% on each chunk's second half); with no key "
+              f"centres {100 * row['uncentred_top1_agreement']:.2f}% "
+              f"({100 * row['uncentred_top1_agreement_second_halves']:.2f}%)", flush=True)
         if model.path.suffix == ".gguf":
             peer = row["llama_cpp"] = llama_cpp_kv_agreement(model.path, positions)
             if "skipped" in peer:

@@ -36,7 +36,8 @@ from .embedding import EncodeRequest
 from .embedding_lane import EmbeddingLane, SharedEmbeddingEngine
 from .errors import EngineFailed, EngineShuttingDown, QueueFull, RequestTooLarge
 from .inbox import Inbox
-from .kv_setup import build_kv_cache, kv_cache_spec
+from .key_calibration import centre_keys
+from .kv_setup import build_kv_cache, key_centres_cache, kv_cache_spec
 from .observers import EngineObserver, EngineStats, notify
 from .output_processor import OutputProcessor
 from .outputs import FinishReason, RequestOutput, RequestStream
@@ -79,6 +80,8 @@ class Engine:
         max_logit_rows = max(cfg.max_num_batched_tokens, cfg.max_num_seqs)
         self.runner = ModelRunner(model, self.storage, self.pool, cfg.max_num_batched_tokens, max_logit_rows,
                                   cfg.kernels, weights)
+        if spec.dtype == "int8":
+            centre_keys(self.runner, model.tokenizer, key_centres_cache(model, cfg, spec))
         self.sampler = Sampler(mc.vocab_size, self.pool, mc.eos_token_ids)  # EOS is masked before min_tokens
         self.guide = Guide.for_model(model)  # structured output; llguidance loads on the first constraint
         self.stats = EngineStats()

@@ -5,10 +5,12 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from kvcache import key_centres
 from kvcache.manager import KVCacheManager
 from kvcache.prefix_tiers import PrefixTiers, TierSettings, file_fingerprint, namespace
 from kvcache.storage import KVCacheSpec, KVCacheStorage
 
+from ..kernels import weight_cache
 from ..model.model import Model
 from . import memory
 from .config import EngineConfig, resolve_kv_cache_dtype
@@ -20,6 +22,16 @@ def kv_cache_spec(model: Model, cfg: EngineConfig) -> KVCacheSpec:
     mc = model.config
     return KVCacheSpec(n_layers=mc.n_layers, n_kv_heads=mc.n_kv_heads, head_dim=mc.head_dim,
                        block_size=cfg.block_size, dtype=resolve_kv_cache_dtype(cfg))
+
+
+def key_centres_cache(model: Model, cfg: EngineConfig, spec: KVCacheSpec) -> Path | None:
+    """Where an int8 cache's key centres for this model and configuration are kept (beside the weight
+    cache; None where it is off or the model has no file): named after the prefix tiers' namespace, so
+    that the centres change exactly where the KV blocks those tiers keep would."""
+    if not cfg.weight_cache or not model.path.is_file():
+        return None
+    identity = namespace(file_fingerprint(model.path), spec.dtype, spec.block_size, cfg.kernels)
+    return key_centres.cache_path(weight_cache.weight_cache_dir(), model.path, identity)
 
 
 def build_kv_cache(model: Model, cfg: EngineConfig, spec: KVCacheSpec, num_blocks: int, max_model_len: int,

@@ -70,15 +70,17 @@ class ModelRunner:
         """Start timing each phase of every step from zero (`phase_cycles`), or stop."""
         self.state = self.state._replace(phase_cycles=phase_counters() if on else no_profile())
 
-    def forward(self, batch: StepBatch) -> np.ndarray:
+    def forward(self, batch: StepBatch, storage: KVCacheStorage | None = None) -> np.ndarray:
         """Run one step; returns logits (num_head_rows, vocab), a view valid until the next step (the
-        pooled rows' final hidden states are in `pooled_rows`)."""
+        pooled rows' final hidden states are in `pooled_rows`). `storage`: KV arrays of the same spec
+        to use instead of the runner's own (a calibration's)."""
+        storage = storage or self.storage
         if not 0 < batch.num_tokens <= self.max_num_tokens:
             raise ValueError(f"a step holds 1..{self.max_num_tokens} tokens, got {batch.num_tokens}")
         if batch.logit_rows.shape[0] > self.max_logit_rows:
             raise ValueError(f"a step samples at most {self.max_logit_rows} rows")
         if batch.block_copies:
-            self.storage.copy_blocks(batch.block_copies)
+            storage.copy_blocks(batch.block_copies)
         kv = batch.kv
         w = self.weights
         step = StepInputs(token_ids=batch.token_ids, embedding_rows=w.token_rows.gather(batch.token_ids),
@@ -88,8 +90,15 @@ class ModelRunner:
                           num_head_rows=batch.num_head_rows)
         w.cover_positions(step.positions)
         self.pool.run(model_step, int8_kernels(self.kernels), step, w.matrices, w.packed, w.arrays, self.architecture,
-                      self.storage.key_cache, self.storage.value_cache, self.state)
+                      storage.key_cache, storage.value_cache, self.state)
         return self.state.logits[: batch.num_head_rows]
+
+    def set_key_centres(self, centres: np.ndarray) -> None:
+        """Subtract `centres` (n_layers, kv_dim) from every key an int8 cache stores (kvcache.key_centres)."""
+        arrays = self.weights.arrays
+        if centres.shape != arrays.key_centres.shape:
+            raise ValueError(f"key centres of shape {centres.shape}; this model's are {arrays.key_centres.shape}")
+        self.weights.arrays = arrays._replace(key_centres=np.ascontiguousarray(centres, dtype=np.float32))
 
     def pooled_rows(self, batch: StepBatch) -> np.ndarray:
         """The final-normed hidden states of the batch's pooled rows (num_pooled_rows, dim), after

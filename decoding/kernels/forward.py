@@ -201,6 +201,7 @@ class WeightArrays(NamedTuple):
     rope_cos: np.ndarray  # (n_tables, max_context, head_dim / 2) float32
     rope_sin: np.ndarray  # (n_tables, max_context, head_dim / 2) float32
     routers: np.ndarray  # (n_layers, n_experts, dim) float32 each expert's score row; n_experts = 0 if dense
+    key_centres: np.ndarray  # (n_layers, kv_dim) float32 c: an int8 cache stores k − c (kvcache.key_centres)
 
 
 # rotary rows filled at a time as positions first reach them (256 KiB a table at a head of 128)
@@ -276,7 +277,7 @@ class KernelWeights:
             # step would compile again for it
             output_norm=np.array(weights.output_norm, dtype=np.float32),
             rope_cos=np.zeros(rope_shape, dtype=np.float32), rope_sin=np.zeros(rope_shape, dtype=np.float32),
-            routers=routers,
+            routers=routers, key_centres=np.zeros((cfg.n_layers, cfg.kv_dim), dtype=np.float32),
         ), token_rows=TokenRows(_as_bytes(weights.token_embedding)), ropes=ropes,
             rope_freq_factors=tuple(cfg.rope_freq_factors))  # fmt: skip
 
@@ -463,7 +464,7 @@ def model_step(tid, nthreads, barrier, fast, step, matrices, packed, weights, ar
     qkv_bias, qk_norm, post_norms, activation = arch.qkv_bias, arch.qk_norm, arch.post_norms, arch.activation
     embedding_scale, query_scale, rope_neox = arch.embedding_scale, arch.query_scale, arch.rope_neox
     n_experts, n_experts_used, norm_topk_prob = arch.n_experts, arch.n_experts_used, arch.norm_topk_prob
-    routers = weights.routers
+    routers, key_centres = weights.routers, weights.key_centres
     x, xb, q, k, v, attn = scratch.x, scratch.xb, scratch.q, scratch.k, scratch.v, scratch.attn
     hb, up, final, logits = scratch.hb, scratch.up, scratch.final, scratch.logits
     row_buffers, attn_scratch, group_out = scratch.row_buffers, scratch.attn_scratch, scratch.group_out
@@ -523,9 +524,11 @@ def model_step(tid, nthreads, barrier, fast, step, matrices, packed, weights, ar
             position = positions[t]
             rope_row(q[t], n_heads, head_dim, rope_cos[rope, position], rope_sin[rope, position], rope_neox)
             rope_row(k[t], n_kv_heads, head_dim, rope_cos[rope, position], rope_sin[rope, position], rope_neox)
-            if is_int8(key_cache[0, 0, 0, 0, 0]):  # int8 KV: outlier channels spread before keys are stored
+            if is_int8(key_cache[0, 0, 0, 0, 0]):  # int8 KV: outlier channels spread, keys centred, then stored
                 rotate_q8_groups(q[t], q_dim)
                 rotate_q8_groups(k[t], kv_dim)
+                for j in range(kv_dim):  # every score of a query moves by the same q·c: the softmax removes it
+                    k[t, j] -= key_centres[layer, j]
         barrier_wait(barrier, tid)
         clock = lap(profile, ROPE, clock)
         keys = k[:n_tokens].reshape((n_tokens, n_kv_heads, head_dim))

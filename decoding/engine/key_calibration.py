@@ -1,0 +1,63 @@
+"""Measures an int8 KV cache's key centres (kvcache.key_centres) through the model's own step, once
+per model, configuration and code, and keeps them beside the weight cache."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+
+from kvcache import key_centres
+from kvcache.batch import KVBatchArrays
+from kvcache.storage import KVCacheStorage
+
+from ..model.tokenizer import Tokenizer
+from .runner import ModelRunner, StepBatch
+
+log = logging.getLogger(__name__)
+
+
+def measure_key_centres(runner: ModelRunner, token_ids: list[int]) -> np.ndarray:
+    """Prefill `token_ids` with no centres into a cache of the runner's spec of its own, in steps of at
+    most the runner's tokens, and return the mean stored key of each layer and KV head."""
+    spec = runner.storage.spec
+    runner.set_key_centres(np.zeros_like(runner.weights.arrays.key_centres))
+    num_tokens = len(token_ids)
+    block_ids = np.arange(-(-num_tokens // spec.block_size), dtype=np.int32)
+    storage = KVCacheStorage.allocate(spec, len(block_ids))
+    ids = np.asarray(token_ids, dtype=np.int32)
+    for start in range(0, num_tokens, runner.max_num_tokens):
+        end = min(num_tokens, start + runner.max_num_tokens)
+        positions = np.arange(start, end, dtype=np.int32)  # blocks 0, 1, ...: a position is its slot
+        kv = KVBatchArrays(block_tables=block_ids[None, :], context_lens=np.array([end], np.int32),
+                           query_start_loc=np.array([0, end - start], np.int32), positions=positions,
+                           slot_mapping=positions.copy())  # fmt: skip
+        runner.forward(StepBatch(ids[start:end], kv, logit_rows=np.array([end - start - 1], np.int32)), storage)
+    return key_centres.centres_from_cache(storage, block_ids, num_tokens)
+
+
+def calibration_tokens(tokenizer: Tokenizer) -> list[int]:
+    return tokenizer.encode(key_centres.CALIBRATION_TEXT)[: key_centres.CALIBRATION_TOKENS]
+
+
+def centre_keys(runner: ModelRunner, tokenizer: Tokenizer, cache: Path | None) -> None:
+    """Give the runner its key centres: those kept at `cache` where there are, else measured on the
+    calibration text (and kept there where `cache` is a path)."""
+    shape = runner.weights.arrays.key_centres.shape
+    centres = key_centres.load(cache, shape) if cache is not None else None
+    if centres is not None:
+        log.info("int8 KV cache: key centres from %s", cache)
+    else:
+        started = time.perf_counter()
+        token_ids = calibration_tokens(tokenizer)
+        centres = measure_key_centres(runner, token_ids)
+        log.info("int8 KV cache: key centres measured on %d tokens in %.1f s", len(token_ids),
+                 time.perf_counter() - started)  # fmt: skip
+        if cache is not None:
+            try:
+                key_centres.save(cache, centres)
+            except OSError as error:
+                log.warning("could not keep the key centres at %s: %s", cache, error)
+    runner.set_key_centres(centres)
