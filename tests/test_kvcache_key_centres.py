@@ -12,6 +12,7 @@ import pytest
 from decoding import load_model
 from decoding.engine import key_calibration
 from decoding.engine.engine import Engine, EngineConfig
+from decoding.engine.params import SamplingParams
 from decoding.engine.runner import StepBatch
 from kvcache import key_centres
 from kvcache.attention import write_kv_rows
@@ -140,7 +141,7 @@ def test_calibration_measures_the_mean_rotated_key_of_the_calibration_text(tiny_
     exact = engine(tiny_model, kv_cache_dtype="float32")
     centred = engine(tiny_model, kv_cache_dtype="int8")
     try:
-        ids = key_calibration.calibration_tokens(tiny_model.tokenizer)
+        ids = key_calibration.calibration_tokens(tiny_model.tokenizer, tiny_model.config.max_context)
         assert len(ids) == key_centres.CALIBRATION_TOKENS
         _, float_cache = prefill(exact, ids)
         rotated = hadamard_rows(stored_keys(float_cache, len(ids)))
@@ -150,6 +151,20 @@ def test_calibration_measures_the_mean_rotated_key_of_the_calibration_text(tiny_
     finally:
         exact.shutdown()
         centred.shutdown()
+
+
+@pytest.mark.parametrize("max_context", [4, 64])
+def test_a_model_with_fewer_positions_than_the_text_calibrates_on_those_it_has(tmp_path, max_context):
+    shape = TinyShape(dim=128, hidden_dim=192, n_heads=2, n_kv_heads=1, max_context=max_context)
+    model = load_model(str(write_gguf(tmp_path / "short.gguf", shape)))
+    e = engine(model, kv_cache_dtype="int8", max_num_seqs=4, max_num_batched_tokens=64).start()
+    try:
+        centres = e.runner.weights.arrays.key_centres
+        assert np.all(np.isfinite(centres))
+        assert centres.any() == (max_context > key_centres.SKIPPED_POSITIONS)  # 4 positions: all skipped
+        assert e.generate(model.tokenizer.encode("ab"), SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids
+    finally:
+        e.shutdown()
 
 
 @pytest.mark.parametrize("kernels", ["fast", "exact"])

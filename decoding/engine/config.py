@@ -77,8 +77,9 @@ class EngineConfig:
     kv_cache_dtype: str = option(
         "auto", "stored KV type: `float16` (half the bytes per token: twice the tokens per MiB, half the reads "
         "per decode; llama.cpp's default), `float32`, `int8` (llama.cpp's q8_0 cache: a fp16 scale per 32 "
-        "values, 53% of float16's bytes; queries and keys rotated per 32 by a Walsh-Hadamard transform first; "
-        "needs heads of a multiple of 32 values; its agreement with float16 is in docs/performance.md); `auto` = "
+        "values, 53% of float16's bytes; queries and keys rotated per 32 by a Walsh-Hadamard transform first, "
+        "keys stored less a per-head centre measured at start (docs/kvcache.md); needs heads of a multiple of "
+        "32 values; its agreement with float16 is in docs/performance.md); `auto` = "
         "float16 with --kernels fast, float32 with --kernels exact", one_of(KV_CACHE_DTYPES))  # fmt: skip
     max_itl_stretch: float | None = option(
         2.0, "while streams decode, prompt chunks keep a step within this factor of a decode-only step, so "

@@ -25,6 +25,8 @@ def measure_key_centres(runner: ModelRunner, token_ids: list[int]) -> np.ndarray
     spec = runner.storage.spec
     runner.set_key_centres(np.zeros_like(runner.weights.arrays.key_centres))
     num_tokens = len(token_ids)
+    if num_tokens <= key_centres.SKIPPED_POSITIONS:  # nothing to average: keys stored whole
+        return np.zeros_like(runner.weights.arrays.key_centres)
     block_ids = np.arange(-(-num_tokens // spec.block_size), dtype=np.int32)
     storage = KVCacheStorage.allocate(spec, len(block_ids))
     ids = np.asarray(token_ids, dtype=np.int32)
@@ -38,20 +40,20 @@ def measure_key_centres(runner: ModelRunner, token_ids: list[int]) -> np.ndarray
     return key_centres.centres_from_cache(storage, block_ids, num_tokens)
 
 
-def calibration_tokens(tokenizer: Tokenizer) -> list[int]:
-    return tokenizer.encode(key_centres.CALIBRATION_TEXT)[: key_centres.CALIBRATION_TOKENS]
+def calibration_tokens(tokenizer: Tokenizer, max_positions: int) -> list[int]:
+    return tokenizer.encode(key_centres.CALIBRATION_TEXT)[: min(key_centres.CALIBRATION_TOKENS, max_positions)]
 
 
 def centre_keys(runner: ModelRunner, tokenizer: Tokenizer, cache: Path | None) -> None:
     """Give the runner its key centres: those kept at `cache` where there are, else measured on the
-    calibration text (and kept there where `cache` is a path)."""
+    calibration text, as far as the model has positions (and kept there where `cache` is a path)."""
     shape = runner.weights.arrays.key_centres.shape
     centres = key_centres.load(cache, shape) if cache is not None else None
     if centres is not None:
         log.info("int8 KV cache: key centres from %s", cache)
     else:
         started = time.perf_counter()
-        token_ids = calibration_tokens(tokenizer)
+        token_ids = calibration_tokens(tokenizer, runner.config.max_context)
         centres = measure_key_centres(runner, token_ids)
         log.info("int8 KV cache: key centres measured on %d tokens in %.1f s", len(token_ids),
                  time.perf_counter() - started)  # fmt: skip
