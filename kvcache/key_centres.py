@@ -18,6 +18,7 @@ threads, batches and prompt chunks, so every server of a configuration measures 
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import logging
 import os
@@ -48,6 +49,8 @@ CALIBRATION_TEXT = (
 )
 CALIBRATION_TOKENS = 128
 SKIPPED_POSITIONS = 4
+SUFFIX = ".key-centres.npy"
+_DIGEST_BYTES = 8
 
 
 def dequantize_keys(key_tiles: np.ndarray, head_dim: int) -> np.ndarray:
@@ -75,11 +78,13 @@ def centres_from_cache(storage: KVCacheStorage, block_ids: np.ndarray, num_token
     return centres.reshape(spec.n_layers, -1).astype(np.float32)
 
 
-def cache_path(directory: Path, model_path: Path, identity: bytes) -> Path:
-    """Where a model's measured centres are kept: `identity` names everything they depend on (the
-    model file, the configuration, the code); this module's source is added to it."""
-    digest = hashlib.blake2b(identity + Path(__file__).read_bytes(), digest_size=8).hexdigest()
-    return directory / f"{model_path.stem}.{digest}.key-centres.npy"
+def cache_path(directory: Path, model_path: Path, configuration: str, identity: bytes) -> Path:
+    """Where a model's measured centres are kept: `configuration` a readable name of what they depend on
+    beside the model file (the files of older code under the same name are removed when a new one is
+    kept), `identity` everything they depend on (the model file, the configuration, the code); this
+    module's source is added to it."""
+    digest = hashlib.blake2b(identity + Path(__file__).read_bytes(), digest_size=_DIGEST_BYTES).hexdigest()
+    return directory / f"{model_path.stem}.{configuration}.{digest}{SUFFIX}"
 
 
 def load(path: Path, shape: tuple[int, int]) -> np.ndarray | None:
@@ -104,3 +109,8 @@ def save(path: Path, centres: np.ndarray) -> None:
     with open(partial, "wb") as file:
         np.save(file, centres, allow_pickle=False)
     os.replace(partial, path)
+    stem = path.name[: path.name.rindex(".", 0, len(path.name) - len(SUFFIX)) + 1]  # model and configuration
+    for older in path.parent.glob(glob.escape(stem) + "?" * 2 * _DIGEST_BYTES + SUFFIX):
+        if older != path:
+            older.unlink(missing_ok=True)
+            log.info("removed %s, the key centres of older code", older)

@@ -199,6 +199,8 @@ def test_centres_are_kept_beside_the_weight_cache_and_loaded_at_the_next_start(t
         np.testing.assert_array_equal(second.runner.weights.arrays.key_centres, centres)
         second.shutdown()
 
+    older_code = kept.with_name(kept.name.replace(kept.name.split(".")[-3], "0123456789abcdef"))
+    np.save(older_code, centres + 1)  # the same model and configuration, older code
     kept.write_bytes(b"torn")  # a foreign or torn file is measured again and replaced
     with caplog.at_level(logging.WARNING, logger="kvcache.key_centres"):
         third = Engine(tiny_model, config)
@@ -206,6 +208,7 @@ def test_centres_are_kept_beside_the_weight_cache_and_loaded_at_the_next_start(t
     third.shutdown()
     assert "ignoring unreadable key centres" in caplog.text
     np.testing.assert_array_equal(np.load(kept), centres)
+    assert not older_code.exists()  # another code's file under the same name went with the new one
 
     other_blocks = Engine(tiny_model, EngineConfig(kv_cache_mb=8, kv_cache_dtype="int8", block_size=8))
     other_blocks.shutdown()

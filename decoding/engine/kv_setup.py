@@ -31,7 +31,8 @@ def key_centres_cache(model: Model, cfg: EngineConfig, spec: KVCacheSpec) -> Pat
     if not cfg.weight_cache or not model.path.is_file():
         return None
     identity = namespace(file_fingerprint(model.path), spec.dtype, spec.block_size, cfg.kernels)
-    return key_centres.cache_path(weight_cache.weight_cache_dir(), model.path, identity)
+    configuration = f"{spec.dtype}-block{spec.block_size}-{cfg.kernels}"
+    return key_centres.cache_path(weight_cache.weight_cache_dir(), model.path, configuration, identity)
 
 
 def build_kv_cache(model: Model, cfg: EngineConfig, spec: KVCacheSpec, num_blocks: int, max_model_len: int,
