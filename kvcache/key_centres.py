@@ -19,7 +19,6 @@ threads, batches and prompt chunks, so every server of a configuration measures 
 from __future__ import annotations
 
 import glob
-import hashlib
 import logging
 import os
 from pathlib import Path
@@ -78,13 +77,12 @@ def centres_from_cache(storage: KVCacheStorage, block_ids: np.ndarray, num_token
     return centres.reshape(spec.n_layers, -1).astype(np.float32)
 
 
-def cache_path(directory: Path, model_path: Path, configuration: str, identity: bytes) -> Path:
+def cache_path(directory: Path, model_path: Path, configuration: str, namespace: bytes) -> Path:
     """Where a model's measured centres are kept: `configuration` a readable name of what they depend on
     beside the model file (the files of older code under the same name are removed when a new one is
-    kept), `identity` everything they depend on (the model file, the configuration, the code); this
-    module's source is added to it."""
-    digest = hashlib.blake2b(identity + Path(__file__).read_bytes(), digest_size=_DIGEST_BYTES).hexdigest()
-    return directory / f"{model_path.stem}.{configuration}.{digest}{SUFFIX}"
+    kept), `namespace` the prefix tiers' hash of everything they depend on (the model file, the
+    configuration, the KV code, this module included)."""
+    return directory / f"{model_path.stem}.{configuration}.{namespace[:_DIGEST_BYTES].hex()}{SUFFIX}"
 
 
 def load(path: Path, shape: tuple[int, int]) -> np.ndarray | None:

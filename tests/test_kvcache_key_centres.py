@@ -13,10 +13,8 @@ from decoding import load_model
 from decoding.engine import key_calibration
 from decoding.engine.engine import Engine, EngineConfig
 from decoding.engine.params import SamplingParams
-from decoding.engine.runner import StepBatch
 from kvcache import key_centres
-from kvcache.attention import write_kv_rows
-from kvcache.batch import KVBatchArrays
+from kvcache.attention import rotate_q8_groups, write_kv_rows
 from kvcache.storage import Q8_GROUP, KVCacheSpec, KVCacheStorage
 from tests.real_models import qwen25_coder_05b
 from tests.tinymodel import TinyShape, write_gguf
@@ -24,13 +22,12 @@ from tests.tinymodel import TinyShape, write_gguf
 PROMPT = "The quick brown fox jumps over the lazy dog while the weaver counts threads and sings. " * 3
 
 
-def hadamard_rows(x: np.ndarray) -> np.ndarray:
-    """The orthonormal Walsh-Hadamard transform of each Q8_GROUP values of the last axis."""
-    h = np.array([[1.0]])
-    while h.shape[0] < Q8_GROUP:
-        h = np.block([[h, h], [h, -h]])
-    h /= np.sqrt(Q8_GROUP)
-    return (x.reshape(*x.shape[:-1], -1, Q8_GROUP) @ h).reshape(x.shape)
+def rotated(keys: np.ndarray) -> np.ndarray:
+    """Keys as an int8 cache stores them before centring: each Q8_GROUP values Hadamard-rotated."""
+    rows = np.array(keys, dtype=np.float32).reshape(-1, keys.shape[-1])
+    for row in rows:
+        rotate_q8_groups(row, row.shape[0])
+    return rows.reshape(keys.shape)
 
 
 def test_dequantized_keys_are_the_written_keys_within_half_a_step():
@@ -77,15 +74,7 @@ def tiny_model(tmp_path_factory):
 
 def prefill(engine: Engine, token_ids: list[int]) -> tuple[np.ndarray, KVCacheStorage]:
     """Every row's logits of `token_ids` prefilled by the engine's runner into a cache of its own."""
-    spec = engine.storage.spec
-    n = len(token_ids)
-    block_ids = np.arange(-(-n // spec.block_size), dtype=np.int32)
-    storage = KVCacheStorage.allocate(spec, len(block_ids))
-    positions = np.arange(n, dtype=np.int32)
-    kv = KVBatchArrays(block_ids[None, :], np.array([n], np.int32), np.array([0, n], np.int32), positions,
-                       positions.copy())  # fmt: skip
-    batch = StepBatch(np.asarray(token_ids, np.int32), kv, logit_rows=np.arange(n, dtype=np.int32))
-    return engine.runner.forward(batch, storage).copy(), storage
+    return key_calibration.prefill_alone(engine.runner, token_ids, every_row=True)
 
 
 def stored_keys(storage: KVCacheStorage, num_tokens: int) -> np.ndarray:
@@ -120,9 +109,9 @@ def test_the_step_stores_keys_less_their_centres_and_attention_is_unchanged(tiny
         centres = centred.runner.weights.arrays.key_centres
         assert np.abs(centres).max() > 0.1, "the calibration found no common part to take away"
         logits, int8_cache = prefill(centred, ids)
-        rotated = hadamard_rows(stored_keys(float_cache, len(ids)))  # int8 caches hold rotated keys
+        float_keys = rotated(stored_keys(float_cache, len(ids)))  # int8 caches hold rotated keys
         layers, heads = centres.shape[0], float_cache.spec.n_kv_heads
-        expected = rotated - centres.reshape(layers, heads, 1, -1)
+        expected = float_keys - centres.reshape(layers, heads, 1, -1)
         assert_stored(stored_keys(int8_cache, len(ids)), expected)
         # the same subtraction from every key of a head: the softmax takes it away
         np.testing.assert_allclose(logits, reference, atol=0.2)
@@ -131,7 +120,7 @@ def test_the_step_stores_keys_less_their_centres_and_attention_is_unchanged(tiny
         # without centres the keys are stored whole, and the centres measured are their mean
         centred.runner.set_key_centres(np.zeros_like(centres))
         _, uncentred_cache = prefill(centred, ids)
-        assert_stored(stored_keys(uncentred_cache, len(ids)), rotated)
+        assert_stored(stored_keys(uncentred_cache, len(ids)), float_keys)
     finally:
         exact.shutdown()
         centred.shutdown()
@@ -144,10 +133,10 @@ def test_calibration_measures_the_mean_rotated_key_of_the_calibration_text(tiny_
         ids = key_calibration.calibration_tokens(tiny_model.tokenizer, tiny_model.config.max_context)
         assert len(ids) == key_centres.CALIBRATION_TOKENS
         _, float_cache = prefill(exact, ids)
-        rotated = hadamard_rows(stored_keys(float_cache, len(ids)))
-        mean = rotated[:, :, key_centres.SKIPPED_POSITIONS :].mean(axis=2).reshape(rotated.shape[0], -1)
+        float_keys = rotated(stored_keys(float_cache, len(ids)))
+        mean = float_keys[:, :, key_centres.SKIPPED_POSITIONS :].mean(axis=2).reshape(float_keys.shape[0], -1)
         np.testing.assert_allclose(centred.runner.weights.arrays.key_centres, mean,
-                                   atol=0.02 * np.abs(rotated).max())  # fmt: skip
+                                   atol=0.02 * np.abs(float_keys).max())  # fmt: skip
     finally:
         exact.shutdown()
         centred.shutdown()

@@ -81,7 +81,7 @@ class Engine:
         self.runner = ModelRunner(model, self.storage, self.pool, cfg.max_num_batched_tokens, max_logit_rows,
                                   cfg.kernels, weights)
         if spec.dtype == "int8":
-            centre_keys(self.runner, model.tokenizer, key_centres_cache(model, cfg, spec))
+            centre_keys(self.runner, model.tokenizer, key_centres_cache(model, cfg, spec, self.kv))
         self.sampler = Sampler(mc.vocab_size, self.pool, mc.eos_token_ids)  # EOS is masked before min_tokens
         self.guide = Guide.for_model(model)  # structured output; llguidance loads on the first constraint
         self.stats = EngineStats()

@@ -19,25 +19,35 @@ from .runner import ModelRunner, StepBatch
 log = logging.getLogger(__name__)
 
 
-def measure_key_centres(runner: ModelRunner, token_ids: list[int]) -> np.ndarray:
-    """Prefill `token_ids` with no centres into a cache of the runner's spec of its own, in steps of at
-    most the runner's tokens, and return the mean stored key of each layer and KV head."""
+def prefill_alone(runner: ModelRunner, token_ids: list[int], every_row: bool = False
+                  ) -> tuple[np.ndarray, KVCacheStorage]:  # fmt: skip
+    """Prefill `token_ids` as one sequence into a cache of the runner's spec of its own (blocks 0, 1, ...),
+    in steps of at most the runner's tokens. Returns a copy of the logits (of every row where
+    `every_row`, which must fit one step; else of the last row) and the cache."""
     spec = runner.storage.spec
-    runner.set_key_centres(np.zeros_like(runner.weights.arrays.key_centres))
     num_tokens = len(token_ids)
-    if num_tokens <= key_centres.SKIPPED_POSITIONS:  # nothing to average: keys stored whole
-        return np.zeros_like(runner.weights.arrays.key_centres)
     block_ids = np.arange(-(-num_tokens // spec.block_size), dtype=np.int32)
     storage = KVCacheStorage.allocate(spec, len(block_ids))
     ids = np.asarray(token_ids, dtype=np.int32)
-    for start in range(0, num_tokens, runner.max_num_tokens):
-        end = min(num_tokens, start + runner.max_num_tokens)
+    step = num_tokens if every_row else runner.max_num_tokens
+    for start in range(0, num_tokens, step):
+        end = min(num_tokens, start + step)
         positions = np.arange(start, end, dtype=np.int32)  # blocks 0, 1, ...: a position is its slot
         kv = KVBatchArrays(block_tables=block_ids[None, :], context_lens=np.array([end], np.int32),
                            query_start_loc=np.array([0, end - start], np.int32), positions=positions,
                            slot_mapping=positions.copy())  # fmt: skip
-        runner.forward(StepBatch(ids[start:end], kv, logit_rows=np.array([end - start - 1], np.int32)), storage)
-    return key_centres.centres_from_cache(storage, block_ids, num_tokens)
+        rows = np.arange(end - start, dtype=np.int32) if every_row else np.array([end - start - 1], np.int32)
+        logits = runner.forward(StepBatch(ids[start:end], kv, logit_rows=rows), storage)
+    return logits.copy(), storage
+
+
+def measure_key_centres(runner: ModelRunner, token_ids: list[int]) -> np.ndarray:
+    """The mean stored key of each layer and KV head of `token_ids` prefilled with no centres."""
+    runner.set_key_centres(np.zeros_like(runner.weights.arrays.key_centres))
+    if len(token_ids) <= key_centres.SKIPPED_POSITIONS:  # nothing to average: keys stored whole
+        return runner.weights.arrays.key_centres
+    _, storage = prefill_alone(runner, token_ids)
+    return key_centres.centres_from_cache(storage, np.arange(storage.num_blocks), len(token_ids))
 
 
 def calibration_tokens(tokenizer: Tokenizer, max_positions: int) -> list[int]:

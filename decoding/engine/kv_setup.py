@@ -24,15 +24,14 @@ def kv_cache_spec(model: Model, cfg: EngineConfig) -> KVCacheSpec:
                        block_size=cfg.block_size, dtype=resolve_kv_cache_dtype(cfg))
 
 
-def key_centres_cache(model: Model, cfg: EngineConfig, spec: KVCacheSpec) -> Path | None:
+def key_centres_cache(model: Model, cfg: EngineConfig, spec: KVCacheSpec, kv: KVCacheManager) -> Path | None:
     """Where an int8 cache's key centres for this model and configuration are kept (beside the weight
-    cache; None where it is off or the model has no file): named after the prefix tiers' namespace, so
-    that the centres change exactly where the KV blocks those tiers keep would."""
+    cache; None where it is off or the model has no file): named after the prefix tiers' namespace (the
+    manager's root hash), so that the centres change exactly where the KV blocks those tiers keep would."""
     if not cfg.weight_cache or not model.path.is_file():
         return None
-    identity = namespace(file_fingerprint(model.path), spec.dtype, spec.block_size, cfg.kernels)
     configuration = f"{spec.dtype}-block{spec.block_size}-{cfg.kernels}"
-    return key_centres.cache_path(weight_cache.weight_cache_dir(), model.path, configuration, identity)
+    return key_centres.cache_path(weight_cache.weight_cache_dir(), model.path, configuration, kv.pool.root_hash)
 
 
 def build_kv_cache(model: Model, cfg: EngineConfig, spec: KVCacheSpec, num_blocks: int, max_model_len: int,
