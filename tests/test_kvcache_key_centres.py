@@ -115,7 +115,8 @@ def test_the_step_stores_keys_less_their_centres_and_attention_is_unchanged(tiny
         assert_stored(stored_keys(int8_cache, len(ids)), expected)
         # the same subtraction from every key of a head: the softmax takes it away
         np.testing.assert_allclose(logits, reference, atol=0.2)
-        assert np.array_equal(logits.argmax(axis=1), reference.argmax(axis=1))
+        # (not the argmax: a random model's near-ties may go either way with another CPU's rounding)
+        assert np.abs(logits - reference).mean() < 0.03  # 0.011 measured
 
         # without centres the keys are stored whole, and the centres measured are their mean
         centred.runner.set_key_centres(np.zeros_like(centres))
