@@ -256,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quality", nargs="+", metavar="MODEL",
                         help="instead: top-1 agreement of an int8 KV cache with a float16 one over real text, "
-                             "for each model (a name or a file)")  # fmt: skip
+                             "for each model (a name or a file), with the fast and the exact kernels, beside a "
+                             "float32 cache's")  # fmt: skip
     parser.add_argument("--positions", type=int, default=4096, help="positions of text for --quality")
     parser.add_argument("--head-layouts", type=int, metavar="KEYS",
                         help="instead: one layer's decode attention at KEYS keys, one thread, in the Qwen2.5 "
@@ -341,11 +342,11 @@ def _kv_quality(models: list[str], positions: int, json_path: str | None) -> int
         started = time.perf_counter()
         row = {"model": model.config.name, **kv_cache_agreement(model, positions, chunk=QUALITY_CHUNK)}
         row["seconds"] = round(time.perf_counter() - started, 1)
-        print(f"{row['model']}: treadle's int8 KV cache agrees with float16 on the top-1 token at "
-              f"{100 * row['top1_agreement']:.2f}% of {row['positions']} positions of real text "
-              f"({100 * row['top1_agreement_second_halves']:.2f}% on each chunk's second half); with no key "
-              f"centres {100 * row['uncentred_top1_agreement']:.2f}% "
-              f"({100 * row['uncentred_top1_agreement_second_halves']:.2f}%)", flush=True)
+        print_table(f"{row['model']}: top-1 agreement with the float16 KV cache over {row['positions']} "
+                    "positions of real text (float32: the floor the kernels' own sensitivity sets)",
+                    [{"kernels": mode, "cache": cache.replace("_", " "), "all": f"{100 * figures['all']:.2f}%",
+                      "second halves": f"{100 * figures['second_halves']:.2f}%"}
+                     for mode in ("fast", "exact") for cache, figures in row[mode].items()])  # fmt: skip
         if model.path.suffix == ".gguf":
             peer = row["llama_cpp"] = llama_cpp_kv_agreement(model.path, positions)
             if "skipped" in peer:

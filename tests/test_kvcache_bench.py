@@ -61,3 +61,20 @@ def test_head_layouts_time_each_layout_and_cache_type(tmp_path: Path) -> None:
         (name, kv) for name, _, _ in bench.HEAD_LAYOUTS for kv in ("float16", "int8")
     ]
     assert all(r["context"] == 100 and r["us_per_layer"] > 0 and r["ns_per_block_and_kv_head"] > 0 for r in rows)
+
+
+def test_the_quality_check_compares_each_cache_with_float16_under_each_kernel_mode(default_model) -> None:
+    """`bench kv --quality`'s measure on a short text: an int8 cache and the float32 floor against float16,
+    per kernel mode, the int8 cache with and without key centres under the fast kernels; the exact
+    kernels' float32 cache, which differs from float16 only in the last bits of each key and value,
+    agrees on nearly every position (a misaligned comparison would not)."""
+    from bench.engine_quality import kv_cache_agreement
+
+    result = kv_cache_agreement(default_model, 128, chunk=64)
+    assert result["positions"] == 128 and result["reference"] == "float16"
+    assert set(result["fast"]) == {"int8", "float32", "int8_no_key_centres"}
+    assert set(result["exact"]) == {"int8", "float32"}
+    for mode in ("fast", "exact"):
+        for figures in result[mode].values():
+            assert 0.5 < figures["all"] <= 1 and 0.5 < figures["second_halves"] <= 1
+    assert result["exact"]["float32"]["all"] >= 0.97
