@@ -12,6 +12,9 @@ minutes a 32k-token prefill takes. The contexts take turns step by step, so a ra
 taken at the same moments. Reported per context and KV type: the median step time (ms per output
 token), its ratio to the shortest context's (each round's pair of steps divided, the median of those
 ratios: a shared host's slow minutes slow both steps of a round), and the KV bytes one step reads.
+Beside them the roof: the read bandwidth the pool's own threads measure in the same run, the rate the
+step reads the KV bytes a longer context adds (its extra bytes over its extra time), and the ratio a
+step would have if it read them at that bandwidth.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.engine_rooflines import measure_read_bandwidth
 from decoding import load_model
 from decoding.engine.runner import ModelRunner, StepBatch
 from decoding.kernels import weight_cache
@@ -103,6 +107,19 @@ def measure(path: Path, contexts: list[int], kv_dtypes: list[str], threads: int,
     return results
 
 
+def add_roof(results: dict[str, Any], read_gb_s: float) -> None:
+    """Each longer context's KV read rate (the bytes it adds to the shortest context's step over the time
+    it adds) and the ratio its step would have at `read_gb_s`, the memory's read bandwidth."""
+    results["read_gb_s"] = read_gb_s
+    for runs in results["runs"].values():
+        shortest = runs[0]
+        for run in runs[1:]:
+            extra_mb = run["kv_mb_read"] - shortest["kv_mb_read"]
+            extra_ms = run["ms_per_token"] - shortest["ms_per_token"]
+            run["extra_kv_gb_s"] = extra_mb / extra_ms if extra_ms > 0 else float("inf")  # MB per ms = GB/s
+            run["roof_ratio"] = 1 + extra_mb / read_gb_s / shortest["ms_per_token"]
+
+
 def report(results: dict[str, Any]) -> str:
     lines = [f"**{Path(results['model']).name}**, {results['threads']} threads: one decode step at each context "
              "(median ms per output token; its ratio to the shortest context's step taken in the same round, the "
@@ -115,6 +132,15 @@ def report(results: dict[str, Any]) -> str:
             run = runs[i]
             cells.append(f"{run['ms_per_token']:.1f} ms, {run['paired_ratio']:.2f}x, {run['kv_mb_read']:.0f} MB")
         lines.append(f"| {context:,} | " + " | ".join(cells) + " |")
+    if "read_gb_s" in results:
+        lines.append("")
+        for dtype, runs in results["runs"].items():
+            for run in runs[1:]:
+                lines.append(f"- {dtype} at {run['context']:,}: the {run['kv_mb_read'] - runs[0]['kv_mb_read']:.0f} MB "
+                             f"of KV beyond {runs[0]['context']:,}'s read at {run['extra_kv_gb_s']:.1f} GB/s, "
+                             f"{100 * run['extra_kv_gb_s'] / results['read_gb_s']:.0f}% of the "
+                             f"{results['read_gb_s']:.1f} GB/s the pool's threads read; at that roof the step "
+                             f"would take {run['roof_ratio']:.2f}x the shortest context's")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -130,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",")]
     results = measure(args.file, contexts, args.kv_dtypes.split(","), args.threads, args.steps, args.block_size)
+    add_roof(results, measure_read_bandwidth(args.threads))
     print(report(results))
     print(f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; `treadle bench long-decode {args.file} "
           f"--contexts {args.contexts} --kv-dtypes {args.kv_dtypes} --threads {args.threads} "

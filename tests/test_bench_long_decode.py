@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.long_decode import _fill_random, measure, report
+from bench.long_decode import _fill_random, add_roof, measure, report
 from bench.synth import write_model
 from kvcache.storage import KVCacheSpec, KVCacheStorage
 
@@ -53,3 +53,15 @@ def test_a_context_past_the_models_positions_is_refused(tiny_file):
     limit = load_model(tiny_file).config.max_context
     with pytest.raises(SystemExit, match=f"trained for {limit} positions"):
         measure(tiny_file, [16, limit + 1], ["float16"], threads=1, steps=1)
+
+
+def test_the_roof_is_the_time_the_extra_kv_bytes_take_at_the_measured_bandwidth():
+    results = {"runs": {"int8": [{"context": 1024, "ms_per_token": 30.0, "paired_ratio": 1.0, "kv_mb_read": 16.0},
+                                 {"context": 32768, "ms_per_token": 55.0, "paired_ratio": 1.8,
+                                  "kv_mb_read": 516.0}]}}  # fmt: skip
+    add_roof(results, read_gb_s=25.0)
+    long = results["runs"]["int8"][1]
+    assert long["extra_kv_gb_s"] == pytest.approx(500 / 25)  # 500 MB more in 25 ms more
+    assert long["roof_ratio"] == pytest.approx(1 + 20 / 30)  # 500 MB at 25 GB/s: 20 ms on top of 30
+    assert "at 20.0 GB/s, 80% of the 25.0 GB/s" in report({**results, "model": "m.gguf", "threads": 2,
+                                                           "contexts": [1024, 32768]})  # fmt: skip
