@@ -4,6 +4,7 @@ real text and greedy continuations (and the exact top-1 that llama.cpp's is comp
 from __future__ import annotations
 
 import importlib
+import warnings
 
 import numpy as np
 
@@ -22,9 +23,11 @@ def corpus_text() -> str:
     parts = [module.__doc__ or "" for module in modules]
     for module in modules:
         for name in sorted(vars(module)):
-            member = getattr(module, name)
-            doc = getattr(member, "__doc__", None)
-            if not name.startswith("_") and getattr(member, "__module__", None) == module.__name__ and doc:
+            with warnings.catch_warnings():  # typing.io and typing.re warn when read
+                warnings.simplefilter("ignore", DeprecationWarning)
+                member = getattr(module, name)
+                doc, home = getattr(member, "__doc__", None), getattr(member, "__module__", None)
+            if not name.startswith("_") and home == module.__name__ and doc:
                 parts.append(doc)
     return "\n\n".join(parts)
 
