@@ -114,7 +114,7 @@ def add_roof(results: dict[str, Any], read_gb_s: float) -> None:
     for runs in results["runs"].values():
         shortest = runs[0]
         for run in runs[1:]:
-            extra_mb = run["kv_mb_read"] - shortest["kv_mb_read"]
+            run["extra_kv_mb"] = extra_mb = run["kv_mb_read"] - shortest["kv_mb_read"]
             extra_ms = run["ms_per_token"] - shortest["ms_per_token"]
             run["extra_kv_gb_s"] = extra_mb / extra_ms if extra_ms > 0 else float("inf")  # MB per ms = GB/s
             run["roof_ratio"] = 1 + extra_mb / read_gb_s / shortest["ms_per_token"]
@@ -136,7 +136,7 @@ def report(results: dict[str, Any]) -> str:
         lines.append("")
         for dtype, runs in results["runs"].items():
             for run in runs[1:]:
-                lines.append(f"- {dtype} at {run['context']:,}: the {run['kv_mb_read'] - runs[0]['kv_mb_read']:.0f} MB "
+                lines.append(f"- {dtype} at {run['context']:,}: the {run['extra_kv_mb']:.0f} MB "
                              f"of KV beyond {runs[0]['context']:,}'s read at {run['extra_kv_gb_s']:.1f} GB/s, "
                              f"{100 * run['extra_kv_gb_s'] / results['read_gb_s']:.0f}% of the "
                              f"{results['read_gb_s']:.1f} GB/s the pool's threads read; at that roof the step "

@@ -61,6 +61,7 @@ def test_the_roof_is_the_time_the_extra_kv_bytes_take_at_the_measured_bandwidth(
                                   "kv_mb_read": 516.0}]}}  # fmt: skip
     add_roof(results, read_gb_s=25.0)
     long = results["runs"]["int8"][1]
+    assert long["extra_kv_mb"] == 500
     assert long["extra_kv_gb_s"] == pytest.approx(500 / 25)  # 500 MB more in 25 ms more
     assert long["roof_ratio"] == pytest.approx(1 + 20 / 30)  # 500 MB at 25 GB/s: 20 ms on top of 30
     assert "at 20.0 GB/s, 80% of the 25.0 GB/s" in report({**results, "model": "m.gguf", "threads": 2,
