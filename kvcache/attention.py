@@ -49,22 +49,7 @@ from kvcache.attention_simd import (
     Q8_BACK,
     Q8_WEIGHT_FLOOR,
     SIMD_BLOCK_SIZE,
-    attend_group_64_1,
-    attend_group_64_2,
-    attend_group_64_3,
-    attend_group_64_4,
-    attend_group_64_5,
-    attend_group_64_6,
-    attend_group_64_7,
-    attend_group_64_8,
-    attend_group_128_1,
-    attend_group_128_2,
-    attend_group_128_3,
-    attend_group_128_4,
-    attend_group_128_5,
-    attend_group_128_6,
-    attend_group_128_7,
-    attend_group_128_8,
+    attend_heads,
     q8_dither,
     require_c_contiguous,
 )
@@ -284,9 +269,11 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
     kv_head * group_size + g and holds [scaled query | output accumulator | one block's scores,
     then weights | running max, running sum | the int8 query and one block's byte weights, with an
     int8 cache].
-    Every inner loop runs over a unit-stride 1-D view with a plain loop index, so numba proves the
-    indices non-negative and vectorises. (Views are sliced inline: returning them in a tuple from a
-    helper costs numba reference counting in the innermost loop, twice the kernel's time.)
+    The vector IR (16-key blocks of head_dim 64 or 128) reads a block's tiles by (cache, block, KV
+    head) and prefetches them likewise: no view is made per block, so no reference to the cache is
+    taken and dropped there (an atomic operation on a line every thread of the step shares). The
+    numba path's inner loops run over unit-stride 1-D views with a plain loop index, so numba proves
+    the indices non-negative and vectorises.
     """
     head_dim = query.shape[2]
     block_size = value_cache.shape[2]
@@ -318,19 +305,23 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
     first_block = first_key // block_size
     for logical_block in range(first_block, last_block + 1):
         block_id = block_table[logical_block]
-        keys = key_cache[block_id, kv_head]  # (head_dim, block_size)
-        values = value_cache[block_id, kv_head]  # (block_size, head_dim)
         # Later blocks' tiles travel from DRAM into L2 while this block is computed.
         for ahead in range(first_ahead, last_ahead + 1, ahead_step):
             if prefetch and logical_block + ahead <= last_block:
                 next_block_id = block_table[logical_block + ahead]
-                prefetch_tile(key_cache[next_block_id, kv_head])
-                prefetch_tile(value_cache[next_block_id, kv_head])
+                prefetch_tile(key_cache, next_block_id, kv_head)
+                prefetch_tile(value_cache, next_block_id, kv_head)
         num_keys = min(block_size, position + 1 - logical_block * block_size)  # causal within the last block
         skipped = max(0, first_key - logical_block * block_size)  # keys before the window, in its first block
         if skipped == 0 and block_size == SIMD_BLOCK_SIZE and (head_dim == 64 or head_dim == 128):  # vector IR
-            _attend_group_simd(work, keys, values, num_keys, head_dim, group_size)
+            g = 0
+            while g < group_size:
+                heads = _heads_in_next_call(group_size - g, quantized)
+                attend_heads(work, g, heads, head_dim, key_cache, value_cache, block_id, kv_head, num_keys)
+                g += heads
             continue
+        keys = key_cache[block_id, kv_head]  # (head_dim, block_size)
+        values = value_cache[block_id, kv_head]  # (block_size, head_dim)
         for g in range(group_size):
             work_row = work[g]
             acc = work_row[acc_begin:weights_begin]
@@ -363,67 +354,16 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
 
 
 @njit(nogil=True, cache=True, fastmath=False, inline="always")
-def _attend_group_simd(work, keys, values, num_keys, head_dim, group_size):
-    """One block for every query head of the group, in vector-IR calls of as many heads as fit the
-    registers (`attention_simd.MAX_FLOAT_HEADS`, `MAX_INT8_HEADS`): a float cache's group of 6, 7
-    or 8 heads (Qwen2.5's 1.5B, 7B and 3B) reads and widens each K/V row twice, an int8 cache's
-    once. A head's arithmetic is the same in a call of any size, so how a group is cut changes no
-    output."""
-    # run-time branches on a constant, inlined before typing (an overload that chose per type would be
-    # compiled in full just to be typed: ~13 s more of an int8 kernel's first compile)
-    g = 0
-    if is_int8(keys[0, 0]):
-        while group_size - g > MAX_INT8_HEADS:
-            _attend_heads(work[g : g + MAX_INT8_HEADS], keys, values, num_keys, head_dim)
-            g += MAX_INT8_HEADS
-        _attend_heads(work[g:group_size], keys, values, num_keys, head_dim)
-        return
-    while group_size - g > MAX_FLOAT_HEADS:  # 5 → 3 + 2, 6 → 3 + 3, 7 → 4 + 3, 8 → 4 + 4: never one head
-        heads = 3 if group_size - g < 7 else 4
-        _attend_heads(work[g : g + heads], keys, values, num_keys, head_dim)
-        g += heads
-    if g < group_size:
-        _attend_heads(work[g:group_size], keys, values, num_keys, head_dim)
-
-
-@njit(nogil=True, cache=True, fastmath=False, inline="always")
-def _attend_heads(work, keys, values, num_keys, head_dim):
-    """One vector-IR call for the query heads whose rows `work` holds: 1-8 from an int8 cache, 1-4
-    from a float one (its calls of more than four are never made, and compile to a trap)."""
-    heads = work.shape[0]
-    if head_dim == 64:
-        if heads == 1:
-            attend_group_64_1(work, keys, values, num_keys)
-        elif heads == 2:
-            attend_group_64_2(work, keys, values, num_keys)
-        elif heads == 3:
-            attend_group_64_3(work, keys, values, num_keys)
-        elif heads == 4:
-            attend_group_64_4(work, keys, values, num_keys)
-        elif heads == 5:
-            attend_group_64_5(work, keys, values, num_keys)
-        elif heads == 6:
-            attend_group_64_6(work, keys, values, num_keys)
-        elif heads == 7:
-            attend_group_64_7(work, keys, values, num_keys)
-        else:
-            attend_group_64_8(work, keys, values, num_keys)
-    elif heads == 1:
-        attend_group_128_1(work, keys, values, num_keys)
-    elif heads == 2:
-        attend_group_128_2(work, keys, values, num_keys)
-    elif heads == 3:
-        attend_group_128_3(work, keys, values, num_keys)
-    elif heads == 4:
-        attend_group_128_4(work, keys, values, num_keys)
-    elif heads == 5:
-        attend_group_128_5(work, keys, values, num_keys)
-    elif heads == 6:
-        attend_group_128_6(work, keys, values, num_keys)
-    elif heads == 7:
-        attend_group_128_7(work, keys, values, num_keys)
-    else:
-        attend_group_128_8(work, keys, values, num_keys)
+def _heads_in_next_call(remaining, quantized):
+    """How many of a group's `remaining` query heads the next vector-IR call serves: as many as fit the
+    registers (`attention_simd.MAX_FLOAT_HEADS`, `MAX_INT8_HEADS`). A float cache's group of 6, 7 or
+    8 heads (Qwen2.5's 1.5B, 7B and 3B) reads and widens each K/V row twice, an int8 cache's once.
+    A head's arithmetic is the same in a call of any size, so how a group is cut changes no output."""
+    if quantized:
+        return min(remaining, MAX_INT8_HEADS)
+    if remaining <= MAX_FLOAT_HEADS:
+        return remaining
+    return 3 if remaining < 7 else 4  # 5 → 3 + 2, 6 → 3 + 3, 7 → 4 + 3, 8 → 4 + 4: never one head
 
 
 @njit(nogil=True, cache=True, fastmath=False, inline="always")

@@ -26,7 +26,7 @@ when the kernel is typed (`require_c_contiguous`), never misread.
 
 Specialised for 16-key blocks and head_dim 64 or 128; other shapes use the numba path. One call
 serves one to four query heads of a group from a float cache, one to eight from an int8 cache (each
-K and V row loaded once for all of them); `attention._attend_group_simd` cuts larger groups.
+K and V row loaded once for all of them); `attention._heads_in_next_call` cuts larger groups.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from numba.extending import intrinsic
 
 from kvcache.fastmath import EXP_MAX, EXP_MIN, EXP_POLYNOMIAL, LN2_HI, LN2_LO, LOG2E
 from kvcache.int8_dot import dpbusd_emitter
+from kvcache.prefetch import is_tiled_cache, tile_pointer
 
 SIMD_BLOCK_SIZE = 16
 MAX_FLOAT_HEADS = 4  # query heads a call serves from a float cache (their accumulators fill the registers)
@@ -142,7 +143,7 @@ def _require_c_contiguous(named: tuple[tuple[str, types.Type], ...]) -> None:
 
 @intrinsic
 def require_c_contiguous(typingctx, key_cache, value_cache, scratch):  # type: ignore[no-untyped-def]
-    """Typing-time check, no code: the arrays whose tiles and rows `attend_group` reads by pointer
+    """Typing-time check, no code: the arrays whose tiles and rows `attend_heads` reads by pointer
     are C-contiguous. Called first in the kernel so that this error, naming every array that is
     not, is the one reported."""
     _require_c_contiguous((("key_cache", key_cache), ("value_cache", value_cache), ("scratch", scratch)))
@@ -321,132 +322,154 @@ def _never_called(context, builder, signature, args):  # type: ignore[no-untyped
     return context.get_dummy_value()
 
 
-def _make_attend_group(head_dim: int, group_size: int):  # type: ignore[no-untyped-def]
+def _emit_attend_group(context, builder, signature, args, head_dim: int, group_size: int) -> None:  # type: ignore[no-untyped-def]
+    """`attend_heads`'s code for one head_dim and one number of heads (`group_size`)."""
     chunks = head_dim // _LANES
+    work_value, keys_value, values_value = args[0], args[4], args[5]
+    first, block, head, count = (context.cast(builder, args[i], signature.args[i], types.int64) for i in (1, 6, 7, 8))
+    element = {types.uint16: _half, types.int8: _i8}.get(signature.args[4].dtype, _f32)
+    quantized = element == _i8
+    value_element = {types.uint16: _half, types.int8: _i8}.get(signature.args[5].dtype, _f32)
+    work_array = context.make_array(signature.args[0])(context, builder, work_value)
+    row_floats = builder.udiv(cgutils.unpack_tuple(builder, work_array.strides)[0], ir.Constant(_i64, 4))
+    rows = [builder.gep(work_array.data, [builder.mul(row_floats, builder.add(first, ir.Constant(_i64, g)))])
+            for g in range(group_size)]  # fmt: skip
+    key_base = builder.bitcast(tile_pointer(context, builder, signature.args[4], keys_value, block, head),
+                               element.as_pointer())
+    value_base = builder.bitcast(tile_pointer(context, builder, signature.args[5], values_value, block, head),
+                                 value_element.as_pointer())
+    fma = _intrinsic_fn(builder, "llvm.fma.v16f32", 3)
 
-    @intrinsic
-    def attend_group(typingctx, work, keys, values, num_keys):  # type: ignore[no-untyped-def]
-        """Fold one block into the online softmax of each query head of a GQA group.
+    totals = _int8_scores(builder, rows, key_base, head_dim) if quantized else \
+        _float_scores(builder, rows, key_base, element, head_dim, fma)  # fmt: skip
+    lane = ir.Constant(ir.VectorType(_i64, _LANES), list(range(_LANES)))
+    count_splat = builder.shuffle_vector(
+        builder.insert_element(ir.Constant(ir.VectorType(_i64, _LANES), ir.Undefined), count,
+                               ir.Constant(_i32, 0)),
+        ir.Constant(ir.VectorType(_i64, _LANES), ir.Undefined),
+        ir.Constant(ir.VectorType(_i32, _LANES), [0] * _LANES))
+    valid = builder.icmp_signed("<", lane, count_splat)
 
-        work: (group_size, ≥ 2·head_dim + 18) float32, C-contiguous rows; row g =
-        [scaled query | accumulator | 16 scratch | max, sum | int8 query] of the group's head g
-        (`attention._attend_row_group`'s layout); keys: (head_dim, 16), C-contiguous, float32,
-        uint16 half floats, or an int8 cache's tile with its scales (scored against the int8
-        query: `attention.quantize_query_q8`); values: (16, head_dim), C-contiguous, of the keys'
-        type (an int8 tile in its quad layout, `kvcache.storage`); num_keys: the block's keys to
-        use (1..16). Each K and V row is loaded (and widened) once for all the group's heads;
-        each head's arithmetic is the same as if it were alone.
-        """
-        _require_c_contiguous((("work", work), ("keys", keys), ("values", values)))
-        if keys.dtype not in (types.float32, types.uint16, types.int8) or (values.dtype == types.int8) != (
-                keys.dtype == types.int8) or values.dtype not in (types.float32, types.uint16, types.int8):  # fmt: skip
-            return None
-        sig = types.void(work, keys, values, num_keys)
+    # each step for every head before the next, in one basic block: the heads' chains
+    # (max, exp, sum) interleave instead of running one after another
+    stats = [builder.gep(row, [ir.Constant(_i64, 2 * head_dim + _LANES)]) for row in rows]
+    scores = [builder.select(valid, total, _const(float("-inf"))) for total in totals]
+    old_maxes = [builder.load(head_stats) for head_stats in stats]
+    new_maxes, rises = [], []
+    for head_scores, old_max in zip(scores, old_maxes, strict=True):
+        block_max = _reduce(builder, head_scores, lambda a, b: _max(builder, a, b))
+        rises.append(builder.fcmp_ordered(">", block_max, old_max))
+        new_maxes.append(builder.select(rises[-1], block_max, old_max))
+    weights = [_exp(builder, builder.fsub(head_scores, _splat(builder, new_max)))
+               for head_scores, new_max in zip(scores, new_maxes, strict=True)]  # fmt: skip
+    block_sums = [_reduce(builder, head_weights, builder.fadd) for head_weights in weights]
+    # exp(old max - new max) is exp(0) = 1 exactly for a head whose max holds: while no head's
+    # max rises (most blocks of a long context) the exps and the accumulators' rescale are skipped
+    any_rises = rises[0]
+    for head_rises in rises[1:]:
+        any_rises = builder.or_(any_rises, head_rises)
+    kept = builder.block
+    with builder.if_then(any_rises):
+        shrinks = []
+        for row, old_max, new_max in zip(rows, old_maxes, new_maxes, strict=True):
+            shrinks.append(builder.extract_element(
+                _exp(builder, _splat(builder, builder.fsub(old_max, new_max))), ir.Constant(_i32, 0)))
+            for chunk in range(chunks):
+                acc_pointer = builder.bitcast(builder.gep(row, [ir.Constant(_i64, head_dim + chunk * _LANES)]),
+                                              _V.as_pointer())  # fmt: skip
+                builder.store(builder.fmul(builder.load(acc_pointer, align=4), _splat(builder, shrinks[-1])),
+                              acc_pointer, align=4)  # fmt: skip
+        shrunk = builder.block
+    corrections = []  # every phi first: LLVM wants them at the top of the block
+    for shrink in shrinks:
+        corrections.append(builder.phi(_f32))
+        corrections[-1].add_incoming(ir.Constant(_f32, 1.0), kept)
+        corrections[-1].add_incoming(shrink, shrunk)
+    for head_stats, new_max, correction, block_sum in zip(stats, new_maxes, corrections, block_sums,
+                                                          strict=True):  # fmt: skip
+        old_sum = builder.load(builder.gep(head_stats, [ir.Constant(_i64, 1)]))
+        builder.store(new_max, head_stats)
+        builder.store(builder.fadd(builder.fmul(old_sum, correction), block_sum),
+                      builder.gep(head_stats, [ir.Constant(_i64, 1)]))
+    if quantized:
+        _accumulate_q8(builder, rows, value_base, weights, valid, fma, head_dim)
+        return
+    for row, head_weights in zip(rows, weights, strict=True):
+        # the weights go to the row's block scratch, from where each key's is broadcast
+        builder.store(head_weights, builder.bitcast(builder.gep(row, [ir.Constant(_i64, 2 * head_dim)]),
+                                                    _V.as_pointer()), align=4)
+    # acc += Σ_{t < count} weights[t] · V[t], t in order: a pass over the keys per two chunks of
+    # head_dim, every head's two accumulators in registers
+    for first in range(0, chunks, 2):
+        _accumulate_chunks(builder, rows, value_base, value_element, count, fma, head_dim,
+                           range(first, min(first + 2, chunks)))
+    return
 
-        if group_size > MAX_FLOAT_HEADS and keys.dtype != types.int8:
-            return sig, _never_called  # their accumulators would spill: `attention` never calls these
 
-        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-            work_value, keys_value, values_value, count = args
-            element = {types.uint16: _half, types.int8: _i8}.get(signature.args[1].dtype, _f32)
-            quantized = element == _i8
-            value_element = {types.uint16: _half, types.int8: _i8}.get(signature.args[2].dtype, _f32)
-            work_array = context.make_array(signature.args[0])(context, builder, work_value)
-            row_floats = builder.udiv(cgutils.unpack_tuple(builder, work_array.strides)[0], ir.Constant(_i64, 4))
-            rows = [builder.gep(work_array.data, [builder.mul(row_floats, ir.Constant(_i64, g))])
-                    for g in range(group_size)]
-            key_base = builder.bitcast(context.make_array(signature.args[1])(context, builder, keys_value).data,
-                                       element.as_pointer())
-            value_base = builder.bitcast(context.make_array(signature.args[2])(context, builder, values_value).data,
-                                         value_element.as_pointer())
-            count = context.cast(builder, count, signature.args[3], types.int64)
-            fma = _intrinsic_fn(builder, "llvm.fma.v16f32", 3)
 
-            totals = _int8_scores(builder, rows, key_base, head_dim) if quantized else \
-                _float_scores(builder, rows, key_base, element, head_dim, fma)  # fmt: skip
-            lane = ir.Constant(ir.VectorType(_i64, _LANES), list(range(_LANES)))
-            count_splat = builder.shuffle_vector(
-                builder.insert_element(ir.Constant(ir.VectorType(_i64, _LANES), ir.Undefined), count,
-                                       ir.Constant(_i32, 0)),
-                ir.Constant(ir.VectorType(_i64, _LANES), ir.Undefined),
-                ir.Constant(ir.VectorType(_i32, _LANES), [0] * _LANES))
-            valid = builder.icmp_signed("<", lane, count_splat)
+# the (head_dim, heads a call) the vector IR is written for; a float cache's calls serve at most
+# MAX_FLOAT_HEADS (more accumulators would spill)
+SHAPES = tuple((head_dim, heads) for head_dim in (64, 128) for heads in range(1, MAX_INT8_HEADS + 1))
 
-            # each step for every head before the next, in one basic block: the heads' chains
-            # (max, exp, sum) interleave instead of running one after another
-            stats = [builder.gep(row, [ir.Constant(_i64, 2 * head_dim + _LANES)]) for row in rows]
-            scores = [builder.select(valid, total, _const(float("-inf"))) for total in totals]
-            old_maxes = [builder.load(head_stats) for head_stats in stats]
-            new_maxes, rises = [], []
-            for head_scores, old_max in zip(scores, old_maxes, strict=True):
-                block_max = _reduce(builder, head_scores, lambda a, b: _max(builder, a, b))
-                rises.append(builder.fcmp_ordered(">", block_max, old_max))
-                new_maxes.append(builder.select(rises[-1], block_max, old_max))
-            weights = [_exp(builder, builder.fsub(head_scores, _splat(builder, new_max)))
-                       for head_scores, new_max in zip(scores, new_maxes, strict=True)]  # fmt: skip
-            block_sums = [_reduce(builder, head_weights, builder.fadd) for head_weights in weights]
-            # exp(old max - new max) is exp(0) = 1 exactly for a head whose max holds: while no head's
-            # max rises (most blocks of a long context) the exps and the accumulators' rescale are skipped
-            any_rises = rises[0]
-            for head_rises in rises[1:]:
-                any_rises = builder.or_(any_rises, head_rises)
-            kept = builder.block
-            with builder.if_then(any_rises):
-                shrinks = []
-                for row, old_max, new_max in zip(rows, old_maxes, new_maxes, strict=True):
-                    shrinks.append(builder.extract_element(
-                        _exp(builder, _splat(builder, builder.fsub(old_max, new_max))), ir.Constant(_i32, 0)))
-                    for chunk in range(chunks):
-                        acc_pointer = builder.bitcast(builder.gep(row, [ir.Constant(_i64, head_dim + chunk * _LANES)]),
-                                                      _V.as_pointer())  # fmt: skip
-                        builder.store(builder.fmul(builder.load(acc_pointer, align=4), _splat(builder, shrinks[-1])),
-                                      acc_pointer, align=4)  # fmt: skip
-                shrunk = builder.block
-            corrections = []  # every phi first: LLVM wants them at the top of the block
-            for shrink in shrinks:
-                corrections.append(builder.phi(_f32))
-                corrections[-1].add_incoming(ir.Constant(_f32, 1.0), kept)
-                corrections[-1].add_incoming(shrink, shrunk)
-            for head_stats, new_max, correction, block_sum in zip(stats, new_maxes, corrections, block_sums,
-                                                                  strict=True):  # fmt: skip
-                old_sum = builder.load(builder.gep(head_stats, [ir.Constant(_i64, 1)]))
-                builder.store(new_max, head_stats)
-                builder.store(builder.fadd(builder.fmul(old_sum, correction), block_sum),
-                              builder.gep(head_stats, [ir.Constant(_i64, 1)]))
-            if quantized:
-                _accumulate_q8(builder, rows, value_base, weights, valid, fma, head_dim)
-                return context.get_dummy_value()
-            for row, head_weights in zip(rows, weights, strict=True):
-                # the weights go to the row's block scratch, from where each key's is broadcast
-                builder.store(head_weights, builder.bitcast(builder.gep(row, [ir.Constant(_i64, 2 * head_dim)]),
-                                                            _V.as_pointer()), align=4)
-            # acc += Σ_{t < count} weights[t] · V[t], t in order: a pass over the keys per two chunks of
-            # head_dim, every head's two accumulators in registers
-            for first in range(0, chunks, 2):
-                _accumulate_chunks(builder, rows, value_base, value_element, count, fma, head_dim,
-                                   range(first, min(first + 2, chunks)))
+
+@intrinsic(prefer_literal=True)
+def attend_heads(typingctx, work, first_head, heads, head_dim, key_cache, value_cache, block_id, kv_head, num_keys):  # type: ignore[no-untyped-def]
+    """Fold one block into the online softmax of `heads` query heads of a GQA group.
+
+    work: (≥ first_head + heads, ≥ 2·head_dim + 18) float32, C-contiguous rows; row
+    first_head + g = [scaled query | accumulator | 16 scratch | max, sum | int8 query] of the
+    call's head g (`attention._attend_row_group`'s layout); key_cache: (blocks, KV heads,
+    head_dim, 16), C-contiguous, float32, uint16 half floats, or an int8 cache's tiles with their
+    scales (scored against the int8 query: `attention.quantize_query_q8`); value_cache: (blocks,
+    KV heads, 16, head_dim), C-contiguous, of the keys' type (an int8 tile in its quad layout,
+    `kvcache.storage`); the tiles read are (block_id, kv_head); num_keys: the block's keys to use
+    (1..16). Each K and V row is loaded (and widened) once for all the call's heads; each head's
+    arithmetic is the same as if it were alone.
+
+    (head_dim, heads) must be one of `SHAPES` (1..4 heads from a float cache): with constants,
+    that one call's code is compiled; with values known only at run time, a switch over all of
+    them (another traps). The caches are read by pointer, never through a view (`kvcache.
+    prefetch`: a view's reference counting is an atomic operation per block).
+    """
+    _require_c_contiguous((("work", work), ("key_cache", key_cache), ("value_cache", value_cache)))
+    indices = (first_head, heads, head_dim, block_id, kv_head, num_keys)
+    if not (is_tiled_cache(key_cache) and is_tiled_cache(value_cache)
+            and all(isinstance(index, types.Integer) for index in indices)):  # fmt: skip
+        return None
+    stored = (types.float32, types.uint16, types.int8)
+    if key_cache.dtype not in stored or value_cache.dtype not in stored or (
+            (value_cache.dtype == types.int8) != (key_cache.dtype == types.int8)):  # fmt: skip
+        return None
+    most_heads = MAX_INT8_HEADS if key_cache.dtype == types.int8 else MAX_FLOAT_HEADS
+    shapes = [(d, h) for d, h in SHAPES if h <= most_heads]
+    fixed = [getattr(index, "literal_value", None) for index in (head_dim, heads)]
+    if None not in fixed:
+        if tuple(fixed) not in shapes:
+            raise TypingError(f"attend_heads has no code for head_dim {fixed[0]} with {fixed[1]} heads a call "
+                              f"from a {key_cache.dtype} cache")
+        shapes = [tuple(fixed)]
+    sig = types.void(work, first_head, heads, head_dim, key_cache, value_cache, block_id, kv_head, num_keys)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        if len(shapes) == 1:
+            _emit_attend_group(context, builder, signature, args, *shapes[0])
             return context.get_dummy_value()
+        dim = context.cast(builder, args[3], signature.args[3], types.int64)
+        count = context.cast(builder, args[2], signature.args[2], types.int64)
+        shape_key = builder.add(builder.mul(dim, ir.Constant(_i64, 16)), count)
+        done = builder.append_basic_block("attend_done")
+        unknown = builder.append_basic_block("attend_unknown")
+        switch = builder.switch(shape_key, unknown)
+        for d, h in shapes:
+            case = builder.append_basic_block(f"attend_{d}_{h}")
+            switch.add_case(ir.Constant(_i64, d * 16 + h), case)
+            builder.position_at_end(case)
+            _emit_attend_group(context, builder, signature, args, d, h)
+            builder.branch(done)
+        builder.position_at_end(unknown)
+        _never_called(context, builder, signature, args)
+        builder.branch(done)
+        builder.position_at_end(done)
+        return context.get_dummy_value()
 
-        return sig, codegen
-
-    return attend_group
-
-
-# (head_dim, heads per call) → intrinsic; `attention._attend_group_simd` cuts a GQA group into calls
-attend_group_64_1 = _make_attend_group(64, 1)
-attend_group_64_2 = _make_attend_group(64, 2)
-attend_group_64_3 = _make_attend_group(64, 3)
-attend_group_64_4 = _make_attend_group(64, 4)
-attend_group_128_1 = _make_attend_group(128, 1)
-attend_group_128_2 = _make_attend_group(128, 2)
-attend_group_128_3 = _make_attend_group(128, 3)
-attend_group_128_4 = _make_attend_group(128, 4)
-# an int8 cache's heads keep only an integer score and a dot product in registers: up to eight a call
-attend_group_64_5 = _make_attend_group(64, 5)
-attend_group_64_6 = _make_attend_group(64, 6)
-attend_group_64_7 = _make_attend_group(64, 7)
-attend_group_64_8 = _make_attend_group(64, 8)
-attend_group_128_5 = _make_attend_group(128, 5)
-attend_group_128_6 = _make_attend_group(128, 6)
-attend_group_128_7 = _make_attend_group(128, 7)
-attend_group_128_8 = _make_attend_group(128, 8)
+    return sig, codegen

@@ -11,7 +11,7 @@ from numba import njit
 from numba.core.errors import TypingError
 
 from kvcache.attention import attention_scratch, paged_attention_rows, quantize_query_q8, write_kv_rows
-from kvcache.attention_simd import attend_group_64_4, attend_group_128_6, q8_dither
+from kvcache.attention_simd import attend_heads, q8_dither
 from kvcache.storage import Q8_GROUP, KVCacheSpec
 
 
@@ -591,13 +591,13 @@ np.save(sys.argv[1], int8_attention_extremes())
 @njit(nogil=True)
 def _fold_blocks_64_4(work, key_tiles, value_tiles, num_keys):  # type: ignore[no-untyped-def]
     for block in range(key_tiles.shape[0]):
-        attend_group_64_4(work, key_tiles[block], value_tiles[block], min(16, num_keys - 16 * block))
+        attend_heads(work, 0, 4, 64, key_tiles, value_tiles, block, 0, min(16, num_keys - 16 * block))
 
 
 @njit(nogil=True)
 def _fold_blocks_128_6(work, key_tiles, value_tiles, num_keys):  # type: ignore[no-untyped-def]
     for block in range(key_tiles.shape[0]):
-        attend_group_128_6(work, key_tiles[block], value_tiles[block], min(16, num_keys - 16 * block))
+        attend_heads(work, 0, 6, 128, key_tiles, value_tiles, block, 0, min(16, num_keys - 16 * block))
 
 
 def int8_attention_extremes() -> np.ndarray:
@@ -618,8 +618,8 @@ def int8_attention_extremes() -> np.ndarray:
         value_tiles = extreme.value_cache.reshape(*extreme.value_cache.shape[:2], -1)[..., : 16 * head_dim]
         value_tiles[...] = np.where(rng.random(value_tiles.shape) < 0.5, -127, 127).astype(np.int8)
         for source in (extreme, case):
-            key_tiles = np.ascontiguousarray(source.key_cache[source.block_tables[0], 0])
-            value_tiles = np.ascontiguousarray(source.value_cache[source.block_tables[0], 0])
+            key_tiles = np.ascontiguousarray(source.key_cache[source.block_tables[0], :1])
+            value_tiles = np.ascontiguousarray(source.value_cache[source.block_tables[0], :1])
             for position in range(40):
                 work = attention_scratch(1, heads, 1, head_dim, 16)[0]
                 work[:, :head_dim] = source.queries[0][position] * np.float32(1 / np.sqrt(head_dim))
