@@ -17,7 +17,7 @@ bytes of a dimension together.
 
 The arithmetic is the numba kernel's (`attention._block_scores` etc.) in a fixed order of its own,
 which depends only on the block's keys: outputs stay independent of the batch, the thread count and
-the chunking. `exp` is `fastmath.exp_f32` (Cephes, plain arithmetic) on 16 lanes; keys past
+the chunking. `exp` is `fastmath.exp_f32`'s Cephes polynomial with fused multiply-adds on 16 lanes; keys past
 `num_keys` are masked to -inf before the max and never read from the value tile (unused slots of
 a block may hold anything).
 
@@ -37,9 +37,8 @@ from numba.core import cgutils
 from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
-from kvcache.fastmath import EXP_MAX, EXP_MIN, EXP_POLYNOMIAL, LN2_HI, LN2_LO, LOG2E
+from kvcache.fastmath import EXP_MIN, EXP_POLYNOMIAL, LN2_HI, LN2_LO, LOG2E
 from kvcache.int8_dot import dpbusd_emitter
-from kvcache.prefetch import is_tiled_cache, tile_pointer
 
 SIMD_BLOCK_SIZE = 16
 MAX_FLOAT_HEADS = 4  # query heads a call serves from a float cache (their accumulators fill the registers)
@@ -79,16 +78,18 @@ def _intrinsic_fn(builder: ir.IRBuilder, name: str, num_args: int) -> ir.Functio
 
 
 def _exp(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
-    """exp_f32 on 16 lanes, operation for operation (0 below -87, so exp(-inf) = 0)."""
-    maxnum, minnum = _intrinsic_fn(builder, "llvm.maxnum.v16f32", 2), _intrinsic_fn(builder, "llvm.minnum.v16f32", 2)
+    """e**x on 16 lanes for x ≤ 0 (a score less the running max, or an old max less a new one):
+    exp_f32's range reduction and polynomial (Cephes expf) with fused multiply-adds, so within an
+    ulp of it, not always the same bits; exactly 0 below -87, so exp(-inf) = 0."""
+    fma = _intrinsic_fn(builder, "llvm.fma.v16f32", 3)
     floor = _intrinsic_fn(builder, "llvm.floor.v16f32", 1)
-    clamped = builder.call(minnum, [builder.call(maxnum, [x, _const(EXP_MIN)]), _const(EXP_MAX)])
-    n = builder.call(floor, [builder.fadd(builder.fmul(clamped, _const(LOG2E)), _const(0.5))])
-    r = builder.fsub(builder.fsub(clamped, builder.fmul(n, _const(LN2_HI))), builder.fmul(n, _const(LN2_LO)))
+    clamped = _max(builder, x, _const(EXP_MIN))
+    n = builder.call(floor, [builder.call(fma, [clamped, _const(LOG2E), _const(0.5)])])
+    r = builder.call(fma, [n, _const(-LN2_LO), builder.call(fma, [n, _const(-LN2_HI), clamped])])
     p = _const(EXP_POLYNOMIAL[0])
     for coefficient in EXP_POLYNOMIAL[1:]:
-        p = builder.fadd(builder.fmul(p, r), _const(coefficient))
-    p = builder.fadd(builder.fadd(builder.fmul(builder.fmul(p, r), r), r), _const(1.0))
+        p = builder.call(fma, [p, r, _const(coefficient)])
+    p = builder.fadd(builder.call(fma, [builder.fmul(p, r), r, r]), _const(1.0))
     exponent = builder.shl(builder.add(builder.fptosi(n, ir.VectorType(_i32, _LANES)),
                                        ir.Constant(ir.VectorType(_i32, _LANES), [127] * _LANES)),
                            ir.Constant(ir.VectorType(_i32, _LANES), [23] * _LANES))
@@ -154,6 +155,19 @@ def require_c_contiguous(typingctx, key_cache, value_cache, scratch):  # type: i
     return types.void(key_cache, value_cache, scratch), codegen
 
 
+def is_tiled_cache(array: types.Type) -> bool:
+    """A KV cache layer as the kernels read it: (blocks, KV heads, rows, columns), C-contiguous."""
+    return isinstance(array, types.Array) and array.ndim == 4 and array.layout == "C"
+
+
+def tile_pointer(context, builder, array_type, array_value, block_id, kv_head) -> ir.Value:  # type: ignore[no-untyped-def]
+    """The first byte (as i8*) of tile (block_id, kv_head), int64 IR values, of a C-contiguous 4-D cache."""
+    array = context.make_array(array_type)(context, builder, array_value)
+    strides = cgutils.unpack_tuple(builder, array.strides)
+    offset = builder.add(builder.mul(block_id, strides[0]), builder.mul(kv_head, strides[1]))
+    return builder.gep(builder.bitcast(array.data, _i8.as_pointer()), [offset])
+
+
 def _float_scores(builder: ir.IRBuilder, rows: list[ir.Value], key_base: ir.Value, element: ir.Type, head_dim: int,
                   fma: ir.Function) -> list[ir.Value]:  # fmt: skip
     """Each head's 16 scores Σ_d q[d]·K[d, t]: four partial sums over d (d mod 4), then (s0 + s1) + (s2 + s3)."""
@@ -171,8 +185,10 @@ def _float_scores(builder: ir.IRBuilder, rows: list[ir.Value], key_base: ir.Valu
 def _int8_scores(builder: ir.IRBuilder, rows: list[ir.Value], key_base: ir.Value, head_dim: int) -> list[ir.Value]:
     """Each head's 16 scores from the int8 K tile and its int8 query: per group of Q8_GROUP, the exact
     integer Σ (k + 128)·q from `vpdpbusd`s less 128·Σq, as float32, times the query's then the keys'
-    scale; the groups added in order (`attention._block_scores_q8`'s arithmetic)."""
+    scale; the groups added in order (`attention._block_scores_q8`'s arithmetic, with fused
+    multiply-adds)."""
     dpbusd = dpbusd_emitter(builder, 255)
+    fma = _intrinsic_fn(builder, "llvm.fma.v16f32", 3)
     groups = head_dim // Q8_GROUP
     q8_first = 2 * head_dim + _LANES + 2  # float slot of the int8 query in a work row
     v16i32 = ir.VectorType(_i32, _LANES)
@@ -194,9 +210,11 @@ def _int8_scores(builder: ir.IRBuilder, rows: list[ir.Value], key_base: ir.Value
         for g, row in enumerate(rows):
             q_scale = builder.load(builder.gep(row, [ir.Constant(_i64, q8_first + head_dim // 4 + group)]))
             offset = builder.load(builder.gep(row, [ir.Constant(_i64, q8_first + head_dim // 4 + groups + group)]))
-            exact = builder.fsub(builder.sitofp(sums[g], _V), _splat(builder, offset))
-            value = builder.fmul(builder.fmul(exact, _splat(builder, q_scale)), key_scales)
-            totals[g] = value if totals[g] is None else builder.fadd(totals[g], value)
+            # (Σ - 128·Σq) · query scale as one fused multiply-add: Σ · scale - (128·Σq · scale)
+            query_scaled = builder.call(fma, [builder.sitofp(sums[g], _V), _splat(builder, q_scale),
+                                              _splat(builder, builder.fneg(builder.fmul(offset, q_scale)))])
+            totals[g] = builder.fmul(query_scaled, key_scales) if totals[g] is None else \
+                builder.call(fma, [query_scaled, key_scales, totals[g]])  # fmt: skip
     return totals  # type: ignore[return-value]
 
 
@@ -219,15 +237,16 @@ def _accumulate_q8(builder: ir.IRBuilder, rows: list[ir.Value], value_base: ir.V
 
     Per group of Q8_GROUP dimensions each key's weight and value scale become one byte against the
     block's largest of each (W = max w, S = max s over its keys):
-    a[t] = trunc(min(w[t] · (255 / W) · (s[t] · (1 / S)) + q8_dither(t, group), 255)); `vpdpbusd` sums a[t] · v[t, d]
+    a[t] = min(trunc(w[t] · (255 / W) · (s[t] · (1 / S)) + q8_dither(t, group)), 255) (the last product and
+    the sum fused); `vpdpbusd` sums a[t] · v[t, d]
     exactly over each quad of keys (the tile stores a quad's four bytes of one dimension together,
     `storage`), and the sum returns as float32 times W · S · (1 / 255) (`attention.
     _accumulate_values_q8`'s arithmetic). Keys at or past the block's count have weight 0 and their
     scales are masked to 0 (unused slots may hold NaN bits), so their bytes add nothing."""
     dpbusd = dpbusd_emitter(builder, 255)
-    minnum = _intrinsic_fn(builder, "llvm.minnum.v16f32", 2)
     groups = head_dim // Q8_GROUP
     v16i32, v16i8 = ir.VectorType(_i32, _LANES), ir.VectorType(_i8, _LANES)
+    umin = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16i32, [v16i32, v16i32]), "llvm.umin.v16i32")
     zero, one = ir.Constant(_f32, 0.0), ir.Constant(_f32, 1.0)
     scales, top_scales = [], []
     for group in range(groups):
@@ -247,9 +266,11 @@ def _accumulate_q8(builder: ir.IRBuilder, rows: list[ir.Value], value_base: ir.V
         byte_bases.append(builder.bitcast(builder.gep(row, [ir.Constant(_i64, 2 * head_dim)]), _i8.as_pointer()))
         for group, scale in enumerate(scales):
             dither = ir.Constant(_V, [q8_dither(key, group) for key in range(_LANES)])
-            rounded = builder.call(minnum, [builder.fadd(builder.fmul(byte_weights, scale), dither), _const(255.0)])
-            # the group's bytes in the row's block scratch (16 floats = 64 bytes), broadcast by quads below
-            builder.store(builder.trunc(builder.fptosi(rounded, v16i32), v16i8), builder.bitcast(
+            cut = builder.fptosi(builder.call(fma, [byte_weights, scale, dither]), v16i32)
+            # the group's bytes in the row's block scratch (16 floats = 64 bytes), broadcast by quads below;
+            # min then truncation is one saturating `vpmovusdb`
+            builder.store(builder.trunc(builder.call(umin, [cut, ir.Constant(v16i32, [255] * _LANES)]), v16i8),
+                          builder.bitcast(
                 builder.gep(byte_bases[-1], [ir.Constant(_i64, group * _LANES)]), v16i8.as_pointer()), align=1)
         back_scales.append([_splat(builder, builder.fmul(builder.fmul(top_weight, top_scale),
                                                          ir.Constant(_f32, Q8_BACK))) for top_scale in top_scales])
@@ -428,8 +449,8 @@ def attend_heads(typingctx, work, first_head, heads, head_dim, key_cache, value_
 
     (head_dim, heads) must be one of `SHAPES` (1..4 heads from a float cache): with constants,
     that one call's code is compiled; with values known only at run time, a switch over all of
-    them (another traps). The caches are read by pointer, never through a view (`kvcache.
-    prefetch`: a view's reference counting is an atomic operation per block).
+    them (another traps). The caches are read by pointer, never through a view (a view's reference
+    counting is an atomic operation per block).
     """
     _require_c_contiguous((("work", work), ("key_cache", key_cache), ("value_cache", value_cache)))
     indices = (first_head, heads, head_dim, block_id, kv_head, num_keys)
