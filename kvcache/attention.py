@@ -71,7 +71,7 @@ assert Q8_GROUP == HADAMARD_SIZE, "a group's rotation is the 32-point transform"
 
 # One query head's row of scratch: its scaled query, its output accumulator, one block's scores
 # (then softmax weights), the running max and running sum of the online softmax, and (int8 caches)
-# the query quantized like a key: head_dim int8 values, then per group its scale and 128 · Σq;
+# the query quantized like a key: head_dim int8 values, then per group its scale and -(128 · Σq) · scale;
 # then (int8 caches, numba path) one block's byte weights of a value group.
 _NUM_SOFTMAX_STATS = 2
 
@@ -178,7 +178,8 @@ def _store_q8_key(x, tile, offset, head_dim):
 def quantize_query_q8(work_row, head_dim, first):
     """The scaled query work_row[:head_dim] as int8 per group of Q8_GROUP (a key's rounding, a float32
     scale), stored from float slot `first` of the row: the bytes, the groups' scales, and each group's
-    128 · Σq as a float (exact), which the vector IR's unsigned keys (k + 128) take back."""
+    -(128 · Σq) · scale, which the vector IR's unsigned keys (k + 128) take back (computed once per
+    query, not per block)."""
     q8 = work_row[first : first + head_dim // 4].view(np.int8)
     groups = head_dim // Q8_GROUP
     scales = work_row[first + head_dim // 4 : first + head_dim // 4 + groups]
@@ -193,7 +194,7 @@ def quantize_query_q8(work_row, head_dim, first):
             q8[d] = min(max(round_half_away(work_row[d] * inverse), -127), 127)
             total += q8[d]
         scales[g] = amax / np.float32(127.0)
-        offsets[g] = np.float32(128 * total)
+        offsets[g] = -(np.float32(128 * total) * scales[g])
 
 
 @njit(nogil=True, cache=True, fastmath=False)

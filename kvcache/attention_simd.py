@@ -209,10 +209,11 @@ def _int8_scores(builder: ir.IRBuilder, rows: list[ir.Value], key_base: ir.Value
         key_scales = _halves_at(builder, key_base, ir.Constant(_i64, head_dim * _LANES + 2 * _LANES * group))
         for g, row in enumerate(rows):
             q_scale = builder.load(builder.gep(row, [ir.Constant(_i64, q8_first + head_dim // 4 + group)]))
-            offset = builder.load(builder.gep(row, [ir.Constant(_i64, q8_first + head_dim // 4 + groups + group)]))
-            # (Σ - 128·Σq) · query scale as one fused multiply-add: Σ · scale - (128·Σq · scale)
+            scaled_offset = builder.load(builder.gep(row, [ir.Constant(
+                _i64, q8_first + head_dim // 4 + groups + group)]))  # fmt: skip
+            # (Σ - 128·Σq) · query scale as one fused multiply-add: Σ · scale + (-(128·Σq) · scale)
             query_scaled = builder.call(fma, [builder.sitofp(sums[g], _V), _splat(builder, q_scale),
-                                              _splat(builder, builder.fneg(builder.fmul(offset, q_scale)))])
+                                              _splat(builder, scaled_offset)])
             totals[g] = builder.fmul(query_scaled, key_scales) if totals[g] is None else \
                 builder.call(fma, [query_scaled, key_scales, totals[g]])  # fmt: skip
     return totals  # type: ignore[return-value]
