@@ -298,29 +298,42 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
         if quantized:  # an int8 cache's scores are int8 dot products, as llama.cpp's q8_0 cache's
             quantize_query_q8(work_row, head_dim, q8_begin)
 
-    # An int8 block's two tiles (68 lines) arrive whole asked for once, three blocks ahead. A float
-    # block's 128-256 lines are not all kept from one burst of requests: they are asked for twice,
-    # four blocks ahead and then two, the second request catching what the first lost (asked once,
-    # float16 attention from DRAM ran 25-30% slower; int8 asked twice, ~8% slower).
+    # An int8 block's two tiles (68 lines) arrive whole asked for once, three blocks ahead, by the
+    # vector IR's loops (`attend_heads`). A float block's 128-256 lines are not all kept from one burst
+    # of requests: they are asked for twice, four blocks ahead and then two, the second request
+    # catching what the first lost (asked once, float16 attention from DRAM ran 25-30% slower).
     first_ahead, last_ahead, ahead_step = (3, 3, 1) if quantized else (2, 4, 2)
+    vector_ir = block_size == SIMD_BLOCK_SIZE and (head_dim == 64 or head_dim == 128)
     last_block = position // block_size
     first_key = max(0, position - window + 1) if window > 0 else 0
     first_block = first_key // block_size
     for logical_block in range(first_block, last_block + 1):
         block_id = block_table[logical_block]
+        num_keys = min(block_size, position + 1 - logical_block * block_size)  # causal within the last block
+        skipped = max(0, first_key - logical_block * block_size)  # keys before the window, in its first block
         # Later blocks' tiles travel from DRAM into L2 while this block is computed.
+        if quantized and vector_ir and skipped == 0:
+            ahead_id = -1  # asked for by the vector IR's loops
+            if prefetch and logical_block + first_ahead <= last_block:
+                ahead_id = block_table[logical_block + first_ahead]
+            g = 0
+            while g < group_size:
+                heads = _heads_in_next_call(group_size - g, quantized)
+                attend_heads(work, g, heads, head_dim, key_cache, value_cache, block_id, kv_head, num_keys,
+                             ahead_id)  # fmt: skip
+                ahead_id = -1
+                g += heads
+            continue
         for ahead in range(first_ahead, last_ahead + 1, ahead_step):
             if prefetch and logical_block + ahead <= last_block:
                 next_block_id = block_table[logical_block + ahead]
                 prefetch_tile(key_cache[next_block_id, kv_head])
                 prefetch_tile(value_cache[next_block_id, kv_head])
-        num_keys = min(block_size, position + 1 - logical_block * block_size)  # causal within the last block
-        skipped = max(0, first_key - logical_block * block_size)  # keys before the window, in its first block
-        if skipped == 0 and block_size == SIMD_BLOCK_SIZE and (head_dim == 64 or head_dim == 128):  # vector IR
+        if skipped == 0 and vector_ir:
             g = 0
             while g < group_size:
                 heads = _heads_in_next_call(group_size - g, quantized)
-                attend_heads(work, g, heads, head_dim, key_cache, value_cache, block_id, kv_head, num_keys)
+                attend_heads(work, g, heads, head_dim, key_cache, value_cache, block_id, kv_head, num_keys, -1)
                 g += heads
             continue
         keys = key_cache[block_id, kv_head]  # (head_dim, block_size)

@@ -39,6 +39,7 @@ from numba.extending import intrinsic
 
 from kvcache.fastmath import EXP_MIN, EXP_POLYNOMIAL, LN2_HI, LN2_LO, LOG2E
 from kvcache.int8_dot import dpbusd_emitter
+from kvcache.prefetch import CACHE_LINE_BYTES
 
 SIMD_BLOCK_SIZE = 16
 MAX_FLOAT_HEADS = 4  # query heads a call serves from a float cache (their accumulators fill the registers)
@@ -168,6 +169,25 @@ def tile_pointer(context, builder, array_type, array_value, block_id, kv_head) -
     return builder.gep(builder.bitcast(array.data, _i8.as_pointer()), [offset])
 
 
+def int8_tile_lines(head_dim: int) -> int:
+    """Cache lines of one int8 K or V tile: 16 keys' head_dim bytes, then each group's 16 fp16 scales."""
+    return -(-(SIMD_BLOCK_SIZE * head_dim + 2 * SIMD_BLOCK_SIZE * (head_dim // Q8_GROUP)) // CACHE_LINE_BYTES)
+
+
+def _prefetcher(builder: ir.IRBuilder, tile: ir.Value, lines: int):  # type: ignore[no-untyped-def]
+    """A function that asks for line i (< lines) of the tile at `tile` (i8*) into L2 (`prefetcht1`):
+    called once per step of a kernel loop, the requests are spread through the block's arithmetic."""
+    prefetch = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [_i8.as_pointer(), _i32, _i32, _i32]), "llvm.prefetch.p0")
+
+    def ask(line: int) -> None:
+        if line < lines:
+            address = builder.gep(tile, [ir.Constant(_i64, line * CACHE_LINE_BYTES)])
+            builder.call(prefetch, [address, ir.Constant(_i32, 0), ir.Constant(_i32, 2), ir.Constant(_i32, 1)])
+
+    return ask
+
+
 def _float_scores(builder: ir.IRBuilder, rows: list[ir.Value], key_base: ir.Value, element: ir.Type, head_dim: int,
                   fma: ir.Function) -> list[ir.Value]:  # fmt: skip
     """Each head's 16 scores Σ_d q[d]·K[d, t]: four partial sums over d (d mod 4), then (s0 + s1) + (s2 + s3)."""
@@ -182,14 +202,17 @@ def _float_scores(builder: ir.IRBuilder, rows: list[ir.Value], key_base: ir.Valu
 
 
 
-def _int8_scores(builder: ir.IRBuilder, rows: list[ir.Value], key_base: ir.Value, head_dim: int) -> list[ir.Value]:
+def _int8_scores(builder: ir.IRBuilder, rows: list[ir.Value], key_base: ir.Value, head_dim: int,
+                 key_ahead: ir.Value) -> list[ir.Value]:  # fmt: skip
     """Each head's 16 scores from the int8 K tile and its int8 query: per group of Q8_GROUP, the exact
     integer Σ (k + 128)·q from `vpdpbusd`s less 128·Σq, as float32, times the query's then the keys'
     scale; the groups added in order (`attention._block_scores_q8`'s arithmetic, with fused
-    multiply-adds)."""
+    multiply-adds). A line of the K tile at `key_ahead` is asked for with each quad of dimensions."""
     dpbusd = dpbusd_emitter(builder, 255)
     fma = _intrinsic_fn(builder, "llvm.fma.v16f32", 3)
     groups = head_dim // Q8_GROUP
+    lines = int8_tile_lines(head_dim)
+    ask = _prefetcher(builder, key_ahead, lines)
     q8_first = 2 * head_dim + _LANES + 2  # float slot of the int8 query in a work row
     v16i32 = ir.VectorType(_i32, _LANES)
     query_words = [builder.bitcast(builder.gep(row, [ir.Constant(_i64, q8_first)]), _i32.as_pointer()) for row in rows]
@@ -197,6 +220,7 @@ def _int8_scores(builder: ir.IRBuilder, rows: list[ir.Value], key_base: ir.Value
     for group in range(groups):
         sums = [ir.Constant(v16i32, [0] * _LANES)] * len(rows)
         for quad in range(group * Q8_GROUP // 4, (group + 1) * Q8_GROUP // 4):
+            ask(quad)
             # the tile stores each key's four bytes of the quad together, as k + 128 (`attention._store_q8_key`)
             pointer = builder.gep(key_base, [ir.Constant(_i64, quad * 4 * _LANES)])
             keys = builder.load(builder.bitcast(pointer, ir.VectorType(_i8, 64).as_pointer()), align=1)
@@ -216,6 +240,8 @@ def _int8_scores(builder: ir.IRBuilder, rows: list[ir.Value], key_base: ir.Value
                                               _splat(builder, scaled_offset)])
             totals[g] = builder.fmul(query_scaled, key_scales) if totals[g] is None else \
                 builder.call(fma, [query_scaled, key_scales, totals[g]])  # fmt: skip
+    for line in range(head_dim // 4, lines):  # the scales' lines
+        ask(line)
     return totals  # type: ignore[return-value]
 
 
@@ -233,7 +259,7 @@ def _open_count_loop(builder: ir.IRBuilder, count: ir.Value,
 
 
 def _accumulate_q8(builder: ir.IRBuilder, rows: list[ir.Value], value_base: ir.Value, weights: list[ir.Value],
-                   valid: ir.Value, fma: ir.Function, head_dim: int) -> None:  # fmt: skip
+                   valid: ir.Value, fma: ir.Function, head_dim: int, value_ahead: ir.Value) -> None:  # fmt: skip
     """acc += the block's weighted sum of an int8 V tile, as integer dot products.
 
     Per group of Q8_GROUP dimensions each key's weight and value scale become one byte against the
@@ -243,7 +269,8 @@ def _accumulate_q8(builder: ir.IRBuilder, rows: list[ir.Value], value_base: ir.V
     exactly over each quad of keys (the tile stores a quad's four bytes of one dimension together,
     `storage`), and the sum returns as float32 times W · S · (1 / 255) (`attention.
     _accumulate_values_q8`'s arithmetic). Keys at or past the block's count have weight 0 and their
-    scales are masked to 0 (unused slots may hold NaN bits), so their bytes add nothing."""
+    scales are masked to 0 (unused slots may hold NaN bits), so their bytes add nothing. A line of the
+    V tile at `value_ahead` is asked for with each quad of keys of a chunk."""
     dpbusd = dpbusd_emitter(builder, 255)
     groups = head_dim // Q8_GROUP
     v16i32, v16i8 = ir.VectorType(_i32, _LANES), ir.VectorType(_i8, _LANES)
@@ -276,10 +303,13 @@ def _accumulate_q8(builder: ir.IRBuilder, rows: list[ir.Value], value_base: ir.V
         back_scales.append([_splat(builder, builder.fmul(builder.fmul(top_weight, top_scale),
                                                          ir.Constant(_f32, Q8_BACK))) for top_scale in top_scales])
     words = [builder.bitcast(byte_base, _i32.as_pointer()) for byte_base in byte_bases]
+    lines = int8_tile_lines(head_dim)
+    ask = _prefetcher(builder, value_ahead, lines)
     for chunk in range(head_dim // _LANES):
         group = chunk * _LANES // Q8_GROUP
         dots = [ir.Constant(v16i32, [0] * _LANES)] * len(rows)
         for quad in range(_LANES // 4):
+            ask(chunk * _LANES // 4 + quad)
             pointer = builder.gep(value_base, [ir.Constant(_i64, quad * 4 * head_dim + chunk * 4 * _LANES)])
             quad_values = builder.load(builder.bitcast(pointer, ir.VectorType(_i8, 64).as_pointer()), align=1)
             for h, head_words in enumerate(words):
@@ -294,6 +324,8 @@ def _accumulate_q8(builder: ir.IRBuilder, rows: list[ir.Value], value_base: ir.V
                                           _V.as_pointer())
             builder.store(builder.call(fma, [builder.sitofp(dot, _V), head_back_scales[group],
                                              builder.load(acc_pointer, align=4)]), acc_pointer, align=4)
+    for line in range(head_dim // 4, lines):  # the scales' lines
+        ask(line)
 
 
 def _accumulate_chunks(builder: ir.IRBuilder, rows: list[ir.Value], value_base: ir.Value, value_element: ir.Type,
@@ -348,7 +380,8 @@ def _emit_attend_group(context, builder, signature, args, head_dim: int, group_s
     """`attend_heads`'s code for one head_dim and one number of heads (`group_size`)."""
     chunks = head_dim // _LANES
     work_value, keys_value, values_value = args[0], args[4], args[5]
-    first, block, head, count = (context.cast(builder, args[i], signature.args[i], types.int64) for i in (1, 6, 7, 8))
+    first, block, head, count, ahead = (context.cast(builder, args[i], signature.args[i], types.int64)
+                                        for i in (1, 6, 7, 8, 9))  # fmt: skip
     element = {types.uint16: _half, types.int8: _i8}.get(signature.args[4].dtype, _f32)
     quantized = element == _i8
     value_element = {types.uint16: _half, types.int8: _i8}.get(signature.args[5].dtype, _f32)
@@ -362,7 +395,12 @@ def _emit_attend_group(context, builder, signature, args, head_dim: int, group_s
                                  value_element.as_pointer())
     fma = _intrinsic_fn(builder, "llvm.fma.v16f32", 3)
 
-    totals = _int8_scores(builder, rows, key_base, head_dim) if quantized else \
+    # an int8 block asks for a later block's tiles from its own loops; with none to ask for (ahead < 0)
+    # it asks for its own, in cache already
+    ahead = builder.select(builder.icmp_signed(">=", ahead, ir.Constant(_i64, 0)), ahead, block)
+    key_ahead = tile_pointer(context, builder, signature.args[4], keys_value, ahead, head)
+    value_ahead = tile_pointer(context, builder, signature.args[5], values_value, ahead, head)
+    totals = _int8_scores(builder, rows, key_base, head_dim, key_ahead) if quantized else \
         _float_scores(builder, rows, key_base, element, head_dim, fma)  # fmt: skip
     lane = ir.Constant(ir.VectorType(_i64, _LANES), list(range(_LANES)))
     count_splat = builder.shuffle_vector(
@@ -414,7 +452,7 @@ def _emit_attend_group(context, builder, signature, args, head_dim: int, group_s
         builder.store(builder.fadd(builder.fmul(old_sum, correction), block_sum),
                       builder.gep(head_stats, [ir.Constant(_i64, 1)]))
     if quantized:
-        _accumulate_q8(builder, rows, value_base, weights, valid, fma, head_dim)
+        _accumulate_q8(builder, rows, value_base, weights, valid, fma, head_dim, value_ahead)
         return
     for row, head_weights in zip(rows, weights, strict=True):
         # the weights go to the row's block scratch, from where each key's is broadcast
@@ -435,7 +473,8 @@ SHAPES = tuple((head_dim, heads) for head_dim in (64, 128) for heads in range(1,
 
 
 @intrinsic(prefer_literal=True)
-def attend_heads(typingctx, work, first_head, heads, head_dim, key_cache, value_cache, block_id, kv_head, num_keys):  # type: ignore[no-untyped-def]
+def attend_heads(typingctx, work, first_head, heads, head_dim, key_cache, value_cache, block_id, kv_head, num_keys,
+                 prefetch_block):  # type: ignore[no-untyped-def]  # fmt: skip
     """Fold one block into the online softmax of `heads` query heads of a GQA group.
 
     work: (≥ first_head + heads, ≥ 2·head_dim + 18) float32, C-contiguous rows; row
@@ -446,7 +485,9 @@ def attend_heads(typingctx, work, first_head, heads, head_dim, key_cache, value_
     KV heads, 16, head_dim), C-contiguous, of the keys' type (an int8 tile in its quad layout,
     `kvcache.storage`); the tiles read are (block_id, kv_head); num_keys: the block's keys to use
     (1..16). Each K and V row is loaded (and widened) once for all the call's heads; each head's
-    arithmetic is the same as if it were alone.
+    arithmetic is the same as if it were alone. From an int8 cache the call also asks for the tiles
+    of block `prefetch_block` (none where it is negative), a line with each step of its loops: a
+    block's 68 requests spread through its arithmetic, not in a burst its own loads wait behind.
 
     (head_dim, heads) must be one of `SHAPES` (1..4 heads from a float cache): with constants,
     that one call's code is compiled; with values known only at run time, a switch over all of
@@ -454,7 +495,7 @@ def attend_heads(typingctx, work, first_head, heads, head_dim, key_cache, value_
     counting is an atomic operation per block).
     """
     _require_c_contiguous((("work", work), ("key_cache", key_cache), ("value_cache", value_cache)))
-    indices = (first_head, heads, head_dim, block_id, kv_head, num_keys)
+    indices = (first_head, heads, head_dim, block_id, kv_head, num_keys, prefetch_block)
     if not (is_tiled_cache(key_cache) and is_tiled_cache(value_cache)
             and all(isinstance(index, types.Integer) for index in indices)):  # fmt: skip
         return None
@@ -470,7 +511,8 @@ def attend_heads(typingctx, work, first_head, heads, head_dim, key_cache, value_
             raise TypingError(f"attend_heads has no code for head_dim {fixed[0]} with {fixed[1]} heads a call "
                               f"from a {key_cache.dtype} cache")
         shapes = [tuple(fixed)]
-    sig = types.void(work, first_head, heads, head_dim, key_cache, value_cache, block_id, kv_head, num_keys)
+    sig = types.void(work, first_head, heads, head_dim, key_cache, value_cache, block_id, kv_head, num_keys,
+                     prefetch_block)  # fmt: skip
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
         if len(shapes) == 1:

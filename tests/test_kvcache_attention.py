@@ -591,13 +591,14 @@ np.save(sys.argv[1], int8_attention_extremes())
 @njit(nogil=True)
 def _fold_blocks_64_4(work, key_tiles, value_tiles, num_keys):  # type: ignore[no-untyped-def]
     for block in range(key_tiles.shape[0]):
-        attend_heads(work, 0, 4, 64, key_tiles, value_tiles, block, 0, min(16, num_keys - 16 * block))
+        attend_heads(work, 0, 4, 64, key_tiles, value_tiles, block, 0, min(16, num_keys - 16 * block),
+                     min(block + 1, key_tiles.shape[0] - 1))  # fmt: skip
 
 
 @njit(nogil=True)
 def _fold_blocks_128_6(work, key_tiles, value_tiles, num_keys):  # type: ignore[no-untyped-def]
     for block in range(key_tiles.shape[0]):
-        attend_heads(work, 0, 6, 128, key_tiles, value_tiles, block, 0, min(16, num_keys - 16 * block))
+        attend_heads(work, 0, 6, 128, key_tiles, value_tiles, block, 0, min(16, num_keys - 16 * block), -1)
 
 
 def int8_attention_extremes() -> np.ndarray:

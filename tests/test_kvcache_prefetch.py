@@ -7,7 +7,10 @@ import re
 import numpy as np
 from numba import njit
 
+from kvcache.attention import attention_scratch
+from kvcache.attention_simd import attend_heads, int8_tile_lines
 from kvcache.prefetch import prefetch_tile
+from kvcache.storage import KVCacheSpec
 
 
 @njit  # not cached: numba keeps no assembly for cached code
@@ -28,3 +31,24 @@ def test_a_tile_is_asked_into_l2_not_l1() -> None:
     for dtype in (np.int8, np.uint16, np.float32):
         asked = _prefetches(np.zeros((136, 16), dtype))
         assert asked and set(asked) == {"prefetcht1"}, (dtype, asked)
+
+
+@njit  # not cached: numba keeps no assembly for cached code
+def _attend_int8(work, key_cache, value_cache):  # type: ignore[no-untyped-def]
+    attend_heads(work, 0, 2, 128, key_cache, value_cache, 0, 0, 16, 1)
+
+
+def test_an_int8_block_asks_for_every_line_of_a_later_blocks_tiles() -> None:
+    """The int8 vector IR asks for block `prefetch_block`'s K and V tiles from its own loops: one
+    `prefetcht1` per line of each (34 for head_dim 128: 2,048 bytes of keys or values and 128 of
+    scales), none into L1."""
+    spec = KVCacheSpec(n_layers=1, n_kv_heads=1, head_dim=128, block_size=16, dtype="int8")
+    key_cache = np.zeros((2, 1, spec.row_width, 16), np.int8)
+    value_cache = np.zeros((2, 1, 16, spec.row_width), np.int8)
+    work = attention_scratch(1, 2, 1, 128, 16)[0]
+    work[:, 2 * 128 + 16] = -np.inf
+    _attend_int8(work, key_cache, value_cache)
+    asm = _attend_int8.inspect_asm(_attend_int8.signatures[-1])
+    asked = re.findall(r"\bprefetch\w*", asm)
+    assert int8_tile_lines(128) == 34
+    assert asked == ["prefetcht1"] * 2 * int8_tile_lines(128)
