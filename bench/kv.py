@@ -1,6 +1,7 @@
 """`treadle bench kv`: what paging and prefix caching buy, and what the attention kernel costs.
 
     .venv/bin/treadle bench kv [--json PATH] [--threads N] [--seed S]
+    .venv/bin/treadle bench kv --head-layouts KEYS | --group-kernel | --quality MODEL... [--json PATH]
 
 1. Memory: tokens of KV held per MiB by 64 concurrent chat sequences, paged (16-token blocks)
    against one contiguous max-context buffer per sequence; and with a shared system prompt.
@@ -27,8 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from numba import njit
 
-from kvcache.attention import attention_scratch, paged_attention_rows
+from kvcache.attention import attention_scratch, paged_attention_rows, quantize_query_q8
+from kvcache.attention_simd import MAX_FLOAT_HEADS, MAX_INT8_HEADS, attend_heads
 from kvcache.manager import KVCacheManager
 from kvcache.storage import KV_STORAGE_TYPES, MIB, KVCacheSpec
 
@@ -227,6 +230,42 @@ def head_layout_times(context_len: int, repeats: int = 15) -> list[dict]:
     return rows
 
 
+@njit(nogil=True)
+def _fold_blocks(work, heads, key_cache, value_cache, repeats):  # type: ignore[no-untyped-def]
+    for _ in range(repeats):
+        for block in range(key_cache.shape[0]):
+            attend_heads(work, 0, heads, 128, key_cache, value_cache, block, 0, 16, -1)
+
+
+def group_kernel_times(blocks: int = 64, repeats: int = 200) -> list[dict]:
+    """The vector-IR group kernel alone (`attention_simd.attend_heads`): one 16-key block of head_dim
+    128 for 1-8 query heads (int8) or 1-4 (float16) a call, over `blocks` blocks whose tiles stay in L2,
+    best of 7 runs of `repeats` passes: the arithmetic a long context's attention is made of, without
+    the memory's time or the paged loop's."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for dtype, most_heads in (("int8", MAX_INT8_HEADS), ("float16", MAX_FLOAT_HEADS)):
+        spec = KVCacheSpec(n_layers=1, n_kv_heads=1, head_dim=128, block_size=16, dtype=dtype)
+        key_cache = _stored(rng, (blocks, 1, spec.row_width, 16), spec)
+        value_cache = _stored(rng, (blocks, 1, 16, spec.row_width), spec)
+        for heads in range(1, most_heads + 1):
+            work = attention_scratch(1, heads, 1, 128, 16)[0]
+            for g in range(heads):  # a real query's row: scaled, running max -inf, quantized for int8
+                work[g, :128] = rng.standard_normal(128, dtype=np.float32) / np.float32(np.sqrt(128))
+                work[g, 2 * 128 + 16] = -np.inf
+                quantize_query_q8(work[g], 128, 2 * 128 + 16 + 2)
+            _fold_blocks(work, heads, key_cache, value_cache, 1)
+            seconds = float("inf")
+            for _ in range(7):
+                start = time.perf_counter()
+                _fold_blocks(work, heads, key_cache, value_cache, repeats)
+                seconds = min(seconds, time.perf_counter() - start)
+            per_call = seconds / (repeats * blocks) * 1e9
+            rows.append({"kv": dtype, "heads_a_call": heads, "ns_per_call": round(per_call, 1),
+                         "ns_per_head": round(per_call / heads, 1)})  # fmt: skip
+    return rows
+
+
 def _stored(rng: np.random.Generator, shape: tuple[int, ...], spec: KVCacheSpec) -> np.ndarray:
     """Random normal values as the cache holds them: half floats as their bits; int8 as random values
     with every scale (the last bytes of each (block, head) tile, `kvcache.storage`) the fp16 0.0034
@@ -262,7 +301,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-layouts", type=int, metavar="KEYS",
                         help="instead: one layer's decode attention at KEYS keys, one thread, in the Qwen2.5 "
                              "1.5B/3B/7B head layouts")  # fmt: skip
+    parser.add_argument("--group-kernel", action="store_true",
+                        help="instead: the group kernel alone, one 16-key block of head_dim 128 a call, tiles "
+                             "in L2, int8 and float16, for each number of query heads a call serves")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.group_kernel:
+        rows = group_kernel_times()
+        print_table("The group kernel alone, one 16-key block of head_dim 128 a call, tiles in L2", rows)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=2))
+        return 0
     if args.quality:
         return _kv_quality(args.quality, args.positions, args.json)
     if args.head_layouts:

@@ -78,3 +78,13 @@ def test_the_quality_check_compares_each_cache_with_float16_under_each_kernel_mo
         for figures in result[mode].values():
             assert 0.5 < figures["all"] <= 1 and 0.5 < figures["second_halves"] <= 1
     assert result["exact"]["float32"]["all"] >= 0.97
+
+
+def test_the_group_kernel_is_timed_for_each_head_count_and_cache_type(tmp_path: Path) -> None:
+    out = tmp_path / "kernel.json"
+    assert bench.main(["--group-kernel", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["kv"], r["heads_a_call"]) for r in rows] == [("int8", h) for h in range(1, 9)] + [
+        ("float16", h) for h in range(1, 5)]
+    assert all(r["ns_per_call"] > 0 and r["ns_per_head"] * r["heads_a_call"] == pytest.approx(r["ns_per_call"], 0.01)
+               for r in rows)  # fmt: skip
