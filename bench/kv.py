@@ -168,8 +168,8 @@ def _time_attention(
     head_dim, block_size, n_kv_heads = spec.head_dim, spec.block_size, spec.n_kv_heads
     blocks_per_seq = -(-context_len // block_size)
     num_blocks = batch_size * blocks_per_seq
-    key_cache = _stored(rng, (num_blocks, n_kv_heads, spec.row_width, block_size), spec)
-    value_cache = _stored(rng, (num_blocks, n_kv_heads, block_size, spec.row_width), spec)
+    key_cache = _stored(rng, (n_kv_heads, num_blocks, spec.row_width, block_size), spec)
+    value_cache = _stored(rng, (n_kv_heads, num_blocks, block_size, spec.row_width), spec)
     block_tables = rng.permutation(num_blocks).astype(np.int32).reshape(batch_size, blocks_per_seq)
     context_lens = np.full(batch_size, context_len, dtype=np.int32)
     query_start_loc = np.arange(0, batch_size * query_len + 1, query_len, dtype=np.int32)
@@ -212,8 +212,8 @@ def head_layout_times(context_len: int, repeats: int = 15) -> list[dict]:
     for (name, n_heads, n_kv_heads), dtype in product(HEAD_LAYOUTS, ("float16", "int8")):
         spec = KVCacheSpec(n_layers=1, n_kv_heads=n_kv_heads, head_dim=128, block_size=16, dtype=dtype)
         num_blocks = -(-context_len // 16)
-        key_cache = _stored(rng, (num_blocks, n_kv_heads, spec.row_width, 16), spec)
-        value_cache = _stored(rng, (num_blocks, n_kv_heads, 16, spec.row_width), spec)
+        key_cache = _stored(rng, (n_kv_heads, num_blocks, spec.row_width, 16), spec)
+        value_cache = _stored(rng, (n_kv_heads, num_blocks, 16, spec.row_width), spec)
         query = rng.standard_normal((1, n_heads, 128), dtype=np.float32)
         args = (np.empty_like(query), query, key_cache, value_cache,
                 np.arange(num_blocks, dtype=np.int32)[None, :], np.array([context_len], np.int32),
@@ -233,7 +233,7 @@ def head_layout_times(context_len: int, repeats: int = 15) -> list[dict]:
 @njit(nogil=True)
 def _fold_blocks(work, heads, key_cache, value_cache, repeats):  # type: ignore[no-untyped-def]
     for _ in range(repeats):
-        for block in range(key_cache.shape[0]):
+        for block in range(key_cache.shape[1]):
             attend_heads(work, 0, heads, 128, key_cache, value_cache, block, 0, 16, -1)
 
 
@@ -246,8 +246,8 @@ def group_kernel_times(blocks: int = 64, repeats: int = 200) -> list[dict]:
     rows = []
     for dtype, most_heads in (("int8", MAX_INT8_HEADS), ("float16", MAX_FLOAT_HEADS)):
         spec = KVCacheSpec(n_layers=1, n_kv_heads=1, head_dim=128, block_size=16, dtype=dtype)
-        key_cache = _stored(rng, (blocks, 1, spec.row_width, 16), spec)
-        value_cache = _stored(rng, (blocks, 1, 16, spec.row_width), spec)
+        key_cache = _stored(rng, (1, blocks, spec.row_width, 16), spec)
+        value_cache = _stored(rng, (1, blocks, 16, spec.row_width), spec)
         for heads in range(1, most_heads + 1):
             work = attention_scratch(1, heads, 1, 128, 16)[0]
             for g in range(heads):  # a real query's row: scaled, running max -inf, quantized for int8

@@ -106,8 +106,8 @@ def write_kv_rows(key, value, key_cache, value_cache, slot_mapping, tid, nthread
     """Store this step's K and V rows at their slots (slot = block_id * block_size + offset).
 
     key, value:   (num_tokens, n_kv_heads, head_dim) float32
-    key_cache:    (num_blocks, n_kv_heads, head_dim, block_size) float32, or uint16 half floats, one layer
-    value_cache:  (num_blocks, n_kv_heads, block_size, head_dim) like key_cache, one layer
+    key_cache:    (n_kv_heads, num_blocks, head_dim, block_size) float32, or uint16 half floats, one layer
+    value_cache:  (n_kv_heads, num_blocks, block_size, head_dim) like key_cache, one layer
     slot_mapping: (num_tokens,) int32
     Rows are split into contiguous ranges, one per thread; every slot is written by one thread.
     """
@@ -124,13 +124,13 @@ def write_kv_rows(key, value, key_cache, value_cache, slot_mapping, tid, nthread
         offset = slot - block_id * block_size
         for kv_head in range(n_kv_heads):
             if is_int8(element):
-                _store_q8_key(key[token, kv_head], key_cache[block_id, kv_head], offset, head_dim)
-                _store_q8_value(value[token, kv_head], value_cache[block_id, kv_head], offset, head_dim)
+                _store_q8_key(key[token, kv_head], key_cache[kv_head, block_id], offset, head_dim)
+                _store_q8_value(value[token, kv_head], value_cache[kv_head, block_id], offset, head_dim)
                 continue
             for d in range(head_dim):
-                key_cache[block_id, kv_head, d, offset] = like(key[token, kv_head, d], element)
+                key_cache[kv_head, block_id, d, offset] = like(key[token, kv_head, d], element)
             for d in range(head_dim):
-                value_cache[block_id, kv_head, offset, d] = like(value[token, kv_head, d], element)
+                value_cache[kv_head, block_id, offset, d] = like(value[token, kv_head, d], element)
 
 
 @njit(nogil=True, cache=True, fastmath=False)
@@ -225,9 +225,9 @@ def paged_attention_rows(
                      out may be query itself (an item reads its query heads before it writes their outputs)
     window:          0, or the keys a position sees, itself included (sliding-window layers): position p
                      then attends to max(0, p - window + 1) .. p; blocks wholly before that are not read
-    key_cache:       (num_blocks, n_kv_heads, head_dim, block_size) float32, or uint16 half floats
+    key_cache:       (n_kv_heads, num_blocks, head_dim, block_size) float32, or uint16 half floats
                      (read as float32: the arithmetic is the same for both), one layer
-    value_cache:     (num_blocks, n_kv_heads, block_size, head_dim) like key_cache, one layer
+    value_cache:     (n_kv_heads, num_blocks, block_size, head_dim) like key_cache, one layer
     block_tables:    (num_seqs, max_blocks_per_seq) int32; only the first ceil(context_len / block_size)
                      entries of a row are read
     context_lens:    (num_seqs,) int32, this step's rows included
@@ -237,7 +237,7 @@ def paged_attention_rows(
     is not is refused when the kernel is compiled.
     """
     require_c_contiguous(key_cache, value_cache, scratch)
-    n_kv_heads = key_cache.shape[1]
+    n_kv_heads = key_cache.shape[0]
     block_bytes = n_kv_heads * (key_cache[0, 0].size + value_cache[0, 0].size) * key_cache.itemsize
     work = scratch[tid]
     item = 0
@@ -280,7 +280,7 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
     """
     head_dim = query.shape[2]
     block_size = value_cache.shape[2]
-    group_size = query.shape[1] // key_cache.shape[1]
+    group_size = query.shape[1] // key_cache.shape[0]
     quantized = is_int8(key_cache[0, 0, 0, 0])
     first_head = kv_head * group_size
     acc_begin, weights_begin, stats_begin = head_dim, 2 * head_dim, 2 * head_dim + block_size
@@ -327,8 +327,8 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
         for ahead in range(first_ahead, last_ahead + 1, ahead_step):
             if prefetch and logical_block + ahead <= last_block:
                 next_block_id = block_table[logical_block + ahead]
-                prefetch_tile(key_cache[next_block_id, kv_head])
-                prefetch_tile(value_cache[next_block_id, kv_head])
+                prefetch_tile(key_cache[kv_head, next_block_id])
+                prefetch_tile(value_cache[kv_head, next_block_id])
         if skipped == 0 and vector_ir:
             g = 0
             while g < group_size:
@@ -336,8 +336,8 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
                 attend_heads(work, g, heads, head_dim, key_cache, value_cache, block_id, kv_head, num_keys, -1)
                 g += heads
             continue
-        keys = key_cache[block_id, kv_head]  # (head_dim, block_size)
-        values = value_cache[block_id, kv_head]  # (block_size, head_dim)
+        keys = key_cache[kv_head, block_id]  # (head_dim, block_size)
+        values = value_cache[kv_head, block_id]  # (block_size, head_dim)
         for g in range(group_size):
             work_row = work[g]
             acc = work_row[acc_begin:weights_begin]

@@ -157,15 +157,15 @@ def require_c_contiguous(typingctx, key_cache, value_cache, scratch):  # type: i
 
 
 def is_tiled_cache(array: types.Type) -> bool:
-    """A KV cache layer as the kernels read it: (blocks, KV heads, rows, columns), C-contiguous."""
+    """A KV cache layer as the kernels read it: (KV heads, blocks, rows, columns), C-contiguous."""
     return isinstance(array, types.Array) and array.ndim == 4 and array.layout == "C"
 
 
 def tile_pointer(context, builder, array_type, array_value, block_id, kv_head) -> ir.Value:  # type: ignore[no-untyped-def]
-    """The first byte (as i8*) of tile (block_id, kv_head), int64 IR values, of a C-contiguous 4-D cache."""
+    """The first byte (as i8*) of tile (kv_head, block_id), int64 IR values, of a C-contiguous 4-D cache."""
     array = context.make_array(array_type)(context, builder, array_value)
     strides = cgutils.unpack_tuple(builder, array.strides)
-    offset = builder.add(builder.mul(block_id, strides[0]), builder.mul(kv_head, strides[1]))
+    offset = builder.add(builder.mul(kv_head, strides[0]), builder.mul(block_id, strides[1]))
     return builder.gep(builder.bitcast(array.data, _i8.as_pointer()), [offset])
 
 
@@ -479,11 +479,11 @@ def attend_heads(typingctx, work, first_head, heads, head_dim, key_cache, value_
 
     work: (≥ first_head + heads, ≥ 2·head_dim + 18) float32, C-contiguous rows; row
     first_head + g = [scaled query | accumulator | 16 scratch | max, sum | int8 query] of the
-    call's head g (`attention._attend_row_group`'s layout); key_cache: (blocks, KV heads,
+    call's head g (`attention._attend_row_group`'s layout); key_cache: (KV heads, blocks,
     head_dim, 16), C-contiguous, float32, uint16 half floats, or an int8 cache's tiles with their
-    scales (scored against the int8 query: `attention.quantize_query_q8`); value_cache: (blocks,
-    KV heads, 16, head_dim), C-contiguous, of the keys' type (an int8 tile in its quad layout,
-    `kvcache.storage`); the tiles read are (block_id, kv_head); num_keys: the block's keys to use
+    scales (scored against the int8 query: `attention.quantize_query_q8`); value_cache: (KV heads,
+    blocks, 16, head_dim), C-contiguous, of the keys' type (an int8 tile in its quad layout,
+    `kvcache.storage`); the tiles read are (kv_head, block_id); num_keys: the block's keys to use
     (1..16). Each K and V row is loaded (and widened) once for all the call's heads; each head's
     arithmetic is the same as if it were alone. From an int8 cache the call also asks for the tiles
     of block `prefetch_block` (none where it is negative), a line with each step of its loops: a

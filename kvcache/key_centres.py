@@ -70,9 +70,9 @@ def centres_from_cache(storage: KVCacheStorage, block_ids: np.ndarray, num_token
     """(n_layers, n_kv_heads · head_dim) float32: the mean key of positions SKIPPED_POSITIONS..num_tokens
     of a sequence stored in `block_ids` of an int8 cache."""
     spec = storage.spec
-    tiles = storage.key_cache[:, block_ids]  # (layers, blocks, heads, row_width, block_size)
-    keys = dequantize_keys(tiles, spec.head_dim)  # (layers, blocks, heads, block_size, head_dim)
-    keys = keys.swapaxes(1, 2).reshape(spec.n_layers, spec.n_kv_heads, -1, spec.head_dim)
+    tiles = storage.key_cache[:, :, block_ids]  # (layers, heads, blocks, row_width, block_size)
+    keys = dequantize_keys(tiles, spec.head_dim)  # (layers, heads, blocks, block_size, head_dim)
+    keys = keys.reshape(spec.n_layers, spec.n_kv_heads, -1, spec.head_dim)
     centres = keys[:, :, SKIPPED_POSITIONS:num_tokens].mean(axis=2, dtype=np.float64)
     return centres.reshape(spec.n_layers, -1).astype(np.float32)
 

@@ -1,7 +1,7 @@
 """A software prefetch for nopython kernels: `llvm.prefetch`, which numba does not expose.
 
 Paged attention walks a sequence's blocks in block-table order, and the blocks of a cache shared by
-many sequences lie anywhere in it: each (block, KV head) tile starts at an address the hardware
+many sequences lie anywhere in it: each (KV head, block) tile starts at an address the hardware
 prefetcher cannot guess, so without help every tile begins with a full DRAM miss. Asking for the
 next tile while the current one is being computed hides that latency.
 """

@@ -172,8 +172,8 @@ class PrefixTiers:
         """Write a fetched block into pool block `block_id`."""
         storage = self.storage
         started = time.perf_counter()
-        storage.key_cache[:, block_id] = block[0].reshape(storage.key_cache[:, block_id].shape)
-        storage.value_cache[:, block_id] = block[1].reshape(storage.value_cache[:, block_id].shape)
+        storage.key_cache[:, :, block_id] = block[0].reshape(storage.key_cache[:, :, block_id].shape)
+        storage.value_cache[:, :, block_id] = block[1].reshape(storage.value_cache[:, :, block_id].shape)
         self.ram.copy_seconds += time.perf_counter() - started
 
     # ---- operations ----------------------------------------------------------------------------------
@@ -207,8 +207,8 @@ class PrefixTiers:
         storage = self.storage
         block = np.empty(self.block_shape, dtype=storage.spec.storage_type)
         n_layers = self.block_shape[1]
-        block[0] = storage.key_cache[:, block_id].reshape(n_layers, -1)
-        block[1] = storage.value_cache[:, block_id].reshape(n_layers, -1)
+        block[0] = storage.key_cache[:, :, block_id].reshape(n_layers, -1)
+        block[1] = storage.value_cache[:, :, block_id].reshape(n_layers, -1)
         return block
 
     def _to_disk(self, block_hash: BlockHash, block: np.ndarray) -> None:

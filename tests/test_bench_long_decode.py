@@ -24,7 +24,7 @@ def test_an_int8_cache_is_filled_with_the_scales_attention_reads():
     for cache in (storage.key_cache, storage.value_cache):  # a tile's values, then its (groups, keys) scales
         tiles = cache.reshape(*cache.shape[:3], -1)
         scales = tiles[..., 64 * 16 :].view(np.float16)
-        assert scales.shape == (2, 3, 2, 2 * 16) and (scales == np.float16(1 / 127)).all()
+        assert scales.shape == (2, 2, 3, 2 * 16) and (scales == np.float16(1 / 127)).all()
         values = tiles[..., : 64 * 16]
         assert values.min() >= -127 and values.max() <= 127 and len(np.unique(values)) > 200
 

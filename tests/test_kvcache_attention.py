@@ -23,8 +23,8 @@ class PagedCase:
     values: list[np.ndarray]  # per sequence (context_len, n_kv_heads, head_dim) float32
     queries: list[np.ndarray]  # per sequence (context_len, n_heads, head_dim) float32: one per position
     block_tables: np.ndarray  # (num_seqs, max_blocks) int32
-    key_cache: np.ndarray  # (num_blocks, n_kv_heads, head_dim, block_size) float32, or uint16 half floats
-    value_cache: np.ndarray  # (num_blocks, n_kv_heads, block_size, head_dim) like key_cache
+    key_cache: np.ndarray  # (n_kv_heads, num_blocks, head_dim, block_size) float32, or uint16 half floats
+    value_cache: np.ndarray  # (n_kv_heads, num_blocks, block_size, head_dim) like key_cache
 
 
 STORAGE = {
@@ -58,8 +58,8 @@ def make_case(
     if storage == "int8" and head_dim % Q8_GROUP:
         pytest.skip(f"an int8 cache needs head_dim a multiple of {Q8_GROUP}")
     width = KVCacheSpec(head_dim=head_dim, dtype=storage).row_width
-    key_cache = np.full((num_blocks, n_kv_heads, width, block_size), nan, dtype=stored_type)
-    value_cache = np.full((num_blocks, n_kv_heads, block_size, width), nan, dtype=stored_type)
+    key_cache = np.full((n_kv_heads, num_blocks, width, block_size), nan, dtype=stored_type)
+    value_cache = np.full((n_kv_heads, num_blocks, block_size, width), nan, dtype=stored_type)
     keys, values, queries = [], [], []
     for seq, context_len in enumerate(context_lens):
         keys.append(
@@ -113,7 +113,7 @@ def run_paged(
     ))  # fmt: skip
     query_start_loc = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
     n_heads, head_dim = case.queries[0].shape[1:]
-    n_kv_heads, _, block_size = case.key_cache.shape[1:]
+    n_kv_heads, block_size = case.key_cache.shape[0], case.key_cache.shape[3]
     out = query if in_place else np.full_like(query, np.nan)
     if scratch is None:
         scratch = attention_scratch(nthreads, n_heads, n_kv_heads, head_dim, block_size)
@@ -455,14 +455,14 @@ def test_write_kv_rows_stores_each_row_at_its_slot_for_any_thread_count() -> Non
     value = rng.standard_normal((7, n_kv_heads, head_dim), dtype=np.float32)
     slot_mapping = np.array([17, 3, 0, 19, 8, 9, 4], dtype=np.int32)
     for nthreads in (1, 3):
-        key_cache = np.zeros((num_blocks, n_kv_heads, head_dim, block_size), dtype=np.float32)
-        value_cache = np.zeros((num_blocks, n_kv_heads, block_size, head_dim), dtype=np.float32)
+        key_cache = np.zeros((n_kv_heads, num_blocks, head_dim, block_size), dtype=np.float32)
+        value_cache = np.zeros((n_kv_heads, num_blocks, block_size, head_dim), dtype=np.float32)
         for tid in range(nthreads):
             write_kv_rows(key, value, key_cache, value_cache, slot_mapping, tid, nthreads)
         for token, slot in enumerate(slot_mapping):
             block_id, offset = divmod(int(slot), block_size)
-            np.testing.assert_array_equal(key_cache[block_id, :, :, offset], key[token])
-            np.testing.assert_array_equal(value_cache[block_id, :, offset, :], value[token])
+            np.testing.assert_array_equal(key_cache[:, block_id, :, offset], key[token])
+            np.testing.assert_array_equal(value_cache[:, block_id, offset, :], value[token])
         assert np.count_nonzero(value_cache) == value.size  # nothing written outside the slots
 
 
@@ -475,26 +475,26 @@ def test_int8_cache_stores_each_group_of_32_with_its_fp16_scale() -> None:
     value = -key
     slot_mapping = np.array([5, 0, 11, 2, 7, 3], dtype=np.int32)
     spec = KVCacheSpec(head_dim=64, block_size=8, dtype="int8")
-    key_cache = np.zeros((3, 2, spec.row_width, 8), dtype=np.int8)
-    value_cache = np.zeros((3, 2, 8, spec.row_width), dtype=np.int8)
+    key_cache = np.zeros((2, 3, spec.row_width, 8), dtype=np.int8)
+    value_cache = np.zeros((2, 3, 8, spec.row_width), dtype=np.int8)
     write_kv_rows(key, value, key_cache, value_cache, slot_mapping, 0, 1)
     for token, slot in enumerate(slot_mapping):
         block_id, offset = divmod(int(slot), 8)
         for head in range(2):
             q, scales = quantized_q8(key[token, head])
             # a K tile keeps each quad of dimensions' four bytes of a key together, as k + 128
-            key_quads = key_cache[block_id, head].reshape(-1)[: 64 * 8].reshape(16, 8, 4)  # (dim quads, keys, dims)
+            key_quads = key_cache[head, block_id].reshape(-1)[: 64 * 8].reshape(16, 8, 4)  # (dim quads, keys, dims)
             np.testing.assert_array_equal(key_quads[:, offset].reshape(-1) ^ np.int8(-128), q.reshape(-1))
-            key_scales = key_cache[block_id, head, 64:].reshape(-1).view(np.uint16).reshape(2, 8)[:, offset]
+            key_scales = key_cache[head, block_id, 64:].reshape(-1).view(np.uint16).reshape(2, 8)[:, offset]
             np.testing.assert_array_equal(key_scales, scales.reshape(-1).view(np.uint16))
             q, scales = quantized_q8(value[token, head])
             # a V tile keeps each quad of keys' four bytes of a dimension together, then (groups, keys) scales
-            tile = value_cache[block_id, head].reshape(-1)
+            tile = value_cache[head, block_id].reshape(-1)
             by_quads = tile[: 8 * 64].reshape(2, 64, 4)  # (quads of the 8-key block, dims, keys of a quad)
             np.testing.assert_array_equal(by_quads[offset // 4, :, offset % 4], q.reshape(-1))
             value_scales = tile[8 * 64 :].view(np.uint16).reshape(2, 8)[:, offset]
             np.testing.assert_array_equal(value_scales, scales.reshape(-1).view(np.uint16))
-    assert np.all(key_cache[5 // 8, 0].reshape(-1)[: 64 * 8].reshape(16, 8, 4)[:8, 5 % 8] == -128)  # 0 + 128
+    assert np.all(key_cache[0, 5 // 8].reshape(-1)[: 64 * 8].reshape(16, 8, 4)[:8, 5 % 8] == -128)  # 0 + 128
     restored = dequantized_q8(*quantized_q8(key))
     group_max = np.abs(key.reshape(6, 2, 2, 32)).max(axis=-1, keepdims=True)
     # half a step of the group's scale, plus the scale's own fp16 rounding (2^-11 relative) on every value
@@ -509,14 +509,14 @@ def test_half_float_cache_stores_each_value_rounded_to_nearest_half() -> None:
     with np.errstate(over="ignore"):  # 70000 overflows to inf in numpy's reference conversion too
         expected_keys, expected_values = key.astype(np.float16), value.astype(np.float16)
     slot_mapping = np.array([5, 0, 11, 2, 7, 3], dtype=np.int32)
-    key_cache = np.zeros((3, 2, 16, 4), dtype=np.uint16)
-    value_cache = np.zeros((3, 2, 4, 16), dtype=np.uint16)
+    key_cache = np.zeros((2, 3, 16, 4), dtype=np.uint16)
+    value_cache = np.zeros((2, 3, 4, 16), dtype=np.uint16)
     write_kv_rows(key, value, key_cache, value_cache, slot_mapping, 0, 1)
     for token, slot in enumerate(slot_mapping):
         block_id, offset = divmod(int(slot), 4)
-        np.testing.assert_array_equal(key_cache[block_id, :, :, offset], expected_keys[token].view(np.uint16))
+        np.testing.assert_array_equal(key_cache[:, block_id, :, offset], expected_keys[token].view(np.uint16))
         np.testing.assert_array_equal(
-            value_cache[block_id, :, offset, :], expected_values[token].view(np.uint16)
+            value_cache[:, block_id, offset, :], expected_values[token].view(np.uint16)
         )
 
 
@@ -590,14 +590,14 @@ np.save(sys.argv[1], int8_attention_extremes())
 
 @njit(nogil=True)
 def _fold_blocks_64_4(work, key_tiles, value_tiles, num_keys):  # type: ignore[no-untyped-def]
-    for block in range(key_tiles.shape[0]):
+    for block in range(key_tiles.shape[1]):
         attend_heads(work, 0, 4, 64, key_tiles, value_tiles, block, 0, min(16, num_keys - 16 * block),
-                     min(block + 1, key_tiles.shape[0] - 1))  # fmt: skip
+                     min(block + 1, key_tiles.shape[1] - 1))  # fmt: skip
 
 
 @njit(nogil=True)
 def _fold_blocks_128_6(work, key_tiles, value_tiles, num_keys):  # type: ignore[no-untyped-def]
-    for block in range(key_tiles.shape[0]):
+    for block in range(key_tiles.shape[1]):
         attend_heads(work, 0, 6, 128, key_tiles, value_tiles, block, 0, min(16, num_keys - 16 * block), -1)
 
 
@@ -619,8 +619,8 @@ def int8_attention_extremes() -> np.ndarray:
         value_tiles = extreme.value_cache.reshape(*extreme.value_cache.shape[:2], -1)[..., : 16 * head_dim]
         value_tiles[...] = np.where(rng.random(value_tiles.shape) < 0.5, -127, 127).astype(np.int8)
         for source in (extreme, case):
-            key_tiles = np.ascontiguousarray(source.key_cache[source.block_tables[0], :1])
-            value_tiles = np.ascontiguousarray(source.value_cache[source.block_tables[0], :1])
+            key_tiles = np.ascontiguousarray(source.key_cache[:1, source.block_tables[0]])
+            value_tiles = np.ascontiguousarray(source.value_cache[:1, source.block_tables[0]])
             for position in range(40):
                 work = attention_scratch(1, heads, 1, head_dim, 16)[0]
                 work[:, :head_dim] = source.queries[0][position] * np.float32(1 / np.sqrt(head_dim))
@@ -628,7 +628,8 @@ def int8_attention_extremes() -> np.ndarray:
                 for g in range(heads):
                     quantize_query_q8(work[g], head_dim, 2 * head_dim + 18)
                 blocks = position // 16 + 1
-                fold(work, key_tiles[:blocks], value_tiles[:blocks], position + 1)
+                fold(work, np.ascontiguousarray(key_tiles[:, :blocks]), np.ascontiguousarray(value_tiles[:, :blocks]),
+                     position + 1)  # fmt: skip
                 results.append(work[:, head_dim : 2 * head_dim] / work[:, 2 * head_dim + 17 : 2 * head_dim + 18])
     return np.concatenate([r.ravel() for r in results])
 

@@ -38,8 +38,8 @@ def test_dequantized_keys_are_the_written_keys_within_half_a_step():
     slots = rng.permutation(5 * 8)[:37].astype(np.int32)
     write_kv_rows(keys, keys.copy(), storage.key_cache[0], storage.value_cache[0], slots, 0, 1)
 
-    stored = key_centres.dequantize_keys(storage.key_cache[0], 64)  # (blocks, heads, block_size, head_dim)
-    got = stored[slots // 8, :, slots % 8]  # (tokens, heads, head_dim)
+    stored = key_centres.dequantize_keys(storage.key_cache[0], 64)  # (heads, blocks, block_size, head_dim)
+    got = stored[:, slots // 8, slots % 8].swapaxes(0, 1)  # (tokens, heads, head_dim)
     step = np.abs(keys).reshape(37, 2, -1, Q8_GROUP).max(axis=-1) / 127  # each group's grid
     error = np.abs(got - keys).reshape(37, 2, -1, Q8_GROUP).max(axis=-1)
     assert np.all(error <= 0.6 * step)  # half a step, and the fp16 scale's rounding
@@ -85,7 +85,7 @@ def stored_keys(storage: KVCacheStorage, num_tokens: int) -> np.ndarray:
         keys = key_centres.dequantize_keys(tiles, spec.head_dim)
     else:
         keys = tiles.astype(np.float32).swapaxes(-1, -2)  # float32 tiles: (head_dim, block_size) transposed
-    return keys.swapaxes(1, 2).reshape(spec.n_layers, spec.n_kv_heads, -1, spec.head_dim)[:, :, :num_tokens]
+    return keys.reshape(spec.n_layers, spec.n_kv_heads, -1, spec.head_dim)[:, :, :num_tokens]
 
 
 def assert_stored(got: np.ndarray, expected: np.ndarray) -> None:

@@ -363,12 +363,12 @@ def test_storage_is_sized_from_the_budget_and_copies_blocks_on_every_layer() -> 
     with pytest.raises(KVCacheError):
         spec.num_blocks_for_mib(0.5)
     storage = KVCacheStorage.allocate(KVCacheSpec(n_layers=2, n_kv_heads=1, head_dim=4, block_size=2), 3)
-    assert storage.key_cache.shape == (2, 3, 1, 4, 2) and storage.value_cache.shape == (2, 3, 1, 2, 4)
-    storage.key_cache[:, 1] = 5.0
-    storage.value_cache[:, 1] = 6.0
+    assert storage.key_cache.shape == (2, 1, 3, 4, 2) and storage.value_cache.shape == (2, 1, 3, 2, 4)
+    storage.key_cache[:, :, 1] = 5.0
+    storage.value_cache[:, :, 1] = 6.0
     storage.copy_blocks([(1, 2)])
-    assert (storage.key_cache[:, 2] == 5.0).all() and (storage.value_cache[:, 2] == 6.0).all()
-    assert (storage.key_cache[:, 0] == 0.0).all()
+    assert (storage.key_cache[:, :, 2] == 5.0).all() and (storage.value_cache[:, :, 2] == 6.0).all()
+    assert (storage.key_cache[:, :, 0] == 0.0).all()
 
 
 _ALLOCATE = """

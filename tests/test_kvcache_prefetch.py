@@ -43,8 +43,8 @@ def test_an_int8_block_asks_for_every_line_of_a_later_blocks_tiles() -> None:
     `prefetcht1` per line of each (34 for head_dim 128: 2,048 bytes of keys or values and 128 of
     scales), none into L1."""
     spec = KVCacheSpec(n_layers=1, n_kv_heads=1, head_dim=128, block_size=16, dtype="int8")
-    key_cache = np.zeros((2, 1, spec.row_width, 16), np.int8)
-    value_cache = np.zeros((2, 1, 16, spec.row_width), np.int8)
+    key_cache = np.zeros((1, 2, spec.row_width, 16), np.int8)
+    value_cache = np.zeros((1, 2, 16, spec.row_width), np.int8)
     work = attention_scratch(1, 2, 1, 128, 16)[0]
     work[:, 2 * 128 + 16] = -np.inf
     _attend_int8(work, key_cache, value_cache)

@@ -58,10 +58,10 @@ def write_kv(storage: KVCacheStorage, slots: np.ndarray, token_ids: list[int], p
     slot, on every layer, in keys and values."""
     blocks, offsets = slots // BLOCK_SIZE, slots % BLOCK_SIZE
     for layer in range(SPEC.n_layers):
-        storage.key_cache[layer, blocks, 0, 0, offsets] = token_ids
-        storage.key_cache[layer, blocks, 0, 1, offsets] = positions
-        storage.value_cache[layer, blocks, 0, offsets, 0] = token_ids
-        storage.value_cache[layer, blocks, 0, offsets, 1] = positions
+        storage.key_cache[layer, 0, blocks, 0, offsets] = token_ids
+        storage.key_cache[layer, 0, blocks, 1, offsets] = positions
+        storage.value_cache[layer, 0, blocks, offsets, 0] = token_ids
+        storage.value_cache[layer, 0, blocks, offsets, 1] = positions
 
 
 def written(token_ids: list[int]) -> list[tuple[int, int]]:
@@ -75,8 +75,8 @@ def read_context(kv: KVCacheManager, storage: KVCacheStorage, seq_id: int, num_t
     blocks, offsets = slots // BLOCK_SIZE, slots % BLOCK_SIZE
     context = []
     for layer in range(SPEC.n_layers):
-        keys = storage.key_cache[layer, blocks, 0, :, offsets]
-        values = storage.value_cache[layer, blocks, 0, offsets, :]
+        keys = storage.key_cache[layer, 0, blocks, :, offsets]
+        values = storage.value_cache[layer, 0, blocks, offsets, :]
         assert np.array_equal(keys, values), "keys and values of a slot came from different writes"
         context.append([(int(t), int(p)) for t, p in keys])
     assert all(layer == context[0] for layer in context), "the layers of a block came from different writes"
