@@ -270,13 +270,14 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
     kv_head * group_size + g and holds [scaled query | output accumulator | one block's scores,
     then weights | running max, running sum | the int8 query and one block's byte weights, with an
     int8 cache].
-    The vector IR (16-key blocks of head_dim 64 or 128) reads a block's tiles by (cache, block, KV
-    head), not through views, whose references to the cache are taken and dropped by atomic
-    operations. The prefetch still asks through views: a prefetch that named tiles by (cache, block,
-    head) too, its 68 requests issued back to back, left a 32k context's attention ~40% slower from
-    DRAM on a Zen 4 guest (likely a burst the kernel's own loads wait behind: the view's bookkeeping
-    spaces the requests). The numba path's inner loops run over unit-stride 1-D views with a plain loop index, so
-    numba proves the indices non-negative and vectorises.
+    The vector IR (16-key blocks of head_dim 64 or 128) reads a block's tiles by (cache, KV head,
+    block), not through views, whose references to the cache are taken and dropped by atomic
+    operations; from an int8 cache it also asks for a later block's tiles, a line per step of its
+    loops. (The same 68 requests issued back to back before the call left a 32k context's attention
+    ~40% slower from DRAM on a Zen 4 guest: a burst the kernel's own loads wait behind.) A float
+    cache's tiles are asked for through views, before the call. The numba path's inner loops run over
+    unit-stride 1-D views with a plain loop index, so numba proves the indices non-negative and
+    vectorises.
     """
     head_dim = query.shape[2]
     block_size = value_cache.shape[2]
