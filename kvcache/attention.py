@@ -312,29 +312,25 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
         block_id = block_table[logical_block]
         num_keys = min(block_size, position + 1 - logical_block * block_size)  # causal within the last block
         skipped = max(0, first_key - logical_block * block_size)  # keys before the window, in its first block
-        # Later blocks' tiles travel from DRAM into L2 while this block is computed.
-        if quantized and vector_ir and skipped == 0:
-            ahead_id = -1  # asked for by the vector IR's loops
-            if prefetch and logical_block + first_ahead <= last_block:
-                ahead_id = block_table[logical_block + first_ahead]
+        vector_block = vector_ir and skipped == 0
+        # Later blocks' tiles travel from DRAM into L2 while this block is computed: an int8 block's
+        # are asked for by the vector IR's first call (ahead_id), the others' here.
+        ahead_id = -1
+        for ahead in range(first_ahead, last_ahead + 1, ahead_step):
+            if prefetch and logical_block + ahead <= last_block:
+                next_block_id = block_table[logical_block + ahead]
+                if quantized and vector_block:
+                    ahead_id = next_block_id
+                else:
+                    prefetch_tile(key_cache[kv_head, next_block_id])
+                    prefetch_tile(value_cache[kv_head, next_block_id])
+        if vector_block:
             g = 0
             while g < group_size:
                 heads = _heads_in_next_call(group_size - g, quantized)
                 attend_heads(work, g, heads, head_dim, key_cache, value_cache, block_id, kv_head, num_keys,
                              ahead_id)  # fmt: skip
                 ahead_id = -1
-                g += heads
-            continue
-        for ahead in range(first_ahead, last_ahead + 1, ahead_step):
-            if prefetch and logical_block + ahead <= last_block:
-                next_block_id = block_table[logical_block + ahead]
-                prefetch_tile(key_cache[kv_head, next_block_id])
-                prefetch_tile(value_cache[kv_head, next_block_id])
-        if skipped == 0 and vector_ir:
-            g = 0
-            while g < group_size:
-                heads = _heads_in_next_call(group_size - g, quantized)
-                attend_heads(work, g, heads, head_dim, key_cache, value_cache, block_id, kv_head, num_keys, -1)
                 g += heads
             continue
         keys = key_cache[kv_head, block_id]  # (head_dim, block_size)

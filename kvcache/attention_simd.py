@@ -395,13 +395,15 @@ def _emit_attend_group(context, builder, signature, args, head_dim: int, group_s
                                  value_element.as_pointer())
     fma = _intrinsic_fn(builder, "llvm.fma.v16f32", 3)
 
-    # an int8 block asks for a later block's tiles from its own loops; with none to ask for (ahead < 0)
-    # it asks for its own, in cache already
-    ahead = builder.select(builder.icmp_signed(">=", ahead, ir.Constant(_i64, 0)), ahead, block)
-    key_ahead = tile_pointer(context, builder, signature.args[4], keys_value, ahead, head)
-    value_ahead = tile_pointer(context, builder, signature.args[5], values_value, ahead, head)
-    totals = _int8_scores(builder, rows, key_base, head_dim, key_ahead) if quantized else \
-        _float_scores(builder, rows, key_base, element, head_dim, fma)  # fmt: skip
+    if quantized:
+        # a later block's tiles are asked for from the int8 loops; with none to ask for (ahead < 0)
+        # the block's own, in cache already
+        ahead = builder.select(builder.icmp_signed(">=", ahead, ir.Constant(_i64, 0)), ahead, block)
+        value_ahead = tile_pointer(context, builder, signature.args[5], values_value, ahead, head)
+        totals = _int8_scores(builder, rows, key_base, head_dim,
+                              tile_pointer(context, builder, signature.args[4], keys_value, ahead, head))
+    else:
+        totals = _float_scores(builder, rows, key_base, element, head_dim, fma)
     lane = ir.Constant(ir.VectorType(_i64, _LANES), list(range(_LANES)))
     count_splat = builder.shuffle_vector(
         builder.insert_element(ir.Constant(ir.VectorType(_i64, _LANES), ir.Undefined), count,
@@ -463,8 +465,6 @@ def _emit_attend_group(context, builder, signature, args, head_dim: int, group_s
     for first in range(0, chunks, 2):
         _accumulate_chunks(builder, rows, value_base, value_element, count, fma, head_dim,
                            range(first, min(first + 2, chunks)))
-    return
-
 
 
 # the (head_dim, heads a call) the vector IR is written for; a float cache's calls serve at most
