@@ -417,23 +417,23 @@ def _emit_attend_group(context, builder, signature, args, head_dim: int, group_s
     stats = [builder.gep(row, [ir.Constant(_i64, 2 * head_dim + _LANES)]) for row in rows]
     scores = [builder.select(valid, total, _const(float("-inf"))) for total in totals]
     old_maxes = [builder.load(head_stats) for head_stats in stats]
-    new_maxes, rises = [], []
+    # a head's max rises where one of its scores is above the running max: one compare a head, and
+    # the block's max (a reduction across lanes) only then. exp(old max - new max) is exp(0) = 1
+    # exactly for a head whose max holds: while no head's max rises (most blocks of a long context)
+    # the block maxes, the exps and the accumulators' rescale are skipped
+    i16 = ir.IntType(_LANES)
+    any_rises = None
     for head_scores, old_max in zip(scores, old_maxes, strict=True):
-        block_max = _reduce(builder, head_scores, lambda a, b: _max(builder, a, b))
-        rises.append(builder.fcmp_ordered(">", block_max, old_max))
-        new_maxes.append(builder.select(rises[-1], block_max, old_max))
-    weights = [_exp(builder, builder.fsub(head_scores, _splat(builder, new_max)))
-               for head_scores, new_max in zip(scores, new_maxes, strict=True)]  # fmt: skip
-    block_sums = [_reduce(builder, head_weights, builder.fadd) for head_weights in weights]
-    # exp(old max - new max) is exp(0) = 1 exactly for a head whose max holds: while no head's
-    # max rises (most blocks of a long context) the exps and the accumulators' rescale are skipped
-    any_rises = rises[0]
-    for head_rises in rises[1:]:
-        any_rises = builder.or_(any_rises, head_rises)
+        above = builder.bitcast(builder.fcmp_ordered(">", head_scores, _splat(builder, old_max)), i16)
+        any_rises = above if any_rises is None else builder.or_(any_rises, above)
+    any_rises = builder.icmp_unsigned("!=", any_rises, ir.Constant(i16, 0))
     kept = builder.block
     with builder.if_then(any_rises):
-        shrinks = []
-        for row, old_max, new_max in zip(rows, old_maxes, new_maxes, strict=True):
+        risen_maxes, shrinks = [], []
+        for row, head_scores, old_max in zip(rows, scores, old_maxes, strict=True):
+            block_max = _reduce(builder, head_scores, lambda a, b: _max(builder, a, b))
+            new_max = builder.select(builder.fcmp_ordered(">", block_max, old_max), block_max, old_max)
+            risen_maxes.append(new_max)
             shrinks.append(builder.extract_element(
                 _exp(builder, _splat(builder, builder.fsub(old_max, new_max))), ir.Constant(_i32, 0)))
             for chunk in range(chunks):
@@ -442,11 +442,17 @@ def _emit_attend_group(context, builder, signature, args, head_dim: int, group_s
                 builder.store(builder.fmul(builder.load(acc_pointer, align=4), _splat(builder, shrinks[-1])),
                               acc_pointer, align=4)  # fmt: skip
         shrunk = builder.block
-    corrections = []  # every phi first: LLVM wants them at the top of the block
-    for shrink in shrinks:
+    corrections, new_maxes = [], []  # every phi first: LLVM wants them at the top of the block
+    for shrink, old_max, risen_max in zip(shrinks, old_maxes, risen_maxes, strict=True):
         corrections.append(builder.phi(_f32))
         corrections[-1].add_incoming(ir.Constant(_f32, 1.0), kept)
         corrections[-1].add_incoming(shrink, shrunk)
+        new_maxes.append(builder.phi(_f32))
+        new_maxes[-1].add_incoming(old_max, kept)
+        new_maxes[-1].add_incoming(risen_max, shrunk)
+    weights = [_exp(builder, builder.fsub(head_scores, _splat(builder, new_max)))
+               for head_scores, new_max in zip(scores, new_maxes, strict=True)]  # fmt: skip
+    block_sums = [_reduce(builder, head_weights, builder.fadd) for head_weights in weights]
     for head_stats, new_max, correction, block_sum in zip(stats, new_maxes, corrections, block_sums,
                                                           strict=True):  # fmt: skip
         old_sum = builder.load(builder.gep(head_stats, [ir.Constant(_i64, 1)]))
