@@ -269,12 +269,14 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
     work: one thread's `attention_scratch`; row g < group_size serves query head
     kv_head * group_size + g and holds [scaled query | output accumulator | one block's scores,
     then weights | running max, running sum | the int8 query and one block's byte weights, with an
-    int8 cache].
+    int8 cache; with two int8 blocks a call, the second block's byte weights go where the numba
+    path keeps its byte weights].
     The vector IR (16-key blocks of head_dim 64 or 128) reads a block's tiles by (cache, KV head,
     block), not through views, whose references to the cache are taken and dropped by atomic
-    operations; from an int8 cache it also asks for a later block's tiles, a line per step of its
-    loops. (The same 68 requests issued back to back before the call left a 32k context's attention
-    ~40% slower from DRAM on a Zen 4 guest: a burst the kernel's own loads wait behind.) A float
+    operations; from an int8 cache it folds two blocks a call and asks for two later blocks' tiles,
+    a line per step of its loops. (The same requests issued back to back before the call left a
+    32k context's attention ~40% slower from DRAM on a Zen 4 guest: a burst the kernel's own loads
+    wait behind.) A float
     cache's tiles are asked for through views, before the call. The numba path's inner loops run over
     unit-stride 1-D views with a plain loop index, so numba proves the indices non-negative and
     vectorises.
@@ -299,38 +301,46 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
         if quantized:  # an int8 cache's scores are int8 dot products, as llama.cpp's q8_0 cache's
             quantize_query_q8(work_row, head_dim, q8_begin)
 
-    # An int8 block's two tiles (68 lines) arrive whole asked for once, three blocks ahead, by the
-    # vector IR's loops (`attend_heads`). A float block's 128-256 lines are not all kept from one burst
-    # of requests: they are asked for twice, four blocks ahead and then two, the second request
-    # catching what the first lost (asked once, float16 attention from DRAM ran 25-30% slower).
+    # An int8 block's two tiles (68 lines) arrive whole asked for once, three pairs of blocks ahead,
+    # by the vector IR's loops (`attend_heads`). A float block's 128-256 lines are not all kept from one
+    # burst of requests: they are asked for twice, four blocks ahead and then two, the second request
+    # catching what the first lost (asked once, float16 attention from DRAM ran 25-30% slower); the
+    # numba path's int8 blocks, once, three ahead.
     first_ahead, last_ahead, ahead_step = (3, 3, 1) if quantized else (2, 4, 2)
     vector_ir = block_size == SIMD_BLOCK_SIZE and (head_dim == 64 or head_dim == 128)
     last_block = position // block_size
     first_key = max(0, position - window + 1) if window > 0 else 0
     first_block = first_key // block_size
-    for logical_block in range(first_block, last_block + 1):
+    logical_block = first_block
+    while logical_block <= last_block:
         block_id = block_table[logical_block]
         num_keys = min(block_size, position + 1 - logical_block * block_size)  # causal within the last block
         skipped = max(0, first_key - logical_block * block_size)  # keys before the window, in its first block
         vector_block = vector_ir and skipped == 0
-        # Later blocks' tiles travel from DRAM into L2 while this block is computed: an int8 block's
-        # are asked for by the vector IR's first call (ahead_id), the others' here.
-        ahead_id = -1
-        for ahead in range(first_ahead, last_ahead + 1, ahead_step):
-            if prefetch and logical_block + ahead <= last_block:
-                next_block_id = block_table[logical_block + ahead]
-                if quantized and vector_block:
-                    ahead_id = next_block_id
-                else:
+        # int8 vector-IR blocks go two a call, paired by position (2k, 2k + 1) so that a row's calls,
+        # and so its rounding, depend on its position and window only; a block whose partner is not
+        # read (the last, or the first of a window) goes with an empty one. Other blocks go alone.
+        paired = quantized and vector_block and logical_block % 2 == 0 and logical_block < last_block
+        second_id = block_table[logical_block + 1] if paired else block_id
+        second_keys = min(block_size, position + 1 - (logical_block + 1) * block_size) if paired else 0
+        ahead_ids = (-1, -1)
+        if prefetch and quantized and vector_block:  # asked for from the vector IR's loops
+            ahead_ids = (block_table[logical_block + 6] if logical_block + 6 <= last_block else -1,
+                         block_table[logical_block + 7] if logical_block + 7 <= last_block else -1)
+        elif prefetch:  # later blocks' tiles travel from DRAM into L2 while this block is computed
+            for ahead in range(first_ahead, last_ahead + 1, ahead_step):
+                if logical_block + ahead <= last_block:
+                    next_block_id = block_table[logical_block + ahead]
                     prefetch_tile(key_cache[kv_head, next_block_id])
                     prefetch_tile(value_cache[kv_head, next_block_id])
+        logical_block += 2 if paired else 1
         if vector_block:
             g = 0
             while g < group_size:
                 heads = _heads_in_next_call(group_size - g, quantized)
-                attend_heads(work, g, heads, head_dim, key_cache, value_cache, block_id, kv_head, num_keys,
-                             ahead_id)  # fmt: skip
-                ahead_id = -1
+                attend_heads(work, g, heads, head_dim, key_cache, value_cache, (block_id, second_id), kv_head,
+                             (num_keys, second_keys), ahead_ids)  # fmt: skip
+                ahead_ids = (-1, -1)
                 g += heads
             continue
         keys = key_cache[kv_head, block_id]  # (head_dim, block_size)

@@ -39,7 +39,7 @@ from numba.extending import intrinsic
 
 from kvcache.fastmath import EXP_MIN, EXP_POLYNOMIAL, LN2_HI, LN2_LO, LOG2E
 from kvcache.int8_dot import dpbusd_emitter
-from kvcache.prefetch import CACHE_LINE_BYTES
+from kvcache.prefetch import CACHE_LINE_BYTES, emit_pinned_prefetch
 
 SIMD_BLOCK_SIZE = 16
 MAX_FLOAT_HEADS = 4  # query heads a call serves from a float cache (their accumulators fill the registers)
@@ -177,13 +177,9 @@ def int8_tile_lines(head_dim: int) -> int:
 def _prefetcher(builder: ir.IRBuilder, tile: ir.Value, lines: int):  # type: ignore[no-untyped-def]
     """A function that asks for line i (< lines) of the tile at `tile` (i8*) into L2 (`prefetcht1`):
     called once per step of a kernel loop, the requests are spread through the block's arithmetic."""
-    prefetch = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(ir.VoidType(), [_i8.as_pointer(), _i32, _i32, _i32]), "llvm.prefetch.p0")
-
     def ask(line: int) -> None:
         if line < lines:
-            address = builder.gep(tile, [ir.Constant(_i64, line * CACHE_LINE_BYTES)])
-            builder.call(prefetch, [address, ir.Constant(_i32, 0), ir.Constant(_i32, 2), ir.Constant(_i32, 1)])
+            emit_pinned_prefetch(builder, builder.gep(tile, [ir.Constant(_i64, line * CACHE_LINE_BYTES)]))
 
     return ask
 
@@ -202,46 +198,53 @@ def _float_scores(builder: ir.IRBuilder, rows: list[ir.Value], key_base: ir.Valu
 
 
 
-def _int8_scores(builder: ir.IRBuilder, rows: list[ir.Value], key_base: ir.Value, head_dim: int,
-                 key_ahead: ir.Value) -> list[ir.Value]:  # fmt: skip
-    """Each head's 16 scores from the int8 K tile and its int8 query: per group of Q8_GROUP, the exact
-    integer Σ (k + 128)·q from `vpdpbusd`s less 128·Σq, as float32, times the query's then the keys'
-    scale; the groups added in order (`attention._block_scores_q8`'s arithmetic, with fused
-    multiply-adds). A line of the K tile at `key_ahead` is asked for with each quad of dimensions."""
+def _int8_scores(builder: ir.IRBuilder, rows: list[ir.Value], key_bases: list[ir.Value], head_dim: int,
+                 key_aheads: list[ir.Value]) -> list[list[ir.Value]]:  # fmt: skip
+    """Each block's 16 scores for each head ([block][head]) from the int8 K tiles and the heads'
+    int8 queries: per group of Q8_GROUP, the exact integer Σ (k + 128)·q from `vpdpbusd`s less
+    128·Σq, as float32, times the query's then the keys' scale; the groups added in order
+    (`attention._block_scores_q8`'s arithmetic, with fused multiply-adds). The blocks are scored
+    side by side, each quad of a query broadcast once for all of them. A line of each K tile at
+    `key_aheads` is asked for with each quad of dimensions."""
     dpbusd = dpbusd_emitter(builder, 255)
     fma = _intrinsic_fn(builder, "llvm.fma.v16f32", 3)
     groups = head_dim // Q8_GROUP
     lines = int8_tile_lines(head_dim)
-    ask = _prefetcher(builder, key_ahead, lines)
+    asks = [_prefetcher(builder, ahead, lines) for ahead in key_aheads]
     q8_first = 2 * head_dim + _LANES + 2  # float slot of the int8 query in a work row
     v16i32 = ir.VectorType(_i32, _LANES)
     query_words = [builder.bitcast(builder.gep(row, [ir.Constant(_i64, q8_first)]), _i32.as_pointer()) for row in rows]
-    totals: list[ir.Value | None] = [None] * len(rows)
+    totals: list[list[ir.Value | None]] = [[None] * len(rows) for _ in key_bases]
     for group in range(groups):
-        sums = [ir.Constant(v16i32, [0] * _LANES)] * len(rows)
+        sums = [[ir.Constant(v16i32, [0] * _LANES)] * len(rows) for _ in key_bases]
         for quad in range(group * Q8_GROUP // 4, (group + 1) * Q8_GROUP // 4):
-            ask(quad)
-            # the tile stores each key's four bytes of the quad together, as k + 128 (`attention._store_q8_key`)
-            pointer = builder.gep(key_base, [ir.Constant(_i64, quad * 4 * _LANES)])
-            keys = builder.load(builder.bitcast(pointer, ir.VectorType(_i8, 64).as_pointer()), align=1)
+            keys = []
+            for key_base, ask in zip(key_bases, asks, strict=True):
+                ask(quad)
+                # the tile stores each key's four bytes of the quad together, as k + 128 (`attention._store_q8_key`)
+                pointer = builder.gep(key_base, [ir.Constant(_i64, quad * 4 * _LANES)])
+                keys.append(builder.load(builder.bitcast(pointer, ir.VectorType(_i8, 64).as_pointer()), align=1))
             for g, words in enumerate(query_words):
                 word = builder.load(builder.gep(words, [ir.Constant(_i64, quad)]), align=4)
                 query = builder.bitcast(builder.shuffle_vector(
                     builder.insert_element(ir.Constant(v16i32, ir.Undefined), word, ir.Constant(_i32, 0)),
                     ir.Constant(v16i32, ir.Undefined), ir.Constant(v16i32, [0] * _LANES)), ir.VectorType(_i8, 64))
-                sums[g] = dpbusd(sums[g], keys, query)
-        key_scales = _halves_at(builder, key_base, ir.Constant(_i64, head_dim * _LANES + 2 * _LANES * group))
-        for g, row in enumerate(rows):
-            q_scale = builder.load(builder.gep(row, [ir.Constant(_i64, q8_first + head_dim // 4 + group)]))
-            scaled_offset = builder.load(builder.gep(row, [ir.Constant(
-                _i64, q8_first + head_dim // 4 + groups + group)]))  # fmt: skip
-            # (Σ - 128·Σq) · query scale as one fused multiply-add: Σ · scale + (-(128·Σq) · scale)
-            query_scaled = builder.call(fma, [builder.sitofp(sums[g], _V), _splat(builder, q_scale),
-                                              _splat(builder, scaled_offset)])
-            totals[g] = builder.fmul(query_scaled, key_scales) if totals[g] is None else \
-                builder.call(fma, [query_scaled, key_scales, totals[g]])  # fmt: skip
-    for line in range(head_dim // 4, lines):  # the scales' lines
-        ask(line)
+                for block_sums, block_keys in zip(sums, keys, strict=True):
+                    block_sums[g] = dpbusd(block_sums[g], block_keys, query)
+        for key_base, block_sums, block_totals in zip(key_bases, sums, totals, strict=True):
+            key_scales = _halves_at(builder, key_base, ir.Constant(_i64, head_dim * _LANES + 2 * _LANES * group))
+            for g, row in enumerate(rows):
+                q_scale = builder.load(builder.gep(row, [ir.Constant(_i64, q8_first + head_dim // 4 + group)]))
+                scaled_offset = builder.load(builder.gep(row, [ir.Constant(
+                    _i64, q8_first + head_dim // 4 + groups + group)]))  # fmt: skip
+                # (Σ - 128·Σq) · query scale as one fused multiply-add: Σ · scale + (-(128·Σq) · scale)
+                query_scaled = builder.call(fma, [builder.sitofp(block_sums[g], _V), _splat(builder, q_scale),
+                                                  _splat(builder, scaled_offset)])  # fmt: skip
+                block_totals[g] = builder.fmul(query_scaled, key_scales) if block_totals[g] is None else \
+                    builder.call(fma, [query_scaled, key_scales, block_totals[g]])  # fmt: skip
+    for ask in asks:
+        for line in range(head_dim // 4, lines):  # the scales' lines
+            ask(line)
     return totals  # type: ignore[return-value]
 
 
@@ -258,74 +261,97 @@ def _open_count_loop(builder: ir.IRBuilder, count: ir.Value,
     return entry, loop, done, t
 
 
-def _accumulate_q8(builder: ir.IRBuilder, rows: list[ir.Value], value_base: ir.Value, weights: list[ir.Value],
-                   valid: ir.Value, fma: ir.Function, head_dim: int, value_ahead: ir.Value) -> None:  # fmt: skip
-    """acc += the block's weighted sum of an int8 V tile, as integer dot products.
+def _accumulate_q8(builder: ir.IRBuilder, rows: list[ir.Value], value_bases: list[ir.Value],
+                   weights: list[list[ir.Value]], valids: list[ir.Value], fma: ir.Function, head_dim: int,
+                   value_aheads: list[ir.Value]) -> None:  # fmt: skip
+    """acc += the call's weighted sum of its int8 V tiles (one or two blocks), as integer dot products.
 
     Per group of Q8_GROUP dimensions each key's weight and value scale become one byte against the
-    block's largest of each (W = max w, S = max s over its keys):
+    call's largest of each (W = max w, S = max s over its keys):
     a[t] = min(trunc(w[t] · (255 / W) · (s[t] · (1 / S)) + q8_dither(t, group)), 255) (the last product and
     the sum fused); `vpdpbusd` sums a[t] · v[t, d]
-    exactly over each quad of keys (the tile stores a quad's four bytes of one dimension together,
-    `storage`), and the sum returns as float32 times W · S · (1 / 255) (`attention.
-    _accumulate_values_q8`'s arithmetic). Keys at or past the block's count have weight 0 and their
-    scales are masked to 0 (unused slots may hold NaN bits), so their bytes add nothing. A line of the
-    V tile at `value_ahead` is asked for with each quad of keys of a chunk."""
+    exactly over each quad of keys (a tile stores a quad's four bytes of one dimension together,
+    `storage`), and the sum over the call's keys returns as float32 times W · S · (1 / 255)
+    (`attention._accumulate_values_q8`'s arithmetic, for one block). Keys at or past a block's count
+    have weight 0 and their scales are masked to 0 (unused slots may hold NaN bits), so their bytes
+    add nothing. A line of tile i's `value_aheads[i]` is asked for with each of its quads of keys."""
     dpbusd = dpbusd_emitter(builder, 255)
     groups = head_dim // Q8_GROUP
+    tiles = range(len(value_bases))
     v16i32, v16i8 = ir.VectorType(_i32, _LANES), ir.VectorType(_i8, _LANES)
     umin = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16i32, [v16i32, v16i32]), "llvm.umin.v16i32")
     zero, one = ir.Constant(_f32, 0.0), ir.Constant(_f32, 1.0)
-    scales, top_scales = [], []
+    scales, top_scales = [], []  # scales[group][tile]
     for group in range(groups):
-        scale = builder.select(valid, _halves_at(builder, value_base, ir.Constant(
-            _i64, _LANES * head_dim + 2 * _LANES * group)), _const(0.0))
-        top_scale = _reduce(builder, scale, lambda a, b: _max(builder, a, b))
+        group_scales = [builder.select(valids[i], _halves_at(builder, value_bases[i], ir.Constant(
+            _i64, _LANES * head_dim + 2 * _LANES * group)), _const(0.0)) for i in tiles]  # fmt: skip
+        top_scale = _reduce(builder, _combined(builder, group_scales, lambda a, b: _max(builder, a, b)),
+                            lambda a, b: _max(builder, a, b))  # fmt: skip
         inverse = builder.select(builder.fcmp_ordered(">", top_scale, zero), builder.fdiv(one, top_scale), zero)
-        scales.append(builder.fmul(scale, _splat(builder, inverse)))
+        scales.append([builder.fmul(scale, _splat(builder, inverse)) for scale in group_scales])
         top_scales.append(top_scale)
     # each step for every head before the next (their chains interleave), each quad of values loaded once
-    byte_bases, back_scales = [], []
+    byte_bases, back_scales = [], []  # byte_bases[head][tile]
     for row, head_weights in zip(rows, weights, strict=True):
-        top_weight = _reduce(builder, head_weights, lambda a, b: _max(builder, a, b))
+        top_weight = _reduce(builder, _combined(builder, head_weights, lambda a, b: _max(builder, a, b)),
+                             lambda a, b: _max(builder, a, b))  # fmt: skip
         usable = builder.fcmp_ordered(">", top_weight, ir.Constant(_f32, Q8_WEIGHT_FLOOR))
         to_bytes = builder.select(usable, builder.fdiv(ir.Constant(_f32, 255.0), top_weight), zero)
-        byte_weights = builder.fmul(head_weights, _splat(builder, to_bytes))
-        byte_bases.append(builder.bitcast(builder.gep(row, [ir.Constant(_i64, 2 * head_dim)]), _i8.as_pointer()))
-        for group, scale in enumerate(scales):
-            dither = ir.Constant(_V, [q8_dither(key, group) for key in range(_LANES)])
-            cut = builder.fptosi(builder.call(fma, [byte_weights, scale, dither]), v16i32)
-            # the group's bytes in the row's block scratch (16 floats = 64 bytes), broadcast by quads below;
-            # min then truncation is one saturating `vpmovusdb`
-            builder.store(builder.trunc(builder.call(umin, [cut, ir.Constant(v16i32, [255] * _LANES)]), v16i8),
-                          builder.bitcast(
-                builder.gep(byte_bases[-1], [ir.Constant(_i64, group * _LANES)]), v16i8.as_pointer()), align=1)
+        byte_bases.append([builder.bitcast(builder.gep(row, [ir.Constant(_i64, offset)]), _i8.as_pointer())
+                           for offset in _byte_weight_slots(head_dim)[: len(tiles)]])  # fmt: skip
+        for i in tiles:
+            byte_weights = builder.fmul(head_weights[i], _splat(builder, to_bytes))
+            for group, group_scales in enumerate(scales):
+                dither = ir.Constant(_V, [q8_dither(key, group) for key in range(_LANES)])
+                cut = builder.fptosi(builder.call(fma, [byte_weights, group_scales[i], dither]), v16i32)
+                # the group's bytes in the row's scratch (16 floats = 64 bytes a block), broadcast by
+                # quads below; min then truncation is one saturating `vpmovusdb`
+                builder.store(builder.trunc(builder.call(umin, [cut, ir.Constant(v16i32, [255] * _LANES)]), v16i8),
+                              builder.bitcast(builder.gep(byte_bases[-1][i], [ir.Constant(_i64, group * _LANES)]),
+                                              v16i8.as_pointer()), align=1)  # fmt: skip
         back_scales.append([_splat(builder, builder.fmul(builder.fmul(top_weight, top_scale),
                                                          ir.Constant(_f32, Q8_BACK))) for top_scale in top_scales])
-    words = [builder.bitcast(byte_base, _i32.as_pointer()) for byte_base in byte_bases]
+    words = [[builder.bitcast(base, _i32.as_pointer()) for base in head_bases] for head_bases in byte_bases]
     lines = int8_tile_lines(head_dim)
-    ask = _prefetcher(builder, value_ahead, lines)
+    asks = [_prefetcher(builder, ahead, lines) for ahead in value_aheads]
     for chunk in range(head_dim // _LANES):
         group = chunk * _LANES // Q8_GROUP
         dots = [ir.Constant(v16i32, [0] * _LANES)] * len(rows)
-        for quad in range(_LANES // 4):
-            ask(chunk * _LANES // 4 + quad)
-            pointer = builder.gep(value_base, [ir.Constant(_i64, quad * 4 * head_dim + chunk * 4 * _LANES)])
-            quad_values = builder.load(builder.bitcast(pointer, ir.VectorType(_i8, 64).as_pointer()), align=1)
-            for h, head_words in enumerate(words):
-                word = builder.load(builder.gep(head_words, [ir.Constant(_i64, group * _LANES // 4 + quad)]),
-                                    align=4)  # fmt: skip
-                quad_weights = builder.bitcast(builder.shuffle_vector(
-                    builder.insert_element(ir.Constant(v16i32, ir.Undefined), word, ir.Constant(_i32, 0)),
-                    ir.Constant(v16i32, ir.Undefined), ir.Constant(v16i32, [0] * _LANES)), ir.VectorType(_i8, 64))
-                dots[h] = dpbusd(dots[h], quad_weights, quad_values)
+        for i in tiles:
+            for quad in range(_LANES // 4):
+                asks[i](chunk * _LANES // 4 + quad)
+                pointer = builder.gep(value_bases[i], [ir.Constant(_i64, quad * 4 * head_dim + chunk * 4 * _LANES)])
+                quad_values = builder.load(builder.bitcast(pointer, ir.VectorType(_i8, 64).as_pointer()), align=1)
+                for h, head_words in enumerate(words):
+                    word = builder.load(builder.gep(head_words[i], [ir.Constant(_i64, group * _LANES // 4 + quad)]),
+                                        align=4)  # fmt: skip
+                    quad_weights = builder.bitcast(builder.shuffle_vector(
+                        builder.insert_element(ir.Constant(v16i32, ir.Undefined), word, ir.Constant(_i32, 0)),
+                        ir.Constant(v16i32, ir.Undefined), ir.Constant(v16i32, [0] * _LANES)), ir.VectorType(_i8, 64))
+                    dots[h] = dpbusd(dots[h], quad_weights, quad_values)
         for row, dot, head_back_scales in zip(rows, dots, back_scales, strict=True):
             acc_pointer = builder.bitcast(builder.gep(row, [ir.Constant(_i64, head_dim + chunk * _LANES)]),
                                           _V.as_pointer())
             builder.store(builder.call(fma, [builder.sitofp(dot, _V), head_back_scales[group],
                                              builder.load(acc_pointer, align=4)]), acc_pointer, align=4)
-    for line in range(head_dim // 4, lines):  # the scales' lines
-        ask(line)
+    for ask in asks:
+        for line in range(head_dim // 4, lines):  # the scales' lines
+            ask(line)
+
+
+def _combined(builder: ir.IRBuilder, vectors: list[ir.Value], combine) -> ir.Value:  # type: ignore[no-untyped-def]
+    """The lanewise combination of a call's per-block vectors (itself for one block)."""
+    result = vectors[0]
+    for vector in vectors[1:]:
+        result = combine(result, vector)
+    return result
+
+
+def _byte_weight_slots(head_dim: int) -> tuple[int, int]:
+    """Float offsets in a work row of the 64 bytes of byte weights of a call's first and second
+    block: the block scratch, and the numba path's byte-weight slots after the int8 query
+    (`attention._attend_row_group`'s layout)."""
+    return 2 * head_dim, 2 * head_dim + _LANES + 2 + head_dim // 4 + 2 * (head_dim // Q8_GROUP)
 
 
 def _accumulate_chunks(builder: ir.IRBuilder, rows: list[ir.Value], value_base: ir.Value, value_element: ir.Type,
@@ -376,63 +402,89 @@ def _never_called(context, builder, signature, args):  # type: ignore[no-untyped
     return context.get_dummy_value()
 
 
+def _block_arguments(context, builder, signature, args) -> tuple[list, list, list]:  # type: ignore[no-untyped-def]
+    """attend_heads' (block ids, key counts, blocks to prefetch) as lists of int64 IR values, one
+    entry per block of the call."""
+    lists = []
+    for index in (6, 8, 9):
+        kind, value = signature.args[index], args[index]
+        if isinstance(kind, types.BaseTuple):
+            lists.append([context.cast(builder, builder.extract_value(value, i), kind[i], types.int64)
+                          for i in range(len(kind))])  # fmt: skip
+        else:
+            lists.append([context.cast(builder, value, kind, types.int64)])
+    return lists[0], lists[1], lists[2]
+
+
 def _emit_attend_group(context, builder, signature, args, head_dim: int, group_size: int) -> None:  # type: ignore[no-untyped-def]
     """`attend_heads`'s code for one head_dim and one number of heads (`group_size`)."""
     chunks = head_dim // _LANES
     work_value, keys_value, values_value = args[0], args[4], args[5]
-    first, block, head, count, ahead = (context.cast(builder, args[i], signature.args[i], types.int64)
-                                        for i in (1, 6, 7, 8, 9))  # fmt: skip
+    first, head = (context.cast(builder, args[i], signature.args[i], types.int64) for i in (1, 7))
+    blocks, counts, aheads = _block_arguments(context, builder, signature, args)
     element = {types.uint16: _half, types.int8: _i8}.get(signature.args[4].dtype, _f32)
     quantized = element == _i8
+    if not quantized and len(blocks) == 2:  # a float cache folds one block a call: the second is empty
+        with builder.if_then(builder.icmp_signed("!=", counts[1], ir.Constant(_i64, 0)), likely=False):
+            _never_called(context, builder, signature, args)
+        blocks, counts, aheads = blocks[:1], counts[:1], aheads[:1]
     value_element = {types.uint16: _half, types.int8: _i8}.get(signature.args[5].dtype, _f32)
     work_array = context.make_array(signature.args[0])(context, builder, work_value)
     row_floats = builder.udiv(cgutils.unpack_tuple(builder, work_array.strides)[0], ir.Constant(_i64, 4))
     rows = [builder.gep(work_array.data, [builder.mul(row_floats, builder.add(first, ir.Constant(_i64, g)))])
             for g in range(group_size)]  # fmt: skip
-    key_base = builder.bitcast(tile_pointer(context, builder, signature.args[4], keys_value, block, head),
-                               element.as_pointer())
-    value_base = builder.bitcast(tile_pointer(context, builder, signature.args[5], values_value, block, head),
-                                 value_element.as_pointer())
+    key_bases = [builder.bitcast(tile_pointer(context, builder, signature.args[4], keys_value, block, head),
+                                 element.as_pointer()) for block in blocks]  # fmt: skip
+    value_bases = [builder.bitcast(tile_pointer(context, builder, signature.args[5], values_value, block, head),
+                                   value_element.as_pointer()) for block in blocks]  # fmt: skip
     fma = _intrinsic_fn(builder, "llvm.fma.v16f32", 3)
 
     if quantized:
-        # a later block's tiles are asked for from the int8 loops; with none to ask for (ahead < 0)
+        # later blocks' tiles are asked for from the int8 loops; with none to ask for (ahead < 0)
         # the block's own, in cache already
-        ahead = builder.select(builder.icmp_signed(">=", ahead, ir.Constant(_i64, 0)), ahead, block)
-        value_ahead = tile_pointer(context, builder, signature.args[5], values_value, ahead, head)
-        totals = _int8_scores(builder, rows, key_base, head_dim,
-                              tile_pointer(context, builder, signature.args[4], keys_value, ahead, head))
+        aheads = [builder.select(builder.icmp_signed(">=", ahead, ir.Constant(_i64, 0)), ahead, block)
+                  for ahead, block in zip(aheads, blocks, strict=True)]  # fmt: skip
+        value_aheads = [tile_pointer(context, builder, signature.args[5], values_value, ahead, head)
+                        for ahead in aheads]  # fmt: skip
+        totals = _int8_scores(builder, rows, key_bases, head_dim,
+                              [tile_pointer(context, builder, signature.args[4], keys_value, ahead, head)
+                               for ahead in aheads])  # fmt: skip
     else:
-        totals = _float_scores(builder, rows, key_base, element, head_dim, fma)
+        totals = [_float_scores(builder, rows, key_bases[0], element, head_dim, fma)]
     lane = ir.Constant(ir.VectorType(_i64, _LANES), list(range(_LANES)))
-    count_splat = builder.shuffle_vector(
-        builder.insert_element(ir.Constant(ir.VectorType(_i64, _LANES), ir.Undefined), count,
-                               ir.Constant(_i32, 0)),
-        ir.Constant(ir.VectorType(_i64, _LANES), ir.Undefined),
-        ir.Constant(ir.VectorType(_i32, _LANES), [0] * _LANES))
-    valid = builder.icmp_signed("<", lane, count_splat)
+    valids = []
+    for count in counts:
+        count_splat = builder.shuffle_vector(
+            builder.insert_element(ir.Constant(ir.VectorType(_i64, _LANES), ir.Undefined), count,
+                                   ir.Constant(_i32, 0)),
+            ir.Constant(ir.VectorType(_i64, _LANES), ir.Undefined),
+            ir.Constant(ir.VectorType(_i32, _LANES), [0] * _LANES))
+        valids.append(builder.icmp_signed("<", lane, count_splat))
 
     # each step for every head before the next, in one basic block: the heads' chains
-    # (max, exp, sum) interleave instead of running one after another
+    # (max, exp, sum) interleave instead of running one after another. scores[head][block]
     stats = [builder.gep(row, [ir.Constant(_i64, 2 * head_dim + _LANES)]) for row in rows]
-    scores = [builder.select(valid, total, _const(float("-inf"))) for total in totals]
+    scores = [[builder.select(valid, block_totals[g], _const(float("-inf")))
+               for valid, block_totals in zip(valids, totals, strict=True)] for g in range(group_size)]  # fmt: skip
     old_maxes = [builder.load(head_stats) for head_stats in stats]
     # a head's max rises where one of its scores is above the running max: one compare a head, and
-    # the block's max (a reduction across lanes) only then. exp(old max - new max) is exp(0) = 1
+    # the call's max (a reduction across lanes) only then. exp(old max - new max) is exp(0) = 1
     # exactly for a head whose max holds: while no head's max rises (most blocks of a long context)
-    # the block maxes, the exps and the accumulators' rescale are skipped
+    # the maxes, the exps and the accumulators' rescale are skipped
     i16 = ir.IntType(_LANES)
     any_rises = None
     for head_scores, old_max in zip(scores, old_maxes, strict=True):
-        above = builder.bitcast(builder.fcmp_ordered(">", head_scores, _splat(builder, old_max)), i16)
-        any_rises = above if any_rises is None else builder.or_(any_rises, above)
+        for block_scores in head_scores:
+            above = builder.bitcast(builder.fcmp_ordered(">", block_scores, _splat(builder, old_max)), i16)
+            any_rises = above if any_rises is None else builder.or_(any_rises, above)
     any_rises = builder.icmp_unsigned("!=", any_rises, ir.Constant(i16, 0))
     kept = builder.block
     with builder.if_then(any_rises):
         risen_maxes, shrinks = [], []
         for row, head_scores, old_max in zip(rows, scores, old_maxes, strict=True):
-            block_max = _reduce(builder, head_scores, lambda a, b: _max(builder, a, b))
-            new_max = builder.select(builder.fcmp_ordered(">", block_max, old_max), block_max, old_max)
+            call_max = _reduce(builder, _combined(builder, head_scores, lambda a, b: _max(builder, a, b)),
+                               lambda a, b: _max(builder, a, b))  # fmt: skip
+            new_max = builder.select(builder.fcmp_ordered(">", call_max, old_max), call_max, old_max)
             risen_maxes.append(new_max)
             shrinks.append(builder.extract_element(
                 _exp(builder, _splat(builder, builder.fsub(old_max, new_max))), ir.Constant(_i32, 0)))
@@ -450,26 +502,27 @@ def _emit_attend_group(context, builder, signature, args, head_dim: int, group_s
         new_maxes.append(builder.phi(_f32))
         new_maxes[-1].add_incoming(old_max, kept)
         new_maxes[-1].add_incoming(risen_max, shrunk)
-    weights = [_exp(builder, builder.fsub(head_scores, _splat(builder, new_max)))
+    weights = [[_exp(builder, builder.fsub(block_scores, _splat(builder, new_max))) for block_scores in head_scores]
                for head_scores, new_max in zip(scores, new_maxes, strict=True)]  # fmt: skip
-    block_sums = [_reduce(builder, head_weights, builder.fadd) for head_weights in weights]
-    for head_stats, new_max, correction, block_sum in zip(stats, new_maxes, corrections, block_sums,
-                                                          strict=True):  # fmt: skip
+    call_sums = [_reduce(builder, _combined(builder, head_weights, builder.fadd), builder.fadd)
+                 for head_weights in weights]  # fmt: skip
+    for head_stats, new_max, correction, call_sum in zip(stats, new_maxes, corrections, call_sums,
+                                                         strict=True):  # fmt: skip
         old_sum = builder.load(builder.gep(head_stats, [ir.Constant(_i64, 1)]))
         builder.store(new_max, head_stats)
-        builder.store(builder.fadd(builder.fmul(old_sum, correction), block_sum),
+        builder.store(builder.fadd(builder.fmul(old_sum, correction), call_sum),
                       builder.gep(head_stats, [ir.Constant(_i64, 1)]))
     if quantized:
-        _accumulate_q8(builder, rows, value_base, weights, valid, fma, head_dim, value_ahead)
+        _accumulate_q8(builder, rows, value_bases, weights, valids, fma, head_dim, value_aheads)
         return
     for row, head_weights in zip(rows, weights, strict=True):
         # the weights go to the row's block scratch, from where each key's is broadcast
-        builder.store(head_weights, builder.bitcast(builder.gep(row, [ir.Constant(_i64, 2 * head_dim)]),
-                                                    _V.as_pointer()), align=4)
+        builder.store(head_weights[0], builder.bitcast(builder.gep(row, [ir.Constant(_i64, 2 * head_dim)]),
+                                                       _V.as_pointer()), align=4)
     # acc += Σ_{t < count} weights[t] · V[t], t in order: a pass over the keys per two chunks of
     # head_dim, every head's two accumulators in registers
     for first in range(0, chunks, 2):
-        _accumulate_chunks(builder, rows, value_base, value_element, count, fma, head_dim,
+        _accumulate_chunks(builder, rows, value_bases[0], value_element, counts[0], fma, head_dim,
                            range(first, min(first + 2, chunks)))
 
 
@@ -478,10 +531,21 @@ def _emit_attend_group(context, builder, signature, args, head_dim: int, group_s
 SHAPES = tuple((head_dim, heads) for head_dim in (64, 128) for heads in range(1, MAX_INT8_HEADS + 1))
 
 
+def _blocks_named(argument: types.Type) -> int | None:
+    """How many blocks an attend_heads argument names: 1 for an integer, 2 for a pair of them."""
+    if isinstance(argument, types.Integer):
+        return 1
+    if isinstance(argument, types.BaseTuple) and len(argument) == 2 and all(
+            isinstance(item, types.Integer) for item in argument):  # fmt: skip
+        return 2
+    return None
+
+
 @intrinsic(prefer_literal=True)
 def attend_heads(typingctx, work, first_head, heads, head_dim, key_cache, value_cache, block_id, kv_head, num_keys,
                  prefetch_block):  # type: ignore[no-untyped-def]  # fmt: skip
-    """Fold one block into the online softmax of `heads` query heads of a GQA group.
+    """Fold one block, or two from an int8 cache, into the online softmax of `heads` query heads of
+    a GQA group.
 
     work: (≥ first_head + heads, ≥ 2·head_dim + 18) float32, C-contiguous rows; row
     first_head + g = [scaled query | accumulator | 16 scratch | max, sum | int8 query] of the
@@ -490,10 +554,20 @@ def attend_heads(typingctx, work, first_head, heads, head_dim, key_cache, value_
     scales (scored against the int8 query: `attention.quantize_query_q8`); value_cache: (KV heads,
     blocks, 16, head_dim), C-contiguous, of the keys' type (an int8 tile in its quad layout,
     `kvcache.storage`); the tiles read are (kv_head, block_id); num_keys: the block's keys to use
-    (1..16). Each K and V row is loaded (and widened) once for all the call's heads; each head's
-    arithmetic is the same as if it were alone. From an int8 cache the call also asks for the tiles
-    of block `prefetch_block` (none where it is negative), a line with each step of its loops: a
-    block's 68 requests spread through its arithmetic, not in a burst its own loads wait behind.
+    (0..16; at least one in the call). Each K and V row is loaded (and widened) once for all the
+    call's heads; each head's arithmetic is the same as if it were alone. From an int8 cache the call
+    also asks for the tiles of block `prefetch_block` (none where it is negative), a line with each
+    step of its loops: a block's 68 requests spread through its arithmetic, not in a burst its own
+    loads wait behind.
+
+    block_id, num_keys and prefetch_block may each be a pair. From an int8 cache the call then folds
+    two blocks' 32 keys as one softmax step, their value bytes against one largest weight and scale
+    and their integer sums added before they return to float, so the softmax's reductions, the
+    accumulators' loads and stores and the call's set-up are paid once for two blocks (either may be
+    empty: the other's arithmetic is then the same as alone). A different pairing of the same blocks
+    rounds differently: callers pair blocks by position only. A float cache folds the first block
+    of a pair, whose second must be empty (it traps otherwise), so that one call site serves every
+    cache type.
 
     (head_dim, heads) must be one of `SHAPES` (1..4 heads from a float cache): with constants,
     that one call's code is compiled; with values known only at run time, a switch over all of
@@ -501,9 +575,13 @@ def attend_heads(typingctx, work, first_head, heads, head_dim, key_cache, value_
     counting is an atomic operation per block).
     """
     _require_c_contiguous((("work", work), ("key_cache", key_cache), ("value_cache", value_cache)))
-    indices = (first_head, heads, head_dim, block_id, kv_head, num_keys, prefetch_block)
+    indices = (first_head, heads, head_dim, kv_head)
+    per_block = (block_id, num_keys, prefetch_block)
     if not (is_tiled_cache(key_cache) and is_tiled_cache(value_cache)
             and all(isinstance(index, types.Integer) for index in indices)):  # fmt: skip
+        return None
+    blocks = {_blocks_named(argument) for argument in per_block}
+    if len(blocks) != 1 or None in blocks:
         return None
     stored = (types.float32, types.uint16, types.int8)
     if key_cache.dtype not in stored or value_cache.dtype not in stored or (

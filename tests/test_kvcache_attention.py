@@ -11,7 +11,7 @@ from numba import njit
 from numba.core.errors import TypingError
 
 from kvcache.attention import attention_scratch, paged_attention_rows, quantize_query_q8, write_kv_rows
-from kvcache.attention_simd import attend_heads, q8_dither
+from kvcache.attention_simd import SIMD_BLOCK_SIZE, attend_heads, q8_dither
 from kvcache.storage import Q8_GROUP, KVCacheSpec
 
 
@@ -267,8 +267,7 @@ def dense_int8_attention(
             scores = k @ queries[position, head].astype(np.float64) / np.sqrt(head_dim)
             weights = np.exp(scores - scores.max())
             total = np.zeros(head_dim)
-            for block in range(first // block_size, position // block_size + 1):
-                begin, end = max(first, block * block_size), min(position + 1, (block + 1) * block_size)
+            for begin, end in int8_calls(first, position, block_size, head_dim):
                 w = weights[begin - first : end - first]
                 for g in range(head_dim // Q8_GROUP):
                     s = value_scales[begin:end, kv_head, g]
@@ -282,6 +281,21 @@ def dense_int8_attention(
             out[i, head] = total / weights.sum()
             byte_step[i, head] /= weights.sum()
     return out, byte_step
+
+
+def int8_calls(first: int, position: int, block_size: int, head_dim: int) -> list[tuple[int, int]]:
+    """The key ranges [begin, end) whose value bytes an int8 cache's kernel sets against one largest
+    weight and scale, for a query at `position` that sees keys first..position: each block alone, or,
+    on the vector IR's path (16-key blocks, head_dim 64 or 128), the blocks paired by position
+    (2k, 2k + 1) where both are read and the first is read whole."""
+    vector_ir = block_size == SIMD_BLOCK_SIZE and head_dim in (64, 128)
+    calls, block = [], first // block_size
+    while block <= position // block_size:
+        begin = max(first, block * block_size)
+        paired = vector_ir and begin == block * block_size and block % 2 == 0 and block < position // block_size
+        block += 2 if paired else 1
+        calls.append((begin, min(position + 1, block * block_size)))
+    return calls
 
 
 def int8_queries(queries: np.ndarray) -> np.ndarray:
@@ -601,15 +615,35 @@ def _fold_blocks_128_6(work, key_tiles, value_tiles, num_keys):  # type: ignore[
         attend_heads(work, 0, 6, 128, key_tiles, value_tiles, block, 0, min(16, num_keys - 16 * block), -1)
 
 
+@njit(nogil=True)
+def _fold_pairs_128_6(work, key_tiles, value_tiles, num_keys):  # type: ignore[no-untyped-def]
+    """Blocks two a call, as the paged kernel folds an int8 cache's: (0, 1), (2, 3), ..., the last
+    beside an empty one where their count is odd."""
+    blocks = key_tiles.shape[1]
+    for block in range(0, blocks, 2):
+        second = min(block + 1, blocks - 1)
+        second_keys = min(16, num_keys - 16 * second) if block + 1 < blocks else 0
+        attend_heads(work, 0, 6, 128, key_tiles, value_tiles, (block, second), 0,
+                     (min(16, num_keys - 16 * block), second_keys), (-1, second + 1))  # fmt: skip
+
+
+@njit(nogil=True)
+def _fold_beside_empty_128_6(work, key_tiles, value_tiles, num_keys, empty_first):  # type: ignore[no-untyped-def]
+    for block in range(key_tiles.shape[1]):
+        keys = min(16, num_keys - 16 * block)
+        counts = (0, keys) if empty_first else (keys, 0)
+        attend_heads(work, 0, 6, 128, key_tiles, value_tiles, (block, block), 0, counts, (-1, -1))
+
+
 def int8_attention_extremes() -> np.ndarray:
     """An int8 cache's attention where its integer sums are largest: every key and value byte ±127,
     against queries whose int8 form is ±127 everywhere (and byte weights up to 255), then random
-    keys, values and queries; every position of 40 over 16-key blocks, four heads of 64 and six of
-    128 a call. The vector-IR calls are made directly, so a process compiles two of them, not the
-    whole kernel's every head count."""
+    keys, values and queries; every position of 40 over 16-key blocks, four heads of 64 a call one
+    block a call, and six of 128 two blocks a call. The vector-IR calls are made directly, so a
+    process compiles two of them, not the whole kernel's every head count."""
     rng = np.random.default_rng(5)
     results = []
-    for head_dim, heads, fold in ((64, 4, _fold_blocks_64_4), (128, 6, _fold_blocks_128_6)):
+    for head_dim, heads, fold in ((64, 4, _fold_blocks_64_4), (128, 6, _fold_pairs_128_6)):
         case = make_case(rng, [40], 16, heads, 1, head_dim, "int8")
         extreme = replace(case, queries=[np.sign(rng.standard_normal(case.queries[0].shape)).astype(np.float32)])
         extreme.key_cache = extreme.key_cache.copy()
@@ -650,3 +684,29 @@ def test_the_int8_attention_is_the_same_bits_with_or_without_vnni(tmp_path):
     ours = int8_attention_extremes()
     assert np.isfinite(ours).all()
     np.testing.assert_array_equal(ours, np.load(out))
+
+
+def test_an_int8_block_beside_an_empty_one_folds_as_it_does_alone() -> None:
+    """The paged kernel pairs an int8 cache's blocks by position and sends a block without a partner
+    (a row's last, a window's first) beside an empty one: its arithmetic is then the one-block
+    call's, bit for bit, whichever side of the pair it is on."""
+    rng = np.random.default_rng(11)
+    case = make_case(rng, [40], 16, 6, 1, 128, "int8")
+    key_tiles = np.ascontiguousarray(case.key_cache[:1, case.block_tables[0][:3]])
+    value_tiles = np.ascontiguousarray(case.value_cache[:1, case.block_tables[0][:3]])
+
+    def folded(fold, *extra):  # type: ignore[no-untyped-def]
+        work = attention_scratch(1, 6, 1, 128, 16)[0]
+        work[:, :128] = case.queries[0][39] * np.float32(1 / np.sqrt(128))
+        work[:, 2 * 128 + 16] = -np.inf
+        for g in range(6):
+            quantize_query_q8(work[g], 128, 2 * 128 + 18)
+        fold(work, key_tiles, value_tiles, 40, *extra)
+        return work[:, 128:256] / work[:, 2 * 128 + 17 : 2 * 128 + 18]
+
+    alone = folded(_fold_blocks_128_6)
+    np.testing.assert_array_equal(folded(_fold_beside_empty_128_6, False), alone)
+    np.testing.assert_array_equal(folded(_fold_beside_empty_128_6, True), alone)
+    paired = folded(_fold_pairs_128_6)  # blocks 0 and 1 share their byte weights' scale: other bits
+    assert not np.array_equal(paired, alone)
+    np.testing.assert_allclose(paired, alone, rtol=0.02, atol=0.02)

@@ -86,5 +86,6 @@ def test_the_group_kernel_is_timed_for_each_head_count_and_cache_type(tmp_path: 
     rows = json.loads(out.read_text())
     assert [(r["kv"], r["heads_a_call"]) for r in rows] == [("int8", h) for h in range(1, 9)] + [
         ("float16", h) for h in range(1, 5)]
-    assert all(r["ns_per_call"] > 0 and r["ns_per_head"] * r["heads_a_call"] == pytest.approx(r["ns_per_call"], 0.01)
+    assert [r["blocks_a_call"] for r in rows] == [2] * 8 + [1] * 4
+    assert all(r["ns_per_block"] > 0 and r["ns_per_head"] * r["heads_a_call"] == pytest.approx(r["ns_per_block"], 0.01)
                for r in rows)  # fmt: skip

@@ -38,17 +38,28 @@ def _attend_int8(work, key_cache, value_cache):  # type: ignore[no-untyped-def]
     attend_heads(work, 0, 2, 128, key_cache, value_cache, 0, 0, 16, 1)
 
 
-def test_an_int8_block_asks_for_every_line_of_a_later_blocks_tiles() -> None:
+@njit  # not cached: numba keeps no assembly for cached code
+def _attend_int8_pair(work, key_cache, value_cache):  # type: ignore[no-untyped-def]
+    attend_heads(work, 0, 2, 128, key_cache, value_cache, (0, 1), 0, (16, 16), (2, 3))
+
+
+def test_an_int8_call_asks_for_every_line_of_later_blocks_tiles() -> None:
     """The int8 vector IR asks for block `prefetch_block`'s K and V tiles from its own loops: one
     `prefetcht1` per line of each (34 for head_dim 128: 2,048 bytes of keys or values and 128 of
-    scales), none into L1."""
+    scales), none into L1; a call of two blocks, for two later blocks' tiles."""
     spec = KVCacheSpec(n_layers=1, n_kv_heads=1, head_dim=128, block_size=16, dtype="int8")
-    key_cache = np.zeros((1, 2, spec.row_width, 16), np.int8)
-    value_cache = np.zeros((1, 2, 16, spec.row_width), np.int8)
-    work = attention_scratch(1, 2, 1, 128, 16)[0]
-    work[:, 2 * 128 + 16] = -np.inf
-    _attend_int8(work, key_cache, value_cache)
-    asm = _attend_int8.inspect_asm(_attend_int8.signatures[-1])
-    asked = re.findall(r"\bprefetch\w*", asm)
+    key_cache = np.zeros((1, 4, spec.row_width, 16), np.int8)
+    value_cache = np.zeros((1, 4, 16, spec.row_width), np.int8)
     assert int8_tile_lines(128) == 34
-    assert asked == ["prefetcht1"] * 2 * int8_tile_lines(128)
+    for attend, blocks in ((_attend_int8, 1), (_attend_int8_pair, 2)):
+        work = attention_scratch(1, 2, 1, 128, 16)[0]
+        work[:, 2 * 128 + 16] = -np.inf
+        attend(work, key_cache, value_cache)
+        asm = attend.inspect_asm(attend.signatures[-1])
+        asked = re.findall(r"\bprefetch\w*", asm)
+        assert asked == ["prefetcht1"] * 2 * blocks * int8_tile_lines(128), blocks
+        # spread among the loads, not gathered: the longest run of requests back to back is a
+        # tile's two lines of scales for each block
+        instructions = [line.split()[0] for line in asm.splitlines() if re.match(r"\s+[a-z]", line)]
+        runs = "".join("p" if name.startswith("prefetch") else "." for name in instructions).split(".")
+        assert max(len(run) for run in runs) <= 2 * blocks, (blocks, sorted(map(len, runs))[-5:])
