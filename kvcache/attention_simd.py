@@ -26,7 +26,8 @@ when the kernel is typed (`require_c_contiguous`), never misread.
 
 Specialised for 16-key blocks and head_dim 64 or 128; other shapes use the numba path. One call
 serves one to four query heads of a group from a float cache, one to eight from an int8 cache (each
-K and V row loaded once for all of them); `attention._heads_in_next_call` cuts larger groups.
+K and V row loaded once for all of them); `attention._heads_in_next_call` cuts larger groups. From
+an int8 cache a call folds one block or two (the paged kernel always passes two, paired by position).
 """
 
 from __future__ import annotations
