@@ -548,9 +548,10 @@ def attend_heads(typingctx, work, first_head, heads, head_dim, key_cache, value_
     """Fold one block, or two from an int8 cache, into the online softmax of `heads` query heads of
     a GQA group.
 
-    work: (≥ first_head + heads, ≥ 2·head_dim + 18) float32, C-contiguous rows; row
-    first_head + g = [scaled query | accumulator | 16 scratch | max, sum | int8 query] of the
-    call's head g (`attention._attend_row_group`'s layout); key_cache: (KV heads, blocks,
+    work: (≥ first_head + heads, ≥ 2·head_dim + 18; from an int8 cache `attention.attention_scratch`'s
+    width) float32, C-contiguous rows; row first_head + g = [scaled query | accumulator | 16 scratch
+    | max, sum | int8 query | 16 scratch] of the call's head g (`attention._attend_row_group`'s
+    layout); key_cache: (KV heads, blocks,
     head_dim, 16), C-contiguous, float32, uint16 half floats, or an int8 cache's tiles with their
     scales (scored against the int8 query: `attention.quantize_query_q8`); value_cache: (KV heads,
     blocks, 16, head_dim), C-contiguous, of the keys' type (an int8 tile in its quad layout,
