@@ -273,11 +273,10 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
     path keeps its byte weights].
     The vector IR (16-key blocks of head_dim 64 or 128) reads a block's tiles by (cache, KV head,
     block), not through views, whose references to the cache are taken and dropped by atomic
-    operations; from an int8 cache it folds two blocks a call and asks for two later blocks' tiles,
-    a line per step of its loops. (The same requests issued back to back before the call left a
-    32k context's attention ~40% slower from DRAM on a Zen 4 guest: a burst the kernel's own loads
-    wait behind.) A float
-    cache's tiles are asked for through views, before the call. The numba path's inner loops run over
+    operations; from an int8 cache it folds two blocks a call. It asks for later blocks' tiles a
+    line per step of its loops. (The same requests issued back to back before the call left a 32k
+    context's attention ~40% slower from DRAM on a Zen 4 guest, int8 or float16: a
+    burst the kernel's own loads wait behind.) The numba path's inner loops run over
     unit-stride 1-D views with a plain loop index, so numba proves the indices non-negative and
     vectorises.
     """
@@ -301,11 +300,11 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
         if quantized:  # an int8 cache's scores are int8 dot products, as llama.cpp's q8_0 cache's
             quantize_query_q8(work_row, head_dim, q8_begin)
 
-    # An int8 block's two tiles (68 lines) arrive whole asked for once, three pairs of blocks ahead,
-    # by the vector IR's loops (`attend_heads`). A float block's 128-256 lines are not all kept from one
-    # burst of requests: they are asked for twice, four blocks ahead and then two, the second request
-    # catching what the first lost (asked once, float16 attention from DRAM ran 25-30% slower); the
-    # numba path's int8 blocks, once, three ahead.
+    # The vector IR's blocks are asked for from its own loops (`attend_heads`), a line a step: an int8
+    # block's two tiles (68 lines) three pairs of blocks ahead, a float block's (128-256 lines) three
+    # blocks ahead. The numba path's are asked for here, through views, in a burst: a float block's
+    # twice, four blocks ahead and then two, the second request catching what the first lost (asked
+    # once, float16 attention from DRAM ran 25-30% slower); an int8 block's once, three ahead.
     first_ahead, last_ahead, ahead_step = (3, 3, 1) if quantized else (2, 4, 2)
     vector_ir = block_size == SIMD_BLOCK_SIZE and (head_dim == 64 or head_dim == 128)
     last_block = position // block_size
@@ -323,11 +322,13 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
         paired = quantized and vector_block and logical_block % 2 == 0 and logical_block < last_block
         second_id = block_table[logical_block + 1] if paired else block_id
         second_keys = min(block_size, position + 1 - (logical_block + 1) * block_size) if paired else 0
-        ahead_ids = (-1, -1)
+        ahead_ids = (-1, -1)  # later blocks' tiles travel from DRAM into L2 while this one is computed
         if prefetch and quantized and vector_block:  # asked for from the vector IR's loops
             ahead_ids = (block_table[logical_block + 6] if logical_block + 6 <= last_block else -1,
                          block_table[logical_block + 7] if logical_block + 7 <= last_block else -1)
-        elif prefetch:  # later blocks' tiles travel from DRAM into L2 while this block is computed
+        elif prefetch and vector_block:
+            ahead_ids = (block_table[logical_block + 3] if logical_block + 3 <= last_block else -1, -1)
+        elif prefetch:
             for ahead in range(first_ahead, last_ahead + 1, ahead_step):
                 if logical_block + ahead <= last_block:
                     next_block_id = block_table[logical_block + ahead]
@@ -338,9 +339,10 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
             g = 0
             while g < group_size:
                 heads = _heads_in_next_call(group_size - g, quantized)
+                # a group served in two calls asks twice: a float block's 128-256 requests are not all
+                # kept from one pass
                 attend_heads(work, g, heads, head_dim, key_cache, value_cache, (block_id, second_id), kv_head,
                              (num_keys, second_keys), ahead_ids)  # fmt: skip
-                ahead_ids = (-1, -1)
                 g += heads
             continue
         keys = key_cache[kv_head, block_id]  # (head_dim, block_size)

@@ -186,10 +186,14 @@ def _prefetcher(builder: ir.IRBuilder, tile: ir.Value, lines: int):  # type: ign
 
 
 def _float_scores(builder: ir.IRBuilder, rows: list[ir.Value], key_base: ir.Value, element: ir.Type, head_dim: int,
-                  fma: ir.Function) -> list[ir.Value]:  # fmt: skip
-    """Each head's 16 scores Σ_d q[d]·K[d, t]: four partial sums over d (d mod 4), then (s0 + s1) + (s2 + s3)."""
+                  fma: ir.Function, key_ahead: ir.Value) -> list[ir.Value]:  # fmt: skip
+    """Each head's 16 scores Σ_d q[d]·K[d, t]: four partial sums over d (d mod 4), then (s0 + s1) + (s2 + s3).
+    Each line of the K tile at `key_ahead` is asked for beside the row of keys at its offset."""
     partial = [[_const(0.0)] * 4 for _ in rows]
+    row_bytes = _LANES * (2 if element == _half else 4)
     for d in range(head_dim):
+        if d * row_bytes % CACHE_LINE_BYTES == 0:
+            emit_pinned_prefetch(builder, builder.gep(key_ahead, [ir.Constant(_i64, d * row_bytes)]))
         k_d = _load_row(builder, key_base, element, ir.Constant(_i64, d * _LANES))
         for g, row in enumerate(rows):
             q_d = builder.load(builder.gep(row, [ir.Constant(_i64, d)]))
@@ -356,11 +360,12 @@ def _byte_weight_slots(head_dim: int) -> tuple[int, int]:
 
 
 def _accumulate_chunks(builder: ir.IRBuilder, rows: list[ir.Value], value_base: ir.Value, value_element: ir.Type,
-                       count: ir.Value, fma: ir.Function, head_dim: int,
-                       chunks: range) -> None:  # fmt: skip
+                       count: ir.Value, fma: ir.Function, head_dim: int, chunks: range,
+                       value_ahead: ir.Value) -> None:  # fmt: skip
     """acc[chunk] += Σ_{t < count} weight[t] · V[t, chunk] for each head's row
     and each of `chunks` (16 values of head_dim each), keys in order, weights from the row's block
-    scratch."""
+    scratch. Key t's step asks for the lines of the V tile at `value_ahead` that hold its `chunks`
+    (so the passes over a block's keys ask for the whole tile)."""
     pointers = [[builder.bitcast(builder.gep(row, [ir.Constant(_i64, head_dim + c * _LANES)]), _V.as_pointer())
                  for c in chunks] for row in rows]  # fmt: skip
     starts = [[builder.load(pointer, align=4) for pointer in head] for head in pointers]
@@ -372,6 +377,11 @@ def _accumulate_chunks(builder: ir.IRBuilder, rows: list[ir.Value], value_base: 
             phi.add_incoming(start, entry)
         phis.append(head_phis)
     row_start = builder.mul(t, ir.Constant(_i64, head_dim))
+    element_bytes = 2 if value_element == _half else 4
+    first_byte = builder.mul(builder.add(row_start, ir.Constant(_i64, chunks[0] * _LANES)),
+                             ir.Constant(_i64, element_bytes))  # fmt: skip
+    for offset in range(0, len(chunks) * _LANES * element_bytes, CACHE_LINE_BYTES):
+        emit_pinned_prefetch(builder, builder.gep(value_ahead, [builder.add(first_byte, ir.Constant(_i64, offset))]))
     values = [_load_row(builder, value_base, value_element, builder.add(row_start, ir.Constant(_i64, c * _LANES)))
               for c in chunks]  # fmt: skip
     updated = []
@@ -440,18 +450,16 @@ def _emit_attend_group(context, builder, signature, args, head_dim: int, group_s
                                    value_element.as_pointer()) for block in blocks]  # fmt: skip
     fma = _intrinsic_fn(builder, "llvm.fma.v16f32", 3)
 
+    # later blocks' tiles are asked for from the kernel's loops; with none to ask for (ahead < 0)
+    # the block's own, in cache already
+    aheads = [builder.select(builder.icmp_signed(">=", ahead, ir.Constant(_i64, 0)), ahead, block)
+              for ahead, block in zip(aheads, blocks, strict=True)]  # fmt: skip
+    value_aheads = [tile_pointer(context, builder, signature.args[5], values_value, ahead, head) for ahead in aheads]
+    key_aheads = [tile_pointer(context, builder, signature.args[4], keys_value, ahead, head) for ahead in aheads]
     if quantized:
-        # later blocks' tiles are asked for from the int8 loops; with none to ask for (ahead < 0)
-        # the block's own, in cache already
-        aheads = [builder.select(builder.icmp_signed(">=", ahead, ir.Constant(_i64, 0)), ahead, block)
-                  for ahead, block in zip(aheads, blocks, strict=True)]  # fmt: skip
-        value_aheads = [tile_pointer(context, builder, signature.args[5], values_value, ahead, head)
-                        for ahead in aheads]  # fmt: skip
-        totals = _int8_scores(builder, rows, key_bases, head_dim,
-                              [tile_pointer(context, builder, signature.args[4], keys_value, ahead, head)
-                               for ahead in aheads])  # fmt: skip
+        totals = _int8_scores(builder, rows, key_bases, head_dim, key_aheads)
     else:
-        totals = [_float_scores(builder, rows, key_bases[0], element, head_dim, fma)]
+        totals = [_float_scores(builder, rows, key_bases[0], element, head_dim, fma, key_aheads[0])]
     lane = ir.Constant(ir.VectorType(_i64, _LANES), list(range(_LANES)))
     valids = []
     for count in counts:
@@ -524,7 +532,7 @@ def _emit_attend_group(context, builder, signature, args, head_dim: int, group_s
     # head_dim, every head's two accumulators in registers
     for first in range(0, chunks, 2):
         _accumulate_chunks(builder, rows, value_bases[0], value_element, counts[0], fma, head_dim,
-                           range(first, min(first + 2, chunks)))
+                           range(first, min(first + 2, chunks)), value_aheads[0])
 
 
 # the (head_dim, heads a call) the vector IR is written for; a float cache's calls serve at most
@@ -557,10 +565,10 @@ def attend_heads(typingctx, work, first_head, heads, head_dim, key_cache, value_
     blocks, 16, head_dim), C-contiguous, of the keys' type (an int8 tile in its quad layout,
     `kvcache.storage`); the tiles read are (kv_head, block_id); num_keys: the block's keys to use
     (0..16; at least one in the call). Each K and V row is loaded (and widened) once for all the
-    call's heads; each head's arithmetic is the same as if it were alone. From an int8 cache the call
-    also asks for the tiles of block `prefetch_block` (none where it is negative), a line with each
-    step of its loops: a block's 68 requests spread through its arithmetic, not in a burst its own
-    loads wait behind.
+    call's heads; each head's arithmetic is the same as if it were alone. The call also asks for the
+    tiles of block `prefetch_block` (none where it is negative) into L2, a line with each step of its
+    loops (`prefetch.emit_pinned_prefetch`): a block's requests (68 from an int8 cache, 128-256 from
+    a float one) spread through its arithmetic, not in a burst its own loads wait behind.
 
     block_id, num_keys and prefetch_block may each be a pair. From an int8 cache the call then folds
     two blocks' 32 keys as one softmax step, their value bytes against one largest weight and scale

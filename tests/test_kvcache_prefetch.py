@@ -63,3 +63,27 @@ def test_an_int8_call_asks_for_every_line_of_later_blocks_tiles() -> None:
         instructions = [line.split()[0] for line in asm.splitlines() if re.match(r"\s+[a-z]", line)]
         runs = "".join("p" if name.startswith("prefetch") else "." for name in instructions).split(".")
         assert max(len(run) for run in runs) <= 2 * blocks, (blocks, sorted(map(len, runs))[-5:])
+
+
+@njit  # not cached: numba keeps no assembly for cached code
+def _attend_float(work, key_cache, value_cache):  # type: ignore[no-untyped-def]
+    attend_heads(work, 0, 2, 128, key_cache, value_cache, 0, 0, 16, 1)
+
+
+def test_a_float_call_asks_for_a_later_blocks_tiles_from_its_loops() -> None:
+    """A float cache's vector IR asks for block `prefetch_block`'s K tile a line beside each row of
+    keys at that offset (64 lines of float16 at head_dim 128, 128 of float32), and its V tile's lines
+    from the loop over keys of each pass (a line or two of each key's row a step), all into L2 and
+    spread among the loads, not gathered."""
+    for dtype, key_lines in ((np.uint16, 64), (np.float32, 128)):
+        key_cache = np.zeros((1, 4, 128, 16), dtype)
+        value_cache = np.zeros((1, 4, 16, 128), dtype)
+        work = attention_scratch(1, 2, 1, 128, 16)[0]
+        work[:, 2 * 128 + 16] = -np.inf
+        _attend_float(work, key_cache, value_cache)
+        asm = _attend_float.inspect_asm(_attend_float.signatures[-1])
+        asked = re.findall(r"\bprefetch\w*", asm)
+        assert set(asked) == {"prefetcht1"} and len(asked) > key_lines, (dtype, len(asked))
+        instructions = [line.split()[0] for line in asm.splitlines() if re.match(r"\s+[a-z]", line)]
+        runs = "".join("p" if name.startswith("prefetch") else "." for name in instructions).split(".")
+        assert max(len(run) for run in runs) <= 2, (dtype, sorted(map(len, runs))[-5:])
