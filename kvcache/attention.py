@@ -79,6 +79,10 @@ _NUM_SOFTMAX_STATS = 2
 # prefill chunk's rows read it one after another: half of the 32 MB L3 the prefetch was measured on
 # (docs/performance.md, "Long contexts"), leaving room for everything else a step touches.
 CACHED_KV_BYTES = 16 << 20
+# how far ahead the vector IR asks for tiles (docs/performance.md, long contexts): an int8 call's two
+# blocks ask for the pair this many blocks on, a float call's block for the one this many on
+INT8_BLOCKS_AHEAD = 6
+FLOAT_BLOCKS_AHEAD = 3
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -324,10 +328,12 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
         second_keys = min(block_size, position + 1 - (logical_block + 1) * block_size) if paired else 0
         ahead_ids = (-1, -1)  # later blocks' tiles travel from DRAM into L2 while this one is computed
         if prefetch and quantized and vector_block:  # asked for from the vector IR's loops
-            ahead_ids = (block_table[logical_block + 6] if logical_block + 6 <= last_block else -1,
-                         block_table[logical_block + 7] if logical_block + 7 <= last_block else -1)
+            ahead = logical_block + INT8_BLOCKS_AHEAD
+            ahead_ids = (block_table[ahead] if ahead <= last_block else -1,
+                         block_table[ahead + 1] if ahead + 1 <= last_block else -1)
         elif prefetch and vector_block:
-            ahead_ids = (block_table[logical_block + 3] if logical_block + 3 <= last_block else -1, -1)
+            ahead = logical_block + FLOAT_BLOCKS_AHEAD
+            ahead_ids = (block_table[ahead] if ahead <= last_block else -1, -1)
         elif prefetch:
             for ahead in range(first_ahead, last_ahead + 1, ahead_step):
                 if logical_block + ahead <= last_block:

@@ -106,8 +106,12 @@ def _max(builder: ir.IRBuilder, a: ir.Value, b: ir.Value) -> ir.Value:
     return builder.select(builder.fcmp_ordered(">", a, b), a, b)
 
 
-def _reduce(builder: ir.IRBuilder, vector: ir.Value, combine) -> ir.Value:  # type: ignore[no-untyped-def]
-    """Halve the vector until one lane is left: a fixed tree (lane i with lane i + width / 2)."""
+def _reduce(builder: ir.IRBuilder, vectors: list[ir.Value], combine) -> ir.Value:  # type: ignore[no-untyped-def]
+    """One lane from a call's per-block vectors: combined lane by lane, then halved until one lane is
+    left by a fixed tree (lane i with lane i + width / 2)."""
+    vector = vectors[0]
+    for other in vectors[1:]:
+        vector = combine(vector, other)
     width = _LANES
     while width > 1:
         width //= 2
@@ -290,16 +294,14 @@ def _accumulate_q8(builder: ir.IRBuilder, rows: list[ir.Value], value_bases: lis
     for group in range(groups):
         group_scales = [builder.select(valids[i], _halves_at(builder, value_bases[i], ir.Constant(
             _i64, _LANES * head_dim + 2 * _LANES * group)), _const(0.0)) for i in tiles]  # fmt: skip
-        top_scale = _reduce(builder, _combined(builder, group_scales, lambda a, b: _max(builder, a, b)),
-                            lambda a, b: _max(builder, a, b))  # fmt: skip
+        top_scale = _reduce(builder, group_scales, lambda a, b: _max(builder, a, b))
         inverse = builder.select(builder.fcmp_ordered(">", top_scale, zero), builder.fdiv(one, top_scale), zero)
         scales.append([builder.fmul(scale, _splat(builder, inverse)) for scale in group_scales])
         top_scales.append(top_scale)
     # each step for every head before the next (their chains interleave), each quad of values loaded once
     byte_bases, back_scales = [], []  # byte_bases[head][tile]
     for row, head_weights in zip(rows, weights, strict=True):
-        top_weight = _reduce(builder, _combined(builder, head_weights, lambda a, b: _max(builder, a, b)),
-                             lambda a, b: _max(builder, a, b))  # fmt: skip
+        top_weight = _reduce(builder, head_weights, lambda a, b: _max(builder, a, b))
         usable = builder.fcmp_ordered(">", top_weight, ir.Constant(_f32, Q8_WEIGHT_FLOOR))
         to_bytes = builder.select(usable, builder.fdiv(ir.Constant(_f32, 255.0), top_weight), zero)
         byte_bases.append([builder.bitcast(builder.gep(row, [ir.Constant(_i64, offset)]), _i8.as_pointer())
@@ -342,14 +344,6 @@ def _accumulate_q8(builder: ir.IRBuilder, rows: list[ir.Value], value_bases: lis
     for ask in asks:
         for line in range(head_dim // 4, lines):  # the scales' lines
             ask(line)
-
-
-def _combined(builder: ir.IRBuilder, vectors: list[ir.Value], combine) -> ir.Value:  # type: ignore[no-untyped-def]
-    """The lanewise combination of a call's per-block vectors (itself for one block)."""
-    result = vectors[0]
-    for vector in vectors[1:]:
-        result = combine(result, vector)
-    return result
 
 
 def _byte_weight_slots(head_dim: int) -> tuple[int, int]:
@@ -491,8 +485,7 @@ def _emit_attend_group(context, builder, signature, args, head_dim: int, group_s
     with builder.if_then(any_rises):
         risen_maxes, shrinks = [], []
         for row, head_scores, old_max in zip(rows, scores, old_maxes, strict=True):
-            call_max = _reduce(builder, _combined(builder, head_scores, lambda a, b: _max(builder, a, b)),
-                               lambda a, b: _max(builder, a, b))  # fmt: skip
+            call_max = _reduce(builder, head_scores, lambda a, b: _max(builder, a, b))
             new_max = builder.select(builder.fcmp_ordered(">", call_max, old_max), call_max, old_max)
             risen_maxes.append(new_max)
             shrinks.append(builder.extract_element(
@@ -513,8 +506,7 @@ def _emit_attend_group(context, builder, signature, args, head_dim: int, group_s
         new_maxes[-1].add_incoming(risen_max, shrunk)
     weights = [[_exp(builder, builder.fsub(block_scores, _splat(builder, new_max))) for block_scores in head_scores]
                for head_scores, new_max in zip(scores, new_maxes, strict=True)]  # fmt: skip
-    call_sums = [_reduce(builder, _combined(builder, head_weights, builder.fadd), builder.fadd)
-                 for head_weights in weights]  # fmt: skip
+    call_sums = [_reduce(builder, head_weights, builder.fadd) for head_weights in weights]
     for head_stats, new_max, correction, call_sum in zip(stats, new_maxes, corrections, call_sums,
                                                          strict=True):  # fmt: skip
         old_sum = builder.load(builder.gep(head_stats, [ir.Constant(_i64, 1)]))

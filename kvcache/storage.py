@@ -16,9 +16,9 @@ sequence's blocks and, per block, computes `block_size` scores and then a weight
   at 16 x 64),
   so the kernel streams whole tiles and every query head of a GQA group reuses them from L1.
 - A KV head's blocks lie one after another: the step's threads each serve KV heads, and a sequence's
-  blocks, allocated in order, are then one stream per thread that the hardware prefetcher follows
-  (with the heads of a block side by side instead, a thread read every other tile: the 1.5B shape's
-  int8 attention at 32k keys took 7-70% longer a block on two threads, in six alternated runs).
+  blocks, allocated in order, are then one stream per thread, which the kernel's own requests keep
+  ahead of (with the heads of a block side by side instead, a thread read every other tile: the 1.5B
+  shape's int8 attention at 32k keys took 7-70% longer a block on two threads, in six alternated runs).
 - Keys are transposed within the tile so that the scores of a block are `block_size` independent
   sums: the loop over head_dim is outside, the loop over the block's keys inside and contiguous. It
   vectorises without reassociating any sum (fastmath stays off: results are bit-reproducible), the
