@@ -199,8 +199,10 @@ def _time_attention(
     return min(times)
 
 
-# (name, query heads, KV heads) of head_dim 128: the GQA groups of 6, 8 and 7 the vector IR cuts into calls
-HEAD_LAYOUTS = (("qwen2.5-1.5b", 12, 2), ("qwen2.5-3b", 16, 2), ("qwen2.5-7b", 28, 4))
+# (name, query heads, KV heads, head_dim): Qwen2.5's GQA groups of 6, 8 and 7 the vector IR cuts into
+# calls, and Gemma 3's heads of 256 in groups of 4 and 2
+HEAD_LAYOUTS = (("qwen2.5-1.5b", 12, 2, 128), ("qwen2.5-3b", 16, 2, 128), ("qwen2.5-7b", 28, 4, 128),
+                ("gemma-3-1b", 4, 1, 256), ("gemma-3-4b", 8, 4, 256))
 
 
 def head_layout_times(context_len: int, repeats: int = 15) -> list[dict]:
@@ -209,16 +211,16 @@ def head_layout_times(context_len: int, repeats: int = 15) -> list[dict]:
     KV fits the CPU's caches, so this times the arithmetic; far above, the memory's access too."""
     rng = np.random.default_rng(0)
     rows = []
-    for (name, n_heads, n_kv_heads), dtype in product(HEAD_LAYOUTS, ("float16", "int8")):
-        spec = KVCacheSpec(n_layers=1, n_kv_heads=n_kv_heads, head_dim=128, block_size=16, dtype=dtype)
+    for (name, n_heads, n_kv_heads, head_dim), dtype in product(HEAD_LAYOUTS, ("float16", "int8")):
+        spec = KVCacheSpec(n_layers=1, n_kv_heads=n_kv_heads, head_dim=head_dim, block_size=16, dtype=dtype)
         num_blocks = -(-context_len // 16)
         key_cache = _stored(rng, (n_kv_heads, num_blocks, spec.row_width, 16), spec)
         value_cache = _stored(rng, (n_kv_heads, num_blocks, 16, spec.row_width), spec)
-        query = rng.standard_normal((1, n_heads, 128), dtype=np.float32)
+        query = rng.standard_normal((1, n_heads, head_dim), dtype=np.float32)
         args = (np.empty_like(query), query, key_cache, value_cache,
                 np.arange(num_blocks, dtype=np.int32)[None, :], np.array([context_len], np.int32),
-                np.array([0, 1], np.int32), attention_scratch(1, n_heads, n_kv_heads, 128, 16), 0, 1,
-                np.float32(1 / np.sqrt(128)), 0)  # fmt: skip
+                np.array([0, 1], np.int32), attention_scratch(1, n_heads, n_kv_heads, head_dim, 16), 0, 1,
+                np.float32(1 / np.sqrt(head_dim)), 0)  # fmt: skip
         paged_attention_rows(*args)
         seconds = float("inf")
         for _ in range(repeats):
@@ -309,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--positions", type=int, default=4096, help="positions of text for --quality")
     parser.add_argument("--head-layouts", type=int, metavar="KEYS",
                         help="instead: one layer's decode attention at KEYS keys, one thread, in the Qwen2.5 "
-                             "1.5B/3B/7B head layouts")  # fmt: skip
+                             "1.5B/3B/7B and Gemma 3 1B/4B head layouts")  # fmt: skip
     parser.add_argument("--group-kernel", action="store_true",
                         help="instead: the group kernel alone, 16-key blocks of head_dim 128 (two a call from "
                              "int8, one from float16), tiles in L2, for each number of query heads a call "

@@ -24,7 +24,7 @@ what lets the engine promise outputs independent of batching, chunking, preempti
 The softmax is online (flash-attention's running max and sum, rescaled per block), so no buffer
 scales with the context; per-thread scratch comes from `attention_scratch`, sized once.
 
-With 16-key blocks and head_dim 64 or 128 (the default shapes) each block is folded in by explicit
+With 16-key blocks and head_dim 64, 128 or 256 (the default shapes) each block is folded in by explicit
 vector IR (`kvcache.attention_simd`), in calls of up to four heads of the GQA group (eight from an int8
 cache); the loops below serve every other shape with the same semantics. With an int8 cache both paths
 score the query quantized per group of 32 against the int8 keys in exact integers
@@ -46,10 +46,12 @@ from numba import njit
 from kvcache.attention_simd import (
     MAX_FLOAT_HEADS,
     MAX_INT8_HEADS,
+    MAX_WIDE_INT8_HEADS,
     Q8_BACK,
     Q8_WEIGHT_FLOOR,
     SIMD_BLOCK_SIZE,
     attend_heads,
+    byte_weight_floats,
     q8_dither,
     require_c_contiguous,
 )
@@ -72,7 +74,8 @@ assert Q8_GROUP == HADAMARD_SIZE, "a group's rotation is the 32-point transform"
 # One query head's row of scratch: its scaled query, its output accumulator, one block's scores
 # (then softmax weights), the running max and running sum of the online softmax, and (int8 caches)
 # the query quantized like a key: head_dim int8 values, then per group its scale and -(128 · Σq) · scale;
-# then (int8 caches, numba path) one block's byte weights of a value group.
+# then (int8 caches) byte weights: the numba path's of one block's value group, the vector IR's of a
+# call's two blocks.
 _NUM_SOFTMAX_STATS = 2
 
 # A sequence's KV (one layer, every KV head) up to this size stays in the last-level cache while a
@@ -97,11 +100,13 @@ def attention_scratch(
     """Per-thread scratch for `paged_attention_rows`, allocated once at start.
 
     Shape (max_threads, group_size, width) float32: a row per query head of a GQA group, width
-    2 * head_dim + block_size + 2 + query_q8_floats + block_size.
+    2 * head_dim + block_size + 2 + query_q8_floats + two blocks' byte weights (each the larger of
+    block_size floats, the numba path's, and `attention_simd.byte_weight_floats`, the vector IR's).
     """
     if n_heads % n_kv_heads:
         raise ValueError(f"{n_heads} query heads do not split into groups over {n_kv_heads} KV heads")
-    width = 2 * head_dim + block_size + _NUM_SOFTMAX_STATS + query_q8_floats(head_dim) + block_size
+    byte_weights = max(block_size, byte_weight_floats(head_dim))
+    width = 2 * head_dim + block_size + _NUM_SOFTMAX_STATS + query_q8_floats(head_dim) + 2 * byte_weights
     return np.zeros((max_threads, n_heads // n_kv_heads, width), dtype=np.float32)
 
 
@@ -272,10 +277,9 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
 
     work: one thread's `attention_scratch`; row g < group_size serves query head
     kv_head * group_size + g and holds [scaled query | output accumulator | one block's scores,
-    then weights | running max, running sum | the int8 query and one block's byte weights, with an
-    int8 cache; with two int8 blocks a call, the second block's byte weights go where the numba
-    path keeps its byte weights].
-    The vector IR (16-key blocks of head_dim 64 or 128) reads a block's tiles by (cache, KV head,
+    then weights | running max, running sum | with an int8 cache, the int8 query and the byte
+    weights of a block (numba path) or of a call's two blocks (vector IR)].
+    The vector IR (16-key blocks of head_dim 64, 128 or 256) reads a block's tiles by (cache, KV head,
     block), not through views, whose references to the cache are taken and dropped by atomic
     operations; from an int8 cache it folds two blocks a call. It asks for later blocks' tiles a
     line per step of its loops. (The same requests issued back to back before the call left a 32k
@@ -310,7 +314,7 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
     # twice, four blocks ahead and then two, the second request catching what the first lost (asked
     # once, float16 attention from DRAM ran 25-30% slower); an int8 block's once, three ahead.
     first_ahead, last_ahead, ahead_step = (3, 3, 1) if quantized else (2, 4, 2)
-    vector_ir = block_size == SIMD_BLOCK_SIZE and (head_dim == 64 or head_dim == 128)
+    vector_ir = block_size == SIMD_BLOCK_SIZE and (head_dim == 64 or head_dim == 128 or head_dim == 256)
     last_block = position // block_size
     first_key = max(0, position - window + 1) if window > 0 else 0
     first_block = first_key // block_size
@@ -344,7 +348,7 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
         if vector_block:
             g = 0
             while g < group_size:
-                heads = _heads_in_next_call(group_size - g, quantized)
+                heads = _heads_in_next_call(group_size - g, quantized, head_dim)
                 # a group served in two calls asks twice: a float block's 128-256 requests are not all
                 # kept from one pass
                 attend_heads(work, g, heads, head_dim, key_cache, value_cache, (block_id, second_id), kv_head,
@@ -385,13 +389,14 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
 
 
 @njit(nogil=True, cache=True, fastmath=False, inline="always")
-def _heads_in_next_call(remaining, quantized):
+def _heads_in_next_call(remaining, quantized, head_dim):
     """How many of a group's `remaining` query heads the next vector-IR call serves: as many as fit the
-    registers (`attention_simd.MAX_FLOAT_HEADS`, `MAX_INT8_HEADS`). A float cache's group of 6, 7 or
-    8 heads (Qwen2.5's 1.5B, 7B and 3B) reads and widens each K/V row twice, an int8 cache's once.
-    A head's arithmetic is the same in a call of any size, so how a group is cut changes no output."""
+    registers (`attention_simd.MAX_FLOAT_HEADS`, `MAX_INT8_HEADS`; `MAX_WIDE_INT8_HEADS` for heads
+    of 256). A float cache's group of 6, 7 or 8 heads (Qwen2.5's 1.5B, 7B and 3B) reads and widens
+    each K/V row twice, an int8 cache's once. A head's arithmetic is the same in a call of any size,
+    so how a group is cut changes no output."""
     if quantized:
-        return min(remaining, MAX_INT8_HEADS)
+        return min(remaining, MAX_WIDE_INT8_HEADS if head_dim > 128 else MAX_INT8_HEADS)
     if remaining <= MAX_FLOAT_HEADS:
         return remaining
     return 3 if remaining < 7 else 4  # 5 → 3 + 2, 6 → 3 + 3, 7 → 4 + 3, 8 → 4 + 4: never one head

@@ -24,10 +24,11 @@ a block may hold anything).
 Every array is read by pointer, assuming C-contiguous tiles and rows: other layouts are refused
 when the kernel is typed (`require_c_contiguous`), never misread.
 
-Specialised for 16-key blocks and head_dim 64 or 128; other shapes use the numba path. One call
-serves one to four query heads of a group from a float cache, one to eight from an int8 cache (each
-K and V row loaded once for all of them); `attention._heads_in_next_call` cuts larger groups. From
-an int8 cache a call folds one block or two (the paged kernel always passes two, paired by position).
+Specialised for 16-key blocks and head_dim 64, 128 or 256; other shapes use the numba path. One call
+serves one to four query heads of a group from a float cache, one to eight from an int8 cache (four
+with heads of 256), each K and V row loaded once for all of them; `attention._heads_in_next_call`
+cuts larger groups. From an int8 cache a call folds one block or two (the paged kernel always passes
+two, paired by position).
 """
 
 from __future__ import annotations
@@ -44,7 +45,10 @@ from kvcache.prefetch import CACHE_LINE_BYTES, emit_pinned_prefetch
 
 SIMD_BLOCK_SIZE = 16
 MAX_FLOAT_HEADS = 4  # query heads a call serves from a float cache (their accumulators fill the registers)
-MAX_INT8_HEADS = 8  # and from an int8 cache
+MAX_INT8_HEADS = 8  # and from an int8 cache, with heads of 64 or 128
+# and with heads of 256 (Gemma's, whose groups are 2 or 4 heads): 8 would compile the int8 kernel
+# ~14 s longer for groups no such model has
+MAX_WIDE_INT8_HEADS = 4
 _LANES = SIMD_BLOCK_SIZE
 _f32, _i8, _i32, _i64, _half = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.HalfType()
 Q8_GROUP = 32  # kvcache.storage.Q8_GROUP: int8 values per fp16 scale
@@ -346,11 +350,17 @@ def _accumulate_q8(builder: ir.IRBuilder, rows: list[ir.Value], value_bases: lis
             ask(line)
 
 
+def byte_weight_floats(head_dim: int) -> int:
+    """float32 slots of a work row that one block's byte weights take: 16 bytes for each group of Q8_GROUP
+    dimensions (a byte per key)."""
+    return head_dim // Q8_GROUP * _LANES // 4
+
+
 def _byte_weight_slots(head_dim: int) -> tuple[int, int]:
-    """Float offsets in a work row of the 64 bytes of byte weights of a call's first and second
-    block: the block scratch, and the numba path's byte-weight slots after the int8 query
-    (`attention._attend_row_group`'s layout)."""
-    return 2 * head_dim, 2 * head_dim + _LANES + 2 + head_dim // 4 + 2 * (head_dim // Q8_GROUP)
+    """Float offsets in a work row of a call's first and second block's byte weights: after the int8
+    query, where the numba path keeps its byte weights (`attention.attention_scratch`'s layout)."""
+    first = 2 * head_dim + _LANES + 2 + head_dim // 4 + 2 * (head_dim // Q8_GROUP)
+    return first, first + max(_LANES, byte_weight_floats(head_dim))
 
 
 def _accumulate_chunks(builder: ir.IRBuilder, rows: list[ir.Value], value_base: ir.Value, value_element: ir.Type,
@@ -529,7 +539,8 @@ def _emit_attend_group(context, builder, signature, args, head_dim: int, group_s
 
 # the (head_dim, heads a call) the vector IR is written for; a float cache's calls serve at most
 # MAX_FLOAT_HEADS (more accumulators would spill)
-SHAPES = tuple((head_dim, heads) for head_dim in (64, 128) for heads in range(1, MAX_INT8_HEADS + 1))
+SHAPES = tuple((head_dim, heads) for head_dim in (64, 128, 256)
+               for heads in range(1, (MAX_WIDE_INT8_HEADS if head_dim > 128 else MAX_INT8_HEADS) + 1))
 
 
 def _blocks_named(argument: types.Type) -> int | None:
@@ -550,7 +561,7 @@ def attend_heads(typingctx, work, first_head, heads, head_dim, key_cache, value_
 
     work: (≥ first_head + heads, ≥ 2·head_dim + 18; from an int8 cache `attention.attention_scratch`'s
     width) float32, C-contiguous rows; row first_head + g = [scaled query | accumulator | 16 scratch
-    | max, sum | int8 query | 16 scratch] of the call's head g (`attention._attend_row_group`'s
+    | max, sum | int8 query | two blocks' byte weights] of the call's head g (`attention._attend_row_group`'s
     layout); key_cache: (KV heads, blocks,
     head_dim, 16), C-contiguous, float32, uint16 half floats, or an int8 cache's tiles with their
     scales (scored against the int8 query: `attention.quantize_query_q8`); value_cache: (KV heads,

@@ -174,6 +174,8 @@ CASES = [
     ([29], [29], 16, 10, 2, 128),  # groups of 5: 3 and 2
     ([33], [1], 16, 12, 2, 64),  # groups of 6 at 64: 3 and 3
     ([30], [30], 16, 4, 4, 64),  # groups of 1 (no GQA)
+    ([41, 70], [1, 23], 16, 4, 1, 256),  # Gemma 3's heads of 256 (270M, 1B): groups of 4
+    ([36, 3], [2, 3], 16, 8, 4, 256),  # groups of 2 (Gemma 3 4B)
 ]
 
 
@@ -197,7 +199,8 @@ def test_paged_attention_equals_dense_causal_attention(
 
 
 @pytest.mark.parametrize("storage", STORAGE)
-@pytest.mark.parametrize(("group_size", "head_dim"), [(5, 128), (6, 128), (7, 128), (8, 128), (6, 64), (5, 64)])
+@pytest.mark.parametrize(("group_size", "head_dim"),
+                         [(5, 128), (6, 128), (7, 128), (8, 128), (6, 64), (5, 64), (6, 256)])  # fmt: skip
 def test_how_a_large_group_is_cut_into_calls_changes_no_output(group_size: int, head_dim: int, storage: str) -> None:
     """A group too large for one vector-IR call is served in calls of up to four heads: each head's
     output is bit for bit what it is alone (a group of one over the same keys and values)."""
@@ -286,9 +289,9 @@ def dense_int8_attention(
 def int8_calls(first: int, position: int, block_size: int, head_dim: int) -> list[tuple[int, int]]:
     """The key ranges [begin, end) whose value bytes an int8 cache's kernel sets against one largest
     weight and scale, for a query at `position` that sees keys first..position: each block alone, or,
-    on the vector IR's path (16-key blocks, head_dim 64 or 128), the blocks paired by position
+    on the vector IR's path (16-key blocks, head_dim 64, 128 or 256), the blocks paired by position
     (2k, 2k + 1) where both are read and the first is read whole."""
-    vector_ir = block_size == SIMD_BLOCK_SIZE and head_dim in (64, 128)
+    vector_ir = block_size == SIMD_BLOCK_SIZE and head_dim in (64, 128, 256)
     calls, block = [], first // block_size
     while block <= position // block_size:
         begin = max(first, block * block_size)
@@ -337,8 +340,9 @@ def test_sliding_window_attention_equals_dense_windowed_attention(
     assert_equals_dense(out, case, seqs, query_lens, window)
 
 
-def test_a_windowed_position_is_bit_identical_however_the_prompt_is_chunked() -> None:
-    case = make_case(np.random.default_rng(12), [120], 16, 4, 1, 256)
+@pytest.mark.parametrize("storage", STORAGE)
+def test_a_windowed_position_is_bit_identical_however_the_prompt_is_chunked(storage: str) -> None:
+    case = make_case(np.random.default_rng(12), [120], 16, 4, 1, 256, storage)
     whole = run_paged(case, [0], [120], [120], window=40)
     chunked = np.concatenate([run_paged(case, [0], [end], [end - begin], nthreads=3, window=40)
                               for begin, end in ((0, 7), (7, 64), (64, 65), (65, 120))])  # fmt: skip

@@ -58,7 +58,7 @@ def test_head_layouts_time_each_layout_and_cache_type(tmp_path: Path) -> None:
     assert bench.main(["--head-layouts", "100", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
     assert [(r["layout"], r["kv"]) for r in rows] == [
-        (name, kv) for name, _, _ in bench.HEAD_LAYOUTS for kv in ("float16", "int8")
+        (name, kv) for name, *_ in bench.HEAD_LAYOUTS for kv in ("float16", "int8")
     ]
     assert all(r["context"] == 100 and r["us_per_layer"] > 0 and r["ns_per_block_and_kv_head"] > 0 for r in rows)
 
