@@ -11,7 +11,8 @@ values, so this measures what a server's decode costs at that context in seconds
 minutes a 32k-token prefill takes. The contexts take turns step by step, so a ratio compares steps
 taken at the same moments. Reported per context and KV type: the median step time (ms per output
 token), its ratio to the shortest context's (each round's pair of steps divided, the median of those
-ratios: a shared host's slow minutes slow both steps of a round), and the KV bytes one step reads.
+ratios: a shared host's slow minutes slow both steps of a round), and the KV bytes one step reads
+(a sliding-window layer's window only).
 Beside them the roof: the read bandwidth the pool's own threads measure in the same run, the rate the
 step reads the KV bytes a longer context adds (its extra bytes over its extra time), and the ratio a
 step would have if it read them at that bandwidth.
@@ -33,6 +34,7 @@ from decoding import load_model
 from decoding.engine.runner import ModelRunner, StepBatch
 from decoding.kernels import weight_cache
 from decoding.kernels.forward import KernelWeights
+from decoding.model.config import ModelConfig
 from kvcache.batch import KVBatchArrays
 from kvcache.storage import KVCacheSpec, KVCacheStorage
 from threadpool import SpinPool
@@ -55,6 +57,14 @@ def _fill_random(storage: KVCacheStorage, rng: np.random.Generator) -> None:
         for cache in (keys, values):
             tiles = cache.reshape(*cache.shape[:2], -1)
             tiles[..., spec.head_dim * spec.block_size :].view(np.float16)[...] = np.float16(1 / 127)
+
+
+def kv_bytes_read(cfg: ModelConfig, spec: KVCacheSpec, context: int) -> int:
+    """The K and V bytes a decode step at `context` attends over: every key on a layer that sees them
+    all, the last `window` keys on a sliding-window layer (Gemma's local layers)."""
+    per_layer_token = spec.bytes_per_token // spec.n_layers
+    windows = [cfg.layer_window(layer) for layer in range(cfg.n_layers)]
+    return sum(min(context, window) if window else context for window in windows) * per_layer_token
 
 
 def _decode_batch(token: int, context: int, block_size: int) -> StepBatch:
@@ -101,7 +111,7 @@ def measure(path: Path, contexts: list[int], kv_dtypes: list[str], threads: int,
             results["runs"][dtype] = [{"context": context, "ms_per_token": 1e3 * statistics.median(context_times),
                                        "paired_ratio": statistics.median(t / s for t, s in zip(context_times, times[0],
                                                                                                strict=True)),
-                                       "kv_mb_read": context * spec.bytes_per_token / 1e6}
+                                       "kv_mb_read": kv_bytes_read(cfg, spec, context) / 1e6}
                                       for context, context_times in zip(contexts, times, strict=True)]  # fmt: skip
             del runner, storage
     return results

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
-from bench.long_decode import _fill_random, add_roof, measure, report
+from bench.long_decode import _fill_random, add_roof, kv_bytes_read, measure, report
 from bench.synth import write_model
+from decoding import load_model
 from kvcache.storage import KVCacheSpec, KVCacheStorage
+
+GOLDEN_GEMMA3 = Path(__file__).parent / "golden" / "architectures" / "gemma3"
 
 
 @pytest.fixture(scope="module")
@@ -42,14 +47,25 @@ def test_each_context_and_cache_type_gets_a_step_time_and_its_kv_bytes(tiny_file
     assert "| 300 |" in table and "float16" in table and "int8" in table
 
 
+def test_a_sliding_window_layer_counts_only_the_keys_it_reads():
+    """Gemma 3's layout (tests/golden/architectures/gemma3: two sliding layers of window 10, then one
+    global layer; one KV head of 256): past the window a step reads 10 keys on each sliding layer."""
+    model = load_model(GOLDEN_GEMMA3)
+    spec = KVCacheSpec(n_layers=3, n_kv_heads=1, head_dim=256, block_size=16, dtype="float16")
+    token_layer = 2 * 256 * 2  # K and V of one token on one layer, half floats
+    assert kv_bytes_read(model.config, spec, 8) == 3 * 8 * token_layer
+    assert kv_bytes_read(model.config, spec, 100) == (100 + 2 * 10) * token_layer
+    results = measure(GOLDEN_GEMMA3, [16, 100], ["float16"], threads=1, steps=1)
+    assert [run["kv_mb_read"] for run in results["runs"]["float16"]] == pytest.approx(
+        [(16 + 2 * 10) * token_layer / 1e6, (100 + 2 * 10) * token_layer / 1e6])
+
+
 def test_the_block_size_is_the_servers_option_and_recorded(tiny_file):
     results = measure(tiny_file, [16, 300], ["int8"], threads=1, steps=1, block_size=32)
     assert results["block_size"] == 32 and results["runs"]["int8"][1]["ms_per_token"] > 0
 
 
 def test_a_context_past_the_models_positions_is_refused(tiny_file):
-    from decoding import load_model
-
     limit = load_model(tiny_file).config.max_context
     with pytest.raises(SystemExit, match=f"trained for {limit} positions"):
         measure(tiny_file, [16, limit + 1], ["float16"], threads=1, steps=1)
