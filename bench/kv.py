@@ -236,14 +236,14 @@ def head_layout_times(context_len: int, repeats: int = 15) -> list[dict]:
 def _fold_blocks(work, heads, key_cache, value_cache, repeats):  # type: ignore[no-untyped-def]
     for _ in range(repeats):
         for block in range(key_cache.shape[1]):
-            attend_heads(work, 0, heads, 128, key_cache, value_cache, block, 0, 16, -1)
+            attend_heads(work, 0, heads, 128, key_cache, value_cache, block, 0, 16, -1, 0)
 
 
 @njit(nogil=True)
 def _fold_block_pairs(work, heads, key_cache, value_cache, repeats):  # type: ignore[no-untyped-def]
     for _ in range(repeats):
         for block in range(0, key_cache.shape[1], 2):
-            attend_heads(work, 0, heads, 128, key_cache, value_cache, (block, block + 1), 0, (16, 16), (-1, -1))
+            attend_heads(work, 0, heads, 128, key_cache, value_cache, (block, block + 1), 0, (16, 16), (-1, -1), 0)
 
 
 def group_kernel_times(blocks: int = 64, repeats: int = 200) -> list[dict]:

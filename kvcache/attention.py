@@ -323,19 +323,19 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
         block_id = block_table[logical_block]
         num_keys = min(block_size, position + 1 - logical_block * block_size)  # causal within the last block
         skipped = max(0, first_key - logical_block * block_size)  # keys before the window, in its first block
-        vector_block = vector_ir and skipped == 0
         # int8 vector-IR blocks go two a call, paired by position (2k, 2k + 1) so that a row's calls,
         # and so its rounding, depend on its position and window only; a block whose partner is not
-        # read (the last, or the first of a window) goes with an empty one. Other blocks go alone.
-        paired = quantized and vector_block and logical_block % 2 == 0 and logical_block < last_block
+        # read (the last), or not read whole (the first of a window), goes with an empty one. Other
+        # blocks go alone.
+        paired = quantized and vector_ir and skipped == 0 and logical_block % 2 == 0 and logical_block < last_block
         second_id = block_table[logical_block + 1] if paired else block_id
         second_keys = min(block_size, position + 1 - (logical_block + 1) * block_size) if paired else 0
         ahead_ids = (-1, -1)  # later blocks' tiles travel from DRAM into L2 while this one is computed
-        if prefetch and quantized and vector_block:  # asked for from the vector IR's loops
+        if prefetch and quantized and vector_ir:  # asked for from the vector IR's loops
             ahead = logical_block + INT8_BLOCKS_AHEAD
             ahead_ids = (block_table[ahead] if ahead <= last_block else -1,
                          block_table[ahead + 1] if ahead + 1 <= last_block else -1)
-        elif prefetch and vector_block:
+        elif prefetch and vector_ir:
             ahead = logical_block + FLOAT_BLOCKS_AHEAD
             ahead_ids = (block_table[ahead] if ahead <= last_block else -1, -1)
         elif prefetch:
@@ -345,14 +345,14 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
                     prefetch_tile(key_cache[kv_head, next_block_id])
                     prefetch_tile(value_cache[kv_head, next_block_id])
         logical_block += 2 if paired else 1
-        if vector_block:
+        if vector_ir:
             g = 0
             while g < group_size:
                 heads = _heads_in_next_call(group_size - g, quantized, head_dim)
                 # a group served in two calls asks twice: a float block's 128-256 requests are not all
                 # kept from one pass
                 attend_heads(work, g, heads, head_dim, key_cache, value_cache, (block_id, second_id), kv_head,
-                             (num_keys, second_keys), ahead_ids)  # fmt: skip
+                             (num_keys, second_keys), ahead_ids, skipped)  # fmt: skip
                 g += heads
             continue
         keys = key_cache[kv_head, block_id]  # (head_dim, block_size)

@@ -261,16 +261,16 @@ def _int8_scores(builder: ir.IRBuilder, rows: list[ir.Value], key_bases: list[ir
     return totals  # type: ignore[return-value]
 
 
-def _open_count_loop(builder: ir.IRBuilder, count: ir.Value,
+def _open_count_loop(builder: ir.IRBuilder, start: ir.Value, count: ir.Value,
                      name: str) -> tuple[ir.Block, ir.Block, ir.Block, ir.Value]:  # fmt: skip
-    """A loop over t = 0..count-1 (none when count <= 0), positioned at the top of its body: the blocks
-    (entry, loop, done) and t, whose next value the caller adds as `t.add_incoming(t + 1, loop)`."""
+    """A loop over t = start..count-1 (none when count <= start), positioned at the top of its body: the
+    blocks (entry, loop, done) and t, whose next value the caller adds as `t.add_incoming(t + 1, loop)`."""
     entry = builder.block
     loop, done = builder.append_basic_block(name), builder.append_basic_block(f"{name}_done")
-    builder.cbranch(builder.icmp_signed(">", count, ir.Constant(_i64, 0)), loop, done)
+    builder.cbranch(builder.icmp_signed(">", count, start), loop, done)
     builder.position_at_end(loop)
     t = builder.phi(_i64)
-    t.add_incoming(ir.Constant(_i64, 0), entry)
+    t.add_incoming(start, entry)
     return entry, loop, done, t
 
 
@@ -364,16 +364,16 @@ def _byte_weight_slots(head_dim: int) -> tuple[int, int]:
 
 
 def _accumulate_chunks(builder: ir.IRBuilder, rows: list[ir.Value], value_base: ir.Value, value_element: ir.Type,
-                       count: ir.Value, fma: ir.Function, head_dim: int, chunks: range,
+                       first_key: ir.Value, count: ir.Value, fma: ir.Function, head_dim: int, chunks: range,
                        value_ahead: ir.Value) -> None:  # fmt: skip
-    """acc[chunk] += Σ_{t < count} weight[t] · V[t, chunk] for each head's row
+    """acc[chunk] += Σ_{first_key <= t < count} weight[t] · V[t, chunk] for each head's row
     and each of `chunks` (16 values of head_dim each), keys in order, weights from the row's block
     scratch. Key t's step asks for the lines of the V tile at `value_ahead` that hold its `chunks`
     (so the passes over a block's keys ask for the whole tile)."""
     pointers = [[builder.bitcast(builder.gep(row, [ir.Constant(_i64, head_dim + c * _LANES)]), _V.as_pointer())
                  for c in chunks] for row in rows]  # fmt: skip
     starts = [[builder.load(pointer, align=4) for pointer in head] for head in pointers]
-    entry, loop, done, t = _open_count_loop(builder, count, "keys")
+    entry, loop, done, t = _open_count_loop(builder, first_key, count, "keys")
     phis = []
     for head in starts:
         head_phis = [builder.phi(_V) for _ in head]
@@ -435,7 +435,7 @@ def _emit_attend_group(context, builder, signature, args, head_dim: int, group_s
     """`attend_heads`'s code for one head_dim and one number of heads (`group_size`)."""
     chunks = head_dim // _LANES
     work_value, keys_value, values_value = args[0], args[4], args[5]
-    first, head = (context.cast(builder, args[i], signature.args[i], types.int64) for i in (1, 7))
+    first, head, first_key = (context.cast(builder, args[i], signature.args[i], types.int64) for i in (1, 7, 10))
     blocks, counts, aheads = _block_arguments(context, builder, signature, args)
     element = {types.uint16: _half, types.int8: _i8}.get(signature.args[4].dtype, _f32)
     quantized = element == _i8
@@ -465,14 +465,16 @@ def _emit_attend_group(context, builder, signature, args, head_dim: int, group_s
     else:
         totals = [_float_scores(builder, rows, key_bases[0], element, head_dim, fma, key_aheads[0])]
     lane = ir.Constant(ir.VectorType(_i64, _LANES), list(range(_LANES)))
-    valids = []
-    for count in counts:
-        count_splat = builder.shuffle_vector(
-            builder.insert_element(ir.Constant(ir.VectorType(_i64, _LANES), ir.Undefined), count,
+    def lanes_of(value: ir.Value) -> ir.Value:
+        return builder.shuffle_vector(
+            builder.insert_element(ir.Constant(ir.VectorType(_i64, _LANES), ir.Undefined), value,
                                    ir.Constant(_i32, 0)),
             ir.Constant(ir.VectorType(_i64, _LANES), ir.Undefined),
             ir.Constant(ir.VectorType(_i32, _LANES), [0] * _LANES))
-        valids.append(builder.icmp_signed("<", lane, count_splat))
+
+    valids = [builder.icmp_signed("<", lane, lanes_of(count)) for count in counts]
+    # the first block's keys before first_key are outside the row's window: never weighted
+    valids[0] = builder.and_(valids[0], builder.icmp_signed(">=", lane, lanes_of(first_key)))
 
     # each step for every head before the next, in one basic block: the heads' chains
     # (max, exp, sum) interleave instead of running one after another. scores[head][block]
@@ -533,7 +535,7 @@ def _emit_attend_group(context, builder, signature, args, head_dim: int, group_s
     # acc += Σ_{t < count} weights[t] · V[t], t in order: a pass over the keys per two chunks of
     # head_dim, every head's two accumulators in registers
     for first in range(0, chunks, 2):
-        _accumulate_chunks(builder, rows, value_bases[0], value_element, counts[0], fma, head_dim,
+        _accumulate_chunks(builder, rows, value_bases[0], value_element, first_key, counts[0], fma, head_dim,
                            range(first, min(first + 2, chunks)), value_aheads[0])
 
 
@@ -555,7 +557,7 @@ def _blocks_named(argument: types.Type) -> int | None:
 
 @intrinsic(prefer_literal=True)
 def attend_heads(typingctx, work, first_head, heads, head_dim, key_cache, value_cache, block_id, kv_head, num_keys,
-                 prefetch_block):  # type: ignore[no-untyped-def]  # fmt: skip
+                 prefetch_block, first_key):  # type: ignore[no-untyped-def]  # fmt: skip
     """Fold one block, or two from an int8 cache, into the online softmax of `heads` query heads of
     a GQA group.
 
@@ -567,11 +569,13 @@ def attend_heads(typingctx, work, first_head, heads, head_dim, key_cache, value_
     scales (scored against the int8 query: `attention.quantize_query_q8`); value_cache: (KV heads,
     blocks, 16, head_dim), C-contiguous, of the keys' type (an int8 tile in its quad layout,
     `kvcache.storage`); the tiles read are (kv_head, block_id); num_keys: the block's keys to use
-    (0..16; at least one in the call). Each K and V row is loaded (and widened) once for all the
-    call's heads; each head's arithmetic is the same as if it were alone. The call also asks for the
-    tiles of block `prefetch_block` (none where it is negative) into L2, a line with each step of its
-    loops (`prefetch.emit_pinned_prefetch`): a block's requests (68 from an int8 cache, 128-256 from
-    a float one) spread through its arithmetic, not in a burst its own loads wait behind.
+    (0..16; at least one in the call), of which the first block's before `first_key` are outside the
+    row's window (never weighted; 0 where the block is read whole). Each K and V row is loaded (and
+    widened) once for all the call's heads; each head's arithmetic is the same as if it were alone.
+    The call also asks for the tiles of block `prefetch_block` (none where it is negative) into L2,
+    a line with each step of its loops (`prefetch.emit_pinned_prefetch`): a block's requests (68
+    from an int8 cache, 128-256 from a float one) spread through its arithmetic, not in a burst its
+    own loads wait behind.
 
     block_id, num_keys and prefetch_block may each be a pair. From an int8 cache the call then folds
     two blocks' 32 keys as one softmax step, their value bytes against one largest weight and scale
@@ -588,7 +592,7 @@ def attend_heads(typingctx, work, first_head, heads, head_dim, key_cache, value_
     counting is an atomic operation per block).
     """
     _require_c_contiguous((("work", work), ("key_cache", key_cache), ("value_cache", value_cache)))
-    indices = (first_head, heads, head_dim, kv_head)
+    indices = (first_head, heads, head_dim, kv_head, first_key)
     per_block = (block_id, num_keys, prefetch_block)
     if not (is_tiled_cache(key_cache) and is_tiled_cache(value_cache)
             and all(isinstance(index, types.Integer) for index in indices)):  # fmt: skip
@@ -609,7 +613,7 @@ def attend_heads(typingctx, work, first_head, heads, head_dim, key_cache, value_
                               f"from a {key_cache.dtype} cache")
         shapes = [tuple(fixed)]
     sig = types.void(work, first_head, heads, head_dim, key_cache, value_cache, block_id, kv_head, num_keys,
-                     prefetch_block)  # fmt: skip
+                     prefetch_block, first_key)  # fmt: skip
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
         if len(shapes) == 1:

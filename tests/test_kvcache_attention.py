@@ -610,13 +610,13 @@ np.save(sys.argv[1], int8_attention_extremes())
 def _fold_blocks_64_4(work, key_tiles, value_tiles, num_keys):  # type: ignore[no-untyped-def]
     for block in range(key_tiles.shape[1]):
         attend_heads(work, 0, 4, 64, key_tiles, value_tiles, block, 0, min(16, num_keys - 16 * block),
-                     min(block + 1, key_tiles.shape[1] - 1))  # fmt: skip
+                     min(block + 1, key_tiles.shape[1] - 1), 0)  # fmt: skip
 
 
 @njit(nogil=True)
 def _fold_blocks_128_6(work, key_tiles, value_tiles, num_keys):  # type: ignore[no-untyped-def]
     for block in range(key_tiles.shape[1]):
-        attend_heads(work, 0, 6, 128, key_tiles, value_tiles, block, 0, min(16, num_keys - 16 * block), -1)
+        attend_heads(work, 0, 6, 128, key_tiles, value_tiles, block, 0, min(16, num_keys - 16 * block), -1, 0)
 
 
 @njit(nogil=True)
@@ -628,7 +628,7 @@ def _fold_pairs_128_6(work, key_tiles, value_tiles, num_keys):  # type: ignore[n
         second = min(block + 1, blocks - 1)
         second_keys = min(16, num_keys - 16 * second) if block + 1 < blocks else 0
         attend_heads(work, 0, 6, 128, key_tiles, value_tiles, (block, second), 0,
-                     (min(16, num_keys - 16 * block), second_keys), (-1, second + 1))  # fmt: skip
+                     (min(16, num_keys - 16 * block), second_keys), (-1, second + 1), 0)  # fmt: skip
 
 
 @njit(nogil=True)
@@ -636,7 +636,7 @@ def _fold_beside_empty_128_6(work, key_tiles, value_tiles, num_keys, empty_first
     for block in range(key_tiles.shape[1]):
         keys = min(16, num_keys - 16 * block)
         counts = (0, keys) if empty_first else (keys, 0)
-        attend_heads(work, 0, 6, 128, key_tiles, value_tiles, (block, block), 0, counts, (-1, -1))
+        attend_heads(work, 0, 6, 128, key_tiles, value_tiles, (block, block), 0, counts, (-1, -1), 0)
 
 
 def int8_attention_extremes() -> np.ndarray:

@@ -35,12 +35,12 @@ def test_a_tile_is_asked_into_l2_not_l1() -> None:
 
 @njit  # not cached: numba keeps no assembly for cached code
 def _attend_int8(work, key_cache, value_cache):  # type: ignore[no-untyped-def]
-    attend_heads(work, 0, 2, 128, key_cache, value_cache, 0, 0, 16, 1)
+    attend_heads(work, 0, 2, 128, key_cache, value_cache, 0, 0, 16, 1, 0)
 
 
 @njit  # not cached: numba keeps no assembly for cached code
 def _attend_int8_pair(work, key_cache, value_cache):  # type: ignore[no-untyped-def]
-    attend_heads(work, 0, 2, 128, key_cache, value_cache, (0, 1), 0, (16, 16), (2, 3))
+    attend_heads(work, 0, 2, 128, key_cache, value_cache, (0, 1), 0, (16, 16), (2, 3), 0)
 
 
 def test_an_int8_call_asks_for_every_line_of_later_blocks_tiles() -> None:
@@ -67,7 +67,7 @@ def test_an_int8_call_asks_for_every_line_of_later_blocks_tiles() -> None:
 
 @njit  # not cached: numba keeps no assembly for cached code
 def _attend_float(work, key_cache, value_cache):  # type: ignore[no-untyped-def]
-    attend_heads(work, 0, 2, 128, key_cache, value_cache, 0, 0, 16, 1)
+    attend_heads(work, 0, 2, 128, key_cache, value_cache, 0, 0, 16, 1, 0)
 
 
 def test_a_float_call_asks_for_a_later_blocks_tiles_from_its_loops() -> None:
