@@ -587,9 +587,9 @@ def attend_heads(typingctx, work, first_head, heads, head_dim, key_cache, value_
     cache type.
 
     (head_dim, heads) must be one of `SHAPES` (1..4 heads from a float cache): with constants,
-    that one call's code is compiled; with values known only at run time, a switch over all of
-    them (another traps). The caches are read by pointer, never through a view (a view's reference
-    counting is an atomic operation per block).
+    that one call's code is compiled; with values known only at run time, a switch over every
+    shape that has the constant one, if any (another traps). The caches are read by pointer, never
+    through a view (a view's reference counting is an atomic operation per block).
     """
     _require_c_contiguous((("work", work), ("key_cache", key_cache), ("value_cache", value_cache)))
     indices = (first_head, heads, head_dim, kv_head, first_key)
@@ -606,12 +606,12 @@ def attend_heads(typingctx, work, first_head, heads, head_dim, key_cache, value_
         return None
     most_heads = MAX_INT8_HEADS if key_cache.dtype == types.int8 else MAX_FLOAT_HEADS
     shapes = [(d, h) for d, h in SHAPES if h <= most_heads]
+    # a constant head_dim or head count leaves only the shapes that have it
     fixed = [getattr(index, "literal_value", None) for index in (head_dim, heads)]
-    if None not in fixed:
-        if tuple(fixed) not in shapes:
-            raise TypingError(f"attend_heads has no code for head_dim {fixed[0]} with {fixed[1]} heads a call "
-                              f"from a {key_cache.dtype} cache")
-        shapes = [tuple(fixed)]
+    shapes = [shape for shape in shapes if all(f is None or f == v for f, v in zip(fixed, shape, strict=True))]
+    if not shapes:
+        raise TypingError(f"attend_heads has no code for head_dim {fixed[0]} with {fixed[1]} heads a call "
+                          f"from a {key_cache.dtype} cache")
     sig = types.void(work, first_head, heads, head_dim, key_cache, value_cache, block_id, kv_head, num_keys,
                      prefetch_block, first_key)  # fmt: skip
 
