@@ -289,9 +289,9 @@ def dense_int8_attention(
 def int8_calls(first: int, position: int, block_size: int, head_dim: int) -> list[tuple[int, int]]:
     """The key ranges [begin, end) whose value bytes an int8 cache's kernel sets against one largest
     weight and scale, for a query at `position` that sees keys first..position: each block alone, or,
-    on the vector IR's path (16-key blocks, head_dim 64, 128 or 256), the blocks paired by position
+    on the vector IR's path with heads of 64 or 128 (16-key blocks), the blocks paired by position
     (2k, 2k + 1) where both are read and the first is read whole."""
-    vector_ir = block_size == SIMD_BLOCK_SIZE and head_dim in (64, 128, 256)
+    vector_ir = block_size == SIMD_BLOCK_SIZE and head_dim in (64, 128)
     calls, block = [], first // block_size
     while block <= position // block_size:
         begin = max(first, block * block_size)
