@@ -281,7 +281,7 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
     weights of a block (numba path) or of a call's two blocks (vector IR)].
     The vector IR (16-key blocks of head_dim 64, 128 or 256) reads a block's tiles by (cache, KV head,
     block), not through views, whose references to the cache are taken and dropped by atomic
-    operations; from an int8 cache it folds two blocks a call. It asks for later blocks' tiles a
+    operations; from an int8 cache it folds two blocks a call (heads of 64 and 128). It asks for later blocks' tiles a
     line per step of its loops. (The same requests issued back to back before the call left a 32k
     context's attention ~40% slower from DRAM on a Zen 4 guest, int8 or float16: a
     burst the kernel's own loads wait behind.) The numba path's inner loops run over

@@ -27,8 +27,8 @@ when the kernel is typed (`require_c_contiguous`), never misread.
 Specialised for 16-key blocks and head_dim 64, 128 or 256; other shapes use the numba path. One call
 serves one to four query heads of a group from a float cache, one to eight from an int8 cache (four
 with heads of 256), each K and V row loaded once for all of them; `attention._heads_in_next_call`
-cuts larger groups. From an int8 cache a call folds one block or two (the paged kernel always passes
-two, paired by position).
+cuts larger groups. From an int8 cache a call folds one block or two (the paged kernel passes pairs
+by position; with heads of 256 the second is always empty).
 """
 
 from __future__ import annotations
