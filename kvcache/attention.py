@@ -326,8 +326,9 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
         # int8 vector-IR blocks of heads up to 128 go two a call, paired by position (2k, 2k + 1) so
         # that a row's calls, and so its rounding, depend on its position and window only; a block
         # whose partner is not read (the last), or not read whole (the first of a window), goes with
-        # an empty one. Other blocks go alone, heads of 256 too: two blocks' value bytes against one
-        # largest weight and scale cost Gemma 3 0.45 points of top-1 agreement (docs/performance.md).
+        # an empty one. Other blocks go alone, heads of 256 too (`attend_heads` folds the first of
+        # their pairs): two blocks' value bytes against one largest weight and scale cost Gemma 3
+        # 0.45 points of top-1 agreement (docs/performance.md).
         paired = (quantized and vector_ir and head_dim <= 128 and skipped == 0 and logical_block % 2 == 0
                   and logical_block < last_block)
         second_id = block_table[logical_block + 1] if paired else block_id
