@@ -50,6 +50,7 @@ from kvcache.attention_simd import (
     Q8_BACK,
     Q8_WEIGHT_FLOOR,
     SIMD_BLOCK_SIZE,
+    WIDE_HEAD_DIM,
     attend_heads,
     byte_weight_floats,
     q8_dither,
@@ -281,10 +282,10 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
     weights of a block (numba path) or of a call's two blocks (vector IR)].
     The vector IR (16-key blocks of head_dim 64, 128 or 256) reads a block's tiles by (cache, KV head,
     block), not through views, whose references to the cache are taken and dropped by atomic
-    operations; from an int8 cache it folds two blocks a call (heads of 64 and 128). It asks for later blocks' tiles a
-    line per step of its loops. (The same requests issued back to back before the call left a 32k
-    context's attention ~40% slower from DRAM on a Zen 4 guest, int8 or float16: a
-    burst the kernel's own loads wait behind.) The numba path's inner loops run over
+    operations; from an int8 cache it folds two blocks a call (heads of 64 and 128). It asks for
+    later blocks' tiles a line per step of its loops. (The same requests issued back to back before
+    the call left a 32k context's attention ~40% slower from DRAM on a Zen 4 guest, int8 or float16:
+    a burst the kernel's own loads wait behind.) The numba path's inner loops run over
     unit-stride 1-D views with a plain loop index, so numba proves the indices non-negative and
     vectorises.
     """
@@ -314,7 +315,7 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
     # twice, four blocks ahead and then two, the second request catching what the first lost (asked
     # once, float16 attention from DRAM ran 25-30% slower); an int8 block's once, three ahead.
     first_ahead, last_ahead, ahead_step = (3, 3, 1) if quantized else (2, 4, 2)
-    vector_ir = block_size == SIMD_BLOCK_SIZE and (head_dim == 64 or head_dim == 128 or head_dim == 256)
+    vector_ir = block_size == SIMD_BLOCK_SIZE and (head_dim == 64 or head_dim == 128 or head_dim == WIDE_HEAD_DIM)
     last_block = position // block_size
     first_key = max(0, position - window + 1) if window > 0 else 0
     first_block = first_key // block_size
@@ -323,14 +324,12 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
         block_id = block_table[logical_block]
         num_keys = min(block_size, position + 1 - logical_block * block_size)  # causal within the last block
         skipped = max(0, first_key - logical_block * block_size)  # keys before the window, in its first block
-        # int8 vector-IR blocks of heads up to 128 go two a call, paired by position (2k, 2k + 1) so
-        # that a row's calls, and so its rounding, depend on its position and window only; a block
+        # int8 vector-IR blocks of heads of 64 or 128 go two a call, paired by position (2k, 2k + 1)
+        # so that a row's calls, and so its rounding, depend on its position and window only; a block
         # whose partner is not read (the last), or not read whole (the first of a window), goes with
-        # an empty one. Other blocks go alone, heads of 256 too (`attend_heads` folds the first of
-        # their pairs): two blocks' value bytes against one largest weight and scale cost Gemma 3
-        # 0.45 points of top-1 agreement (docs/performance.md).
-        paired = (quantized and vector_ir and head_dim <= 128 and skipped == 0 and logical_block % 2 == 0
-                  and logical_block < last_block)
+        # an empty one. Other blocks go alone, heads of 256 too (`attention_simd.WIDE_HEAD_DIM` says why).
+        paired = (quantized and vector_ir and head_dim != WIDE_HEAD_DIM and skipped == 0
+                  and logical_block % 2 == 0 and logical_block < last_block)
         second_id = block_table[logical_block + 1] if paired else block_id
         second_keys = min(block_size, position + 1 - (logical_block + 1) * block_size) if paired else 0
         ahead_ids = (-1, -1)  # later blocks' tiles travel from DRAM into L2 while this one is computed
@@ -399,7 +398,7 @@ def _heads_in_next_call(remaining, quantized, head_dim):
     each K/V row twice, an int8 cache's once. A head's arithmetic is the same in a call of any size,
     so how a group is cut changes no output."""
     if quantized:
-        return min(remaining, MAX_WIDE_INT8_HEADS if head_dim > 128 else MAX_INT8_HEADS)
+        return min(remaining, MAX_WIDE_INT8_HEADS if head_dim == WIDE_HEAD_DIM else MAX_INT8_HEADS)
     if remaining <= MAX_FLOAT_HEADS:
         return remaining
     return 3 if remaining < 7 else 4  # 5 → 3 + 2, 6 → 3 + 3, 7 → 4 + 3, 8 → 4 + 4: never one head

@@ -46,8 +46,11 @@ from kvcache.prefetch import CACHE_LINE_BYTES, emit_pinned_prefetch
 SIMD_BLOCK_SIZE = 16
 MAX_FLOAT_HEADS = 4  # query heads a call serves from a float cache (their accumulators fill the registers)
 MAX_INT8_HEADS = 8  # and from an int8 cache, with heads of 64 or 128
-# and with heads of 256 (Gemma's, whose groups are 2 or 4 heads): 8 would compile the int8 kernel
-# ~14 s longer for groups no such model has
+# Heads of 256 (Gemma 2 and 3's): from an int8 cache a call serves at most 4 of them (Gemma's groups
+# are 2 or 4; 8 would compile the int8 kernel ~14 s longer) and folds one block, never a pair (two
+# blocks' value bytes against one largest weight and scale cost Gemma 3 0.45 points of top-1
+# agreement with float16)
+WIDE_HEAD_DIM = 256
 MAX_WIDE_INT8_HEADS = 4
 _LANES = SIMD_BLOCK_SIZE
 _f32, _i8, _i32, _i64, _half = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.HalfType()
@@ -440,7 +443,7 @@ def _emit_attend_group(context, builder, signature, args, head_dim: int, group_s
     element = {types.uint16: _half, types.int8: _i8}.get(signature.args[4].dtype, _f32)
     quantized = element == _i8
     # a float cache, and an int8 one with heads of 256, fold one block a call: the second is empty
-    if (not quantized or head_dim > 128) and len(blocks) == 2:
+    if (not quantized or head_dim == WIDE_HEAD_DIM) and len(blocks) == 2:
         with builder.if_then(builder.icmp_signed("!=", counts[1], ir.Constant(_i64, 0)), likely=False):
             _never_called(context, builder, signature, args)
         blocks, counts, aheads = blocks[:1], counts[:1], aheads[:1]
@@ -542,8 +545,8 @@ def _emit_attend_group(context, builder, signature, args, head_dim: int, group_s
 
 # the (head_dim, heads a call) the vector IR is written for; a float cache's calls serve at most
 # MAX_FLOAT_HEADS (more accumulators would spill)
-SHAPES = tuple((head_dim, heads) for head_dim in (64, 128, 256)
-               for heads in range(1, (MAX_WIDE_INT8_HEADS if head_dim > 128 else MAX_INT8_HEADS) + 1))
+SHAPES = tuple((head_dim, heads) for head_dim in (64, 128, WIDE_HEAD_DIM)
+               for heads in range(1, (MAX_WIDE_INT8_HEADS if head_dim == WIDE_HEAD_DIM else MAX_INT8_HEADS) + 1))
 
 
 def _blocks_named(argument: types.Type) -> int | None:
@@ -584,9 +587,8 @@ def attend_heads(typingctx, work, first_head, heads, head_dim, key_cache, value_
     accumulators' loads and stores and the call's set-up are paid once for two blocks (either may be
     empty: the other's arithmetic is then the same as alone). A different pairing of the same blocks
     rounds differently: callers pair blocks by position only. A float cache, and an int8 one with
-    heads of 256 (whose pairs cost Gemma 3 0.45 points of top-1 agreement), fold the first block of
-    a pair, whose second must be empty (it traps otherwise), so that one call site serves every
-    cache type.
+    heads of WIDE_HEAD_DIM, fold the first block of a pair, whose second must be empty (it traps
+    otherwise), so that one call site serves every cache type.
 
     (head_dim, heads) must be one of `SHAPES` (1..4 heads from a float cache): with constants,
     that one call's code is compiled; with values known only at run time, a switch over every
