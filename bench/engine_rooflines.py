@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 from numba import njit
 
-from decoding.kernels.amx import tile_activations
+from decoding.kernels.amx import tile_activations, tile_scratch
 from decoding.kernels.fast_kernels import activation_arrays, matmul_groups, quantize_activation_rows
 from decoding.kernels.kernels import split_range
 from decoding.kernels.repack import is_packable, packed_type, repack
@@ -153,7 +153,7 @@ def measure_int8_gmacs(model: Model, threads: int, tokens: int = 32, tile_mode: 
     quantize_activation_rows(x, cols, 0, tokens, xq, xd, xsum, tiles, tokens)
     out = np.zeros((tokens, rows), np.float32)
     tmp = np.zeros((threads, MOST_GROUP_TOKENS, GROUP_ROWS), np.float32)
-    tile_out = np.zeros((threads, 8, 16), np.float32)
+    tile_out = np.ascontiguousarray(tile_scratch(threads, tile_mode, cols, tokens)[:, 0])
     repeats = 50
     best = float("inf")
     with SpinPool(threads) as pool:

@@ -27,7 +27,7 @@ from numba import njit
 
 from bench.engine_rooflines import int8_matmul_repeats
 from bench.pool import machine_description
-from decoding.kernels.amx import HARDWARE, tile_activations
+from decoding.kernels.amx import HARDWARE, tile_activations, tile_scratch
 from decoding.kernels.amx_probe import tile_support
 from decoding.kernels.fast_kernels import activation_arrays, quantize_activation_rows
 from decoding.kernels.kernels import matmul_rows, split_range
@@ -98,7 +98,7 @@ def time_matmul(qtype: QType, rows: int, cols: int, tokens: int, threads: int, r
             resident = packed.nbytes
             args: tuple[Any, ...] = (packed, int(packed_type(qtype)), rows, cols, xq, xd, xsum, tokens, out,
                                      np.zeros((threads, MOST_GROUP_TOKENS, GROUP_ROWS), np.float32), tiles,
-                                     np.zeros((threads, 8, 16), np.float32))
+                                     np.ascontiguousarray(tile_scratch(threads, tile_mode, cols, tokens)[:, 0]))
             kernel = int8_matmul_repeats
         else:
             resident = stored.nbytes

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from bench.kernels import store_as
-from decoding.kernels.amx import EMULATED, HARDWARE, tile_activations
+from decoding.kernels.amx import EMULATED, HARDWARE, tile_activations, tile_scratch
 from decoding.kernels.fast_kernels import activation_arrays, matmul_groups, quantize_activation_rows, swiglu_groups
 from decoding.kernels.kernels import GATE_SILU
 from decoding.kernels.repack import repack
@@ -28,7 +28,7 @@ def matmul(packed, qtype, rows, x, mode, accumulate=False):
     xq, xd, xsum, tiles = quantized(x, mode)
     out = np.full((tokens, rows), 0.25, np.float32)
     matmul_groups(packed, int(qtype), cols, xq, xd, xsum, tokens, out, 0, rows // 8, accumulate,
-                  np.zeros((8, 8), np.float32), tiles, np.zeros((8, 16), np.float32))
+                  np.zeros((8, 8), np.float32), tiles, tile_scratch(1, mode, WIDEST, tokens)[0, 0])
     return out
 
 
@@ -88,7 +88,7 @@ def test_the_gated_feed_forward_through_tiles_gives_the_same_bits(mode):
         out, up_out = np.zeros((tokens, rows), np.float32), np.zeros((tokens, rows), np.float32)
         swiglu_groups(gate, up, int(QType.Q4_K), int(QType.Q6_K), cols, xq, xd, xsum, tokens, out, up_out, 0,
                       rows // 8, np.zeros((8, 8), np.float32), np.zeros((8, 8), np.float32), GATE_SILU, tiles,
-                      np.zeros((2, 8, 16), np.float32))
+                      tile_scratch(1, m, WIDEST, tokens)[0])
         results.append(out)
     assert np.abs(results[0]).max() > 0
     assert_same_bits(results[1], results[0])
@@ -171,16 +171,17 @@ def test_the_hardware_kernel_is_built_on_every_cpu():
     the same on every machine; where AMX is missing they are never run."""
     from numba import njit
 
-    from decoding.kernels.amx import tile_dot_q4_k
+    from decoding.kernels.amx import UNPACKED_FLOATS_PER_BLOCK, tile_products_with_mins, unpack_q4_k
 
     @njit  # not cached: numba keeps no assembly for cached code
-    def one_tile(packed, n_blocks, tiles, out):
-        tile_dot_q4_k(packed, 0, n_blocks, tiles, 0, out)
+    def one_tile(packed, n_blocks, tiles, unpacked, out):
+        unpack_q4_k(packed, 0, n_blocks, unpacked)
+        tile_products_with_mins(unpacked, n_blocks, tiles, 0, 1, out)
 
     rows, cols = 8, 256
     _, _, _, tiles = quantized(np.zeros((16, cols), np.float32), EMULATED)
-    out = np.zeros((8, 16), np.float32)
-    one_tile(weights(QType.Q4_K, rows, cols, 1), cols // 32, tiles, out)
+    unpacked, out = np.zeros(cols // 32 * UNPACKED_FLOATS_PER_BLOCK, np.float32), np.zeros((1, 8, 16), np.float32)
+    one_tile(weights(QType.Q4_K, rows, cols, 1), cols // 32, tiles, unpacked, out)
     asm = one_tile.inspect_asm(one_tile.signatures[0])
     for instruction in ("ldtilecfg", "tileloadd", "tdpbusd", "tilestored", "tilerelease"):
         assert instruction in asm
@@ -220,34 +221,36 @@ def tile_product(tiles_class):
 
 def test_the_emulated_tile_product_is_the_intel_manuals_tdpbusd():
     """TDPBUSD as the SDM defines it: C[m][n] += Σ_k Σ_j A[m][4k+j] (unsigned) · B[k][4n+j] (signed), for the
-    configured shapes (A 8 × 16 bytes, B 4 × 64, C 8 × 16 int32) — the emulation the kernel is tested through."""
-    from decoding.kernels.amx import _EmulatedTiles
+    configured shapes (A 16 × 32 bytes, B 8 × 64, C 16 × 16 int32) — the emulation the kernel is tested through."""
+    from decoding.kernels.amx import A0, B0, C0, TILE_SHAPES, _EmulatedTiles
 
+    (m, k_bytes), (k_words, _), (_, n_words) = TILE_SHAPES[A0], TILE_SHAPES[B0], (0, TILE_SHAPES[C0][1] // 4)
     rng = np.random.default_rng(12)
-    a = rng.integers(0, 256, (8, 16), dtype=np.uint8)
-    b = rng.integers(-128, 128, (4, 64), dtype=np.int8)
-    c = np.zeros((8, 16), np.int32)
+    a = rng.integers(0, 256, (m, k_bytes), dtype=np.uint8)
+    b = rng.integers(-128, 128, (k_words, 4 * n_words), dtype=np.int8)
+    c = np.zeros((m, n_words), np.int32)
     tile_product(_EmulatedTiles)(a, b, c)
-    expected = np.einsum("mkj,knj->mn", a.reshape(8, 4, 4).astype(np.int64), b.reshape(4, 16, 4).astype(np.int64))
+    expected = np.einsum("mkj,knj->mn", a.reshape(m, k_words, 4).astype(np.int64),
+                         b.reshape(k_words, n_words, 4).astype(np.int64))  # fmt: skip
     np.testing.assert_array_equal(c, expected)
     a[:] = 255
     b[:] = -128  # the extremes: no saturation, no overflow at these sizes
     tile_product(_EmulatedTiles)(a, b, c)
-    assert (c == 16 * 255 * -128).all()
+    assert (c == k_bytes * 255 * -128).all()
 
 
 def test_the_hardware_tile_product_is_the_emulations():
-    from decoding.kernels.amx import _EmulatedTiles, _HardwareTiles
+    from decoding.kernels.amx import A0, B0, C0, TILE_SHAPES, _EmulatedTiles, _HardwareTiles
     from decoding.kernels.amx_probe import tile_support
 
     if not tile_support().available:
         pytest.skip(f"AMX tiles not usable here: {tile_support().reason}")
     rng = np.random.default_rng(13)
-    a = rng.integers(0, 256, (8, 16), dtype=np.uint8)
-    b = rng.integers(-128, 128, (4, 64), dtype=np.int8)
+    a = rng.integers(0, 256, TILE_SHAPES[A0], dtype=np.uint8)
+    b = rng.integers(-128, 128, TILE_SHAPES[B0], dtype=np.int8)
     results = []
     for tiles_class in (_EmulatedTiles, _HardwareTiles):
-        c = np.zeros((8, 16), np.int32)
+        c = np.zeros((TILE_SHAPES[C0][0], TILE_SHAPES[C0][1] // 4), np.int32)
         tile_product(tiles_class)(a, b, c)
         results.append(c)
     np.testing.assert_array_equal(results[1], results[0])

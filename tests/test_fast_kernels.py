@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from bench.kernels import store_as
-from decoding.kernels.amx import tile_activations
+from decoding.kernels.amx import tile_activations, tile_scratch
 from decoding.kernels.fast_kernels import (
     activation_arrays,
     matmul_groups,
@@ -17,7 +17,7 @@ from decoding.kernels.reference import gate_activation
 from decoding.kernels.repack import ACTIVATION_ORDER, repack
 from decoding.model.quant import QType, dequantize, quantize
 
-UNTILED = (tile_activations(0, 0, 0), np.zeros((8, 16), np.float32))  # the kernels' AMX arguments, unused
+UNTILED = (tile_activations(0, 0, 0), np.zeros(0, np.float32))  # the kernels' AMX arguments, unused
 
 
 def quantized_activations(x: np.ndarray):
@@ -104,12 +104,13 @@ def test_a_prompt_in_passes_gives_every_token_the_bits_it_gets_alone(qtype, tile
 
     def run(first: int, count: int, tiles):
         rows_of = slice(first, first + count)
+        scratch = tile_scratch(1, tiles.mode, cols, count)[0]
         projected, gated, up_out = (np.zeros((count, rows), np.float32) for _ in range(3))
         matmul_groups(gate, form, cols, xq[rows_of], xd[rows_of], xsum[rows_of], count, projected, 0, rows // 8,
-                      False, np.zeros((8, 8), np.float32), tiles, np.zeros((8, 16), np.float32))
+                      False, np.zeros((8, 8), np.float32), tiles, scratch[0])
         swiglu_groups(gate, up, form, form, cols, xq[rows_of], xd[rows_of], xsum[rows_of], count, gated, up_out, 0,
                       rows // 8, np.zeros((8, 8), np.float32), np.zeros((8, 8), np.float32), GATE_SILU,
-                      tiles, np.zeros((2, 8, 16), np.float32))
+                      tiles, scratch)
         return projected, gated
 
     projected, gated = run(0, tokens, tiles)
@@ -136,7 +137,7 @@ def test_accumulate_adds_to_the_residual_and_the_gated_unit_combines_both_projec
     swiglu_groups(repack(gate, QType.Q8_0, rows, cols), repack(up, QType.Q4_1, rows, cols), int(QType.Q8_0),
                   int(QType.Q4_1), cols, xq, xd, xsum, tokens, hidden, up_scratch, 0, 2, np.zeros((8, 8), np.float32),
                   np.zeros((8, 8), np.float32), GATE_GELU_TANH if activation == "gelu_tanh" else GATE_SILU,
-                  UNTILED[0], np.zeros((2, 8, 16), np.float32))
+                  UNTILED[0], np.zeros((2, 0), np.float32))
     g = x @ dequantize(gate, QType.Q8_0, cols).T
     u = x @ dequantize(up, QType.Q4_1, cols).T
     np.testing.assert_allclose(hidden, gate_activation(g, activation) * u, rtol=1e-3, atol=1e-4)

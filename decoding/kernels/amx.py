@@ -1,20 +1,27 @@
-"""AMX int8 tiles for the `fast` kernels: one 8-row weight group against 16 tokens, bit for bit the VNNI kernel's
-numbers (decoding.kernels.vnni).
+"""AMX int8 tiles for the `fast` kernels: an 8-row weight group against token tiles of 16, bit for bit the VNNI
+kernel's numbers (decoding.kernels.vnni).
 
 The VNNI kernel keeps, per row and 32-weight block, two int32 lanes (the row's weights 0..15 and 16..31), scales
 each in float32 and adds the pair at the end. A token's numbers must not depend on the batch it runs in, so the
-tile kernel forms those same integers and repeats the same float operations: per block it multiplies two tiles of
-8 rows × 16 weight bytes (A: lane 2r's bytes for all rows, then lane 2r+1's) by two tiles of 16 tokens' activation
-bytes (B, prepared once per activation by `tile_activation_row`), so row r of the int32 result C0 (C1) is lane 2r
-(2r+1) of the VNNI kernel for each of the 16 tokens. The float work is then the VNNI kernel's, with the vector
-running over tokens instead of lanes: what the tiles save is the four `vpdpbusd`s and activation broadcasts a
-token costs per block, not the scaling, which is why the gain is bounded (by the compiled Q4_K loops' instruction
-counts, up to ~3x on the matmuls, not AMX's nominal 8x: docs/performance.md).
+tile kernel forms those same integers and repeats the same float operations. Per block one `TDPBUSD` multiplies
+A, 16 rows × 32 bytes (row i is lane i: its 16 weight bytes where the K order holds its half, zeros where it
+holds the other half), by B, 8 rows × 16 tokens' activation bytes (row 4h + s: step s of half h, prepared once
+per activation by `tile_activation_row`), so row i of the int32 result C is lane i of the VNNI kernel for each of
+the 16 tokens. The float work is then the VNNI kernel's, with the vector running over tokens instead of lanes.
+
+Two phases per group and pass of tokens: `unpack` writes the group's A tiles, lane scales and mins into scratch
+once; the products then load each block's A from there for every token tile of the pass. A tile load of bytes
+that vector stores have just written waits for those stores to retire (no forwarding: ~30 ns a block on a
+Sapphire Rapids guest, more than the product itself), so A is never built in the loop that loads it; for the
+same reason the loop is software-pipelined by one block (block b's scaling reads the C buffer written a block
+earlier). The float scaling — per lane and 16 tokens a conversion, a multiply and one or two fused
+multiply-adds — is what bounds the gain (~1.1-1.3x the VNNI kernels on a prompt's matmuls there), not
+AMX's nominal 8x: docs/performance.md.
 
 `TDPBUSD` multiplies unsigned bytes of A by signed bytes of B, as `vpdpbusd` multiplies the weights' unsigned
-bytes by the activations' signed ones. Tile registers are named by immediates: C0, C1, A0, A1, B0, B1 are
-tmm0..tmm5, configured per call by `ldtilecfg` and released at its end (a thread that leaves its tiles dirty
-makes every context switch save 8 KiB).
+bytes by the activations' signed ones. Tile registers are named by immediates: C0, A0, B0 are tmm0..tmm2,
+configured per call by `ldtilecfg` and released at its end (a thread that leaves its tiles dirty makes every
+context switch save 8 KiB).
 
 The hardware kernel is an LLVM function of its own with AMX in its target features, so it compiles on every x86
 CPU and runs only where `decoding.kernels.amx_probe` found AMX granted and the kernel's results right. The
@@ -34,6 +41,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from kvcache.int8_dot import dpbusd_emitter
+from threadpool.atomics import cache_aligned_zeros
 
 from ..model.quant import QType
 from .vnni import (
@@ -53,9 +61,14 @@ from .vnni import (
 
 TILE_TOKENS = 16
 HARDWARE, EMULATED = 1, 2  # TileActivations.mode: 0 is no tiles
-C0, C1, A0, A1, B0, B1 = range(6)
-TILE_SHAPES = {C0: (8, 64), C1: (8, 64), A0: (8, 16), A1: (8, 16), B0: (4, 64), B1: (4, 64)}  # (rows, bytes a row)
-# one block of a token tile's activations: B0 then B1, each 4 rows (steps) × 16 tokens × 4 bytes
+C0, A0, B0 = range(3)
+# (rows, bytes a row): C is 16 lanes × 16 tokens int32, A 16 lanes × 32 weight bytes (half of them zero), B 8 × 16
+# tokens × 4 activation bytes
+TILE_SHAPES = {C0: (16, 64), A0: (16, 32), B0: (8, 64)}
+UNPACKED_A_BYTES = 16 * 32
+# an unpacked group's bytes per block: its A tile, its 16 lanes' scales and mins
+UNPACKED_FLOATS_PER_BLOCK = (UNPACKED_A_BYTES + 64 + 64) // 4
+# one block of a token tile's activations, its B tile: row 4h + s is step s of half h, 16 tokens × 4 bytes
 TILE_BLOCK_BYTES = 2 * 4 * TILE_TOKENS * 4
 
 _i8, _i32, _i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
@@ -76,10 +89,20 @@ class TileActivations(NamedTuple):
 
 def tile_activations(mode: int, max_tokens: int, widest: int) -> TileActivations:
     tiles, blocks = (max_tokens // TILE_TOKENS, widest // 32) if mode else (0, 0)
-    return TileActivations(mode, np.zeros((tiles, blocks, 2, 4, TILE_TOKENS), dtype=np.int32),
-                           np.zeros((tiles, blocks, TILE_TOKENS), dtype=np.float32),
-                           np.zeros((tiles, blocks, TILE_TOKENS), dtype=np.float32),
-                           np.zeros((tiles, blocks, 2, TILE_TOKENS), dtype=np.int32))  # fmt: skip
+    # on 64-byte boundaries, as every tile row then is: a tile load whose rows straddle cache lines costs ~40%
+    return TileActivations(mode, cache_aligned_zeros((tiles, blocks, 2, 4, TILE_TOKENS), np.int32),
+                           cache_aligned_zeros((tiles, blocks, TILE_TOKENS), np.float32),
+                           cache_aligned_zeros((tiles, blocks, TILE_TOKENS), np.float32),
+                           cache_aligned_zeros((tiles, blocks, 2, TILE_TOKENS), np.int32))  # fmt: skip
+
+
+def tile_scratch(n_threads: int, mode: int, widest: int, max_tokens: int) -> np.ndarray:
+    """Per thread, two float32 scratch rows for the tiles (a gated feed-forward's gate and up): a pass's
+    results, 8 × 16 floats per token tile, from the start; an unpacked 8-row group at the end, on a 64-byte
+    boundary as the A tiles' loads want it (every row's length is a multiple of 16 floats, and so is a group's
+    unpacked length). Empty where the tiles are not used."""
+    floats = (max_tokens // TILE_TOKENS) * 8 * TILE_TOKENS + (widest // 32) * UNPACKED_FLOATS_PER_BLOCK if mode else 0
+    return cache_aligned_zeros((n_threads, 2, floats), np.float32)
 
 
 @njit(nogil=True, cache=True)
@@ -231,128 +254,222 @@ class _TargetFeatures(FunctionAttributes):
         return [*super()._to_list(ret_type), f'"target-features"="{self.features}"']
 
 
-def _define_tile_dot(module: ir.Module, qtype: QType, tiles_class) -> ir.Function:  # noqa: C901 - one IR loop
-    """void f(i8* weights, i64 blocks, i8* tile_xq, i8* tile_xd, i8* tile_mass, i8* half_sums, i8* out): out is
-    8 rows × 16 tokens float32, row r · token n of the group at `weights` for the tile's 16 tokens."""
-    name = f"treadle_tile_dot_{qtype.name.lower()}_{tiles_class.name}"
+def _define_unpack(module: ir.Module, qtype: QType) -> ir.Function:
+    """void f(i8* weights, i64 blocks, i8* unpacked): one 8-row group's A tiles (16 lanes × 32 bytes a block, at
+    UNPACKED_A_BYTES · block), then its lanes' scales (64 bytes a block) and mins (64 bytes a block, zero
+    where the type has none) — what every token tile of a pass multiplies it by."""
+    name = f"treadle_tile_unpack_{qtype.name.lower()}"
     existing = module.globals.get(name)
     if existing is not None:
         return existing
-    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [_i8p, _i64, _i8p, _i8p, _i8p, _i8p, _i8p]), name)
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [_i8p, _i64, _i8p]), name)
+    fn.linkage = "internal"
+    w_base, n_blocks, unpacked = fn.args
+    builder = ir.IRBuilder(fn.append_basic_block("entry"))
+    # A row i (the VNNI kernel's lane i: row i // 2, half i % 2) follows the B rows' K order, step s of half h at
+    # word 4h + s: the lane's four words where h is its half, zeros where not
+    a_mask = lane_mask([16 * (w % 4) + i if w // 4 == i % 2 else 64 for i in range(16) for w in range(8)])
+    zeros = ir.Constant(vec(_i32, 64), [0] * 64)
+    scales_at = builder.mul(n_blocks, ir.Constant(_i64, UNPACKED_A_BYTES))
+    mins_at = builder.add(scales_at, builder.mul(n_blocks, ir.Constant(_i64, 64)))
+    blocks = open_block_loop(builder, n_blocks, 0)
+    block = blocks.block
+    block_ptr, scales16, mins16 = block_scales(builder, qtype, w_base, block)
+    prefetch_ahead(builder, qtype, block_ptr)
+    steps = [builder.bitcast(weight_vector(builder, qtype, block_ptr, s), vec(_i32, 16)) for s in range(4)]
+    low, high = (builder.shuffle_vector(steps[0], steps[1], lane_mask(list(range(32)))),
+                 builder.shuffle_vector(steps[2], steps[3], lane_mask(list(range(32)))))  # fmt: skip
+    all_steps = builder.shuffle_vector(low, high, lane_mask(list(range(64))))  # word 16s + lane
+    a_ptr = builder.gep(unpacked, [builder.mul(block, ir.Constant(_i64, UNPACKED_A_BYTES))])
+    builder.store(builder.shuffle_vector(all_steps, zeros, a_mask), builder.bitcast(a_ptr, vec(_i32, 128).as_pointer()),
+                  align=4)  # fmt: skip
+    block_bytes = builder.mul(block, ir.Constant(_i64, 64))
+    for at, values in ((scales_at, scales16), (mins_at, mins16)):
+        if values is None:
+            values = ir.Constant(vec(_f32, 16), [0.0] * 16)
+        ptr = builder.gep(unpacked, [builder.add(at, block_bytes)])
+        builder.store(values, builder.bitcast(ptr, vec(_f32, 16).as_pointer()), align=4)
+    close_block_loop(builder, blocks, n_blocks, [])
+    builder.ret_void()
+    return fn
+
+
+def _define_tile_products(module: ir.Module, bias: int, has_mins: bool, tiles_class) -> ir.Function:  # noqa: C901
+    """void f(i8* unpacked, i64 blocks, i8* tile_xq, i8* tile_xd, i8* tile_mass, i8* half_sums, i64 tiles,
+    i64 tile_xq_stride, i64 tile_fields_stride, i64 half_sums_stride, i8* out): for each of `tiles` token tiles
+    from the given one, out[tile] = 8 rows × 16 tokens float32, the unpacked group · the tile's tokens."""
+    name = f"treadle_tile_products_{bias}_{int(has_mins)}_{tiles_class.name}"
+    existing = module.globals.get(name)
+    if existing is not None:
+        return existing
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [_i8p, _i64, _i8p, _i8p, _i8p, _i8p, _i64, _i64, _i64,
+                                                               _i64, _i8p]), name)  # fmt: skip
     fn.linkage = "internal"
     if tiles_class is _HardwareTiles:
         fn.attributes = _TargetFeatures(_amx_features())
-    w_base, n_blocks, bq_base, xd_base, mass_base, hs_base, out_base = fn.args
+    unpacked, n_blocks, bq0, xd0, mass0, hs0, n_tiles, bq_stride, fields_stride, hs_stride, out0 = fn.args
     builder = ir.IRBuilder(fn.append_basic_block("entry"))
     tiles = tiles_class(builder)
     tiles.configure()
-    a_slot = builder.alloca(vec(_i32, 64))  # A0 (2 × 16 words) then A1
-    a_slot.align = 64
-    c_slot = builder.alloca(vec(_i32, 256))  # C0 (8 rows × 16 words) then C1
+    c_slot = builder.alloca(vec(_i32, 512))  # two C buffers, each 16 lanes × 16 tokens
     c_slot.align = 64
-    a_buf, c_buf = builder.bitcast(a_slot, _i8p), builder.bitcast(c_slot, _i8p)
-    bias = UNSIGNED_BIAS[qtype]
-
-    blocks = open_block_loop(builder, n_blocks, 16)
-    block, accs = blocks.block, blocks.accs  # accs[2r + h]: lane 2r + h of the VNNI kernel, over the 16 tokens
-
-    block_ptr, scales16, mins16 = block_scales(builder, qtype, w_base, block)
-    prefetch_ahead(builder, qtype, block_ptr)  # as the VNNI kernels: a batch's step computes while its weights arrive
-    steps = [builder.bitcast(weight_vector(builder, qtype, block_ptr, s), vec(_i32, 16)) for s in range(4)]
-    # A_h row r = lane 2r + h of the four steps: word 4r + s of A_h is word 2r + h of step s
-    low, high = (builder.shuffle_vector(steps[0], steps[1], lane_mask(list(range(32)))),
-                 builder.shuffle_vector(steps[2], steps[3], lane_mask(list(range(32)))))  # fmt: skip
-    all_steps = builder.shuffle_vector(low, high, lane_mask(list(range(64))))
-    a_words = builder.shuffle_vector(all_steps, all_steps, lane_mask(
-        [16 * (i % 4) + 2 * ((i % 32) // 4) + i // 32 for i in range(64)]))
-    builder.store(a_words, a_slot, align=64)
-    tiles.load(A0, a_buf, 16)
-    tiles.load(A1, builder.gep(a_buf, [ir.Constant(_i64, 128)]), 16)
-    b_ptr = builder.gep(bq_base, [builder.mul(block, ir.Constant(_i64, TILE_BLOCK_BYTES))])
-    tiles.load(B0, b_ptr, 64)
-    tiles.load(B1, builder.gep(b_ptr, [ir.Constant(_i64, TILE_BLOCK_BYTES // 2)]), 64)
-    tiles.zero(C0)
-    tiles.zero(C1)
-    tiles.dot(C0, A0, B0)
-    tiles.dot(C1, A1, B1)
-    tiles.store(C0, c_buf, 64)
-    tiles.store(C1, builder.gep(c_buf, [ir.Constant(_i64, 512)]), 64)
-
-    token_bytes = builder.mul(block, ir.Constant(_i64, 64))
-    x_scale = load_at(builder, xd_base, token_bytes, vec(_f32, 16), align=4)
-    if bias:
-        half_bytes = builder.mul(block, ir.Constant(_i64, 128))
-        offsets = [builder.mul(load_at(builder, hs_base, builder.add(half_bytes, ir.Constant(_i64, 64 * h)),
-                                       vec(_i32, 16), align=4), ir.Constant(vec(_i32, 16), [-bias] * 16))
-                   for h in range(2)]  # fmt: skip
-    if mins16 is not None:
-        x_mass = load_at(builder, mass_base, token_bytes, vec(_f32, 16), align=4)
+    c_bufs = builder.bitcast(c_slot, _i8p)
     fma = fused_multiply_add(builder)
-    next_accs = []
-    for lane in range(16):  # the VNNI kernel's operations on its lane, for 16 tokens at once: the same bits
-        r, h = lane // 2, lane % 2
-        acc_i = load_at(builder, c_buf, 512 * h + 64 * r, vec(_i32, 16), align=64)
+    scales_at = builder.mul(n_blocks, ir.Constant(_i64, UNPACKED_A_BYTES))
+    mins_at = builder.add(scales_at, builder.mul(n_blocks, ir.Constant(_i64, 64)))
+
+    entry = builder.block
+    tile_loop, tiles_done = builder.append_basic_block("token_tiles"), builder.append_basic_block("token_tiles_done")
+    any_work = builder.and_(builder.icmp_signed(">", n_tiles, ir.Constant(_i64, 0)),
+                            builder.icmp_signed(">", n_blocks, ir.Constant(_i64, 0)))  # fmt: skip
+    builder.cbranch(any_work, tile_loop, tiles_done)
+    builder.position_at_end(tile_loop)
+    tile = builder.phi(_i64)
+    tile.add_incoming(ir.Constant(_i64, 0), entry)
+    bq_base = builder.gep(bq0, [builder.mul(tile, bq_stride)])
+    xd_base, mass_base = (builder.gep(base, [builder.mul(tile, fields_stride)]) for base in (xd0, mass0))
+    hs_base = builder.gep(hs0, [builder.mul(tile, hs_stride)])
+
+    def products(block: ir.Value) -> None:
+        """The block's int32 lane sums for the 16 tokens, into C buffer block % 2."""
+        tiles.load(A0, builder.gep(unpacked, [builder.mul(block, ir.Constant(_i64, UNPACKED_A_BYTES))]),
+                   TILE_SHAPES[A0][1])  # fmt: skip
+        tiles.load(B0, builder.gep(bq_base, [builder.mul(block, ir.Constant(_i64, TILE_BLOCK_BYTES))]), 64)
+        tiles.zero(C0)
+        tiles.dot(C0, A0, B0)
+        tiles.store(C0, c_buffer(block), 64)
+
+    def c_buffer(block: ir.Value) -> ir.Value:
+        return builder.gep(c_bufs, [builder.mul(builder.and_(block, ir.Constant(_i64, 1)), ir.Constant(_i64, 1024))])
+
+    def scaled(block: ir.Value, accs: list[ir.Value]) -> list[ir.Value]:
+        """The accumulators after the VNNI kernel's operations on each lane of the block, for 16 tokens at once:
+        the same bits."""
+        c_buf = c_buffer(block)
+        token_bytes = builder.mul(block, ir.Constant(_i64, 64))
+        x_scale = load_at(builder, xd_base, token_bytes, vec(_f32, 16), align=4)
         if bias:
-            acc_i = builder.add(offsets[h], acc_i)
-        lane_scale = splat(builder, builder.extract_element(scales16, ir.Constant(_i32, lane)), 16)
-        acc = builder.call(fma, [builder.sitofp(acc_i, vec(_f32, 16)), builder.fmul(lane_scale, x_scale), accs[lane]])
-        if mins16 is not None:
-            lane_min = splat(builder, builder.extract_element(mins16, ir.Constant(_i32, lane)), 16)
-            acc = builder.call(fma, [lane_min, x_mass, acc])
-        next_accs.append(acc)
-    finals = close_block_loop(builder, blocks, n_blocks, next_accs)
+            half_bytes = builder.mul(block, ir.Constant(_i64, 128))
+            offsets = [builder.mul(load_at(builder, hs_base, builder.add(half_bytes, ir.Constant(_i64, 64 * h)),
+                                           vec(_i32, 16), align=4), ir.Constant(vec(_i32, 16), [-bias] * 16))
+                       for h in range(2)]  # fmt: skip
+        if has_mins:
+            x_mass = load_at(builder, mass_base, token_bytes, vec(_f32, 16), align=4)
+        lane_scales = builder.add(scales_at, token_bytes)
+        lane_mins = builder.add(mins_at, token_bytes)
+        next_accs = []
+        for lane in range(16):
+            acc_i = load_at(builder, c_buf, 64 * lane, vec(_i32, 16), align=64)
+            if bias:
+                acc_i = builder.add(offsets[lane % 2], acc_i)
+            # scalars from memory, splat: broadcasts that take a load port, not a shuffle unit
+            lane_scale = splat(builder, load_at(builder, unpacked, builder.add(lane_scales, ir.Constant(
+                _i64, 4 * lane)), _f32, align=4), 16)  # fmt: skip
+            acc = builder.call(fma, [builder.sitofp(acc_i, vec(_f32, 16)), builder.fmul(lane_scale, x_scale),
+                                     accs[lane]])  # fmt: skip
+            if has_mins and lane % 2 == 0:  # an odd lane's min is 0, and fma(0, m, acc) is acc: acc is never -0
+                lane_min = splat(builder, load_at(builder, unpacked, builder.add(lane_mins, ir.Constant(
+                    _i64, 4 * lane)), _f32, align=4), 16)  # fmt: skip
+                acc = builder.call(fma, [lane_min, x_mass, acc])
+            next_accs.append(acc)
+        return next_accs
+
+    # Software-pipelined by one block: a tile store's bytes reach loads only once it has retired (no forwarding),
+    # so block b's scaling reads C buffer b % 2 while block b + 1's product is being formed into the other one.
+    products(ir.Constant(_i64, 0))
+    blocks = open_block_loop(builder, builder.sub(n_blocks, ir.Constant(_i64, 1)), 16)
+    block = builder.add(blocks.block, ir.Constant(_i64, 1))  # accs[2r + h]: lane 2r + h of the VNNI kernel
+    products(block)
+    next_accs = scaled(blocks.block, blocks.accs)
+    accs = close_block_loop(builder, blocks, builder.sub(n_blocks, ir.Constant(_i64, 1)), next_accs)
+    next_accs = scaled(builder.sub(n_blocks, ir.Constant(_i64, 1)), accs)
+    finals = next_accs
+    out_base = builder.gep(out0, [builder.mul(tile, ir.Constant(_i64, 512))])
     for r in range(8):
         row = builder.fadd(finals[2 * r], finals[2 * r + 1])
         out_ptr = builder.bitcast(builder.gep(out_base, [ir.Constant(_i64, 64 * r)]), vec(_f32, 16).as_pointer())
         builder.store(row, out_ptr, align=4)
+    next_tile = builder.add(tile, ir.Constant(_i64, 1))
+    tile.add_incoming(next_tile, builder.block)  # the inner loop's exit: the back edge comes from there
+    builder.cbranch(builder.icmp_signed("<", next_tile, n_tiles), tile_loop, tiles_done)
+    builder.position_at_end(tiles_done)
     tiles.release()
     builder.ret_void()
     return fn
 
 
-def _make_tile_dot(qtype: QType):
+def _make_unpack(qtype: QType):
     @intrinsic
-    def tile_dot(typingctx, weights, weight_offset, num_blocks, tiles, tile, out):
-        """out[0:8, 0:16] = the 8 rows of the group at `weight_offset` · the 16 tokens of token tile `tile`, by the
-        hardware tiles (tiles.mode == HARDWARE) or their emulation."""
-        sig = types.void(weights, weight_offset, num_blocks, tiles, tile, out)
+    def unpack(typingctx, weights, weight_offset, num_blocks, unpacked):
+        """unpacked (float32, ≥ UNPACKED_FLOATS_PER_BLOCK · num_blocks) = the 8-row group at `weight_offset`
+        in the tiles' layout."""
+        sig = types.void(weights, weight_offset, num_blocks, unpacked)
 
         def codegen(context, builder, signature, args):
-            w_arr, w_off, n_blocks, tiles_value, tile_index, out_arr = args
-            tiles_type = signature.args[3]
-            fields = {name: (builder.extract_value(tiles_value, i), tiles_type.types[i])
-                      for i, name in enumerate(TileActivations._fields)}  # fmt: skip
+            w_arr, w_off, n_blocks, unpacked_arr = args
             w_off = context.cast(builder, w_off, signature.args[1], types.int64)
             n_blocks = context.cast(builder, n_blocks, signature.args[2], types.int64)
-            tile_index = context.cast(builder, tile_index, signature.args[4], types.int64)
             w_base = builder.gep(array_byte_pointer(context, builder, signature.args[0], w_arr), [w_off])
+            builder.call(_define_unpack(builder.module, qtype), [
+                w_base, n_blocks, array_byte_pointer(context, builder, signature.args[3], unpacked_arr)])
+            return context.get_dummy_value()
 
-            def tile_base(name: str) -> ir.Value:  # the tile's first byte: arrays are C-contiguous, tile-major
+        return sig, codegen
+
+    return unpack
+
+
+def _make_tile_products(bias: int, has_mins: bool):
+    @intrinsic
+    def tile_products(typingctx, unpacked, num_blocks, tiles, first_tile, num_tiles, out):
+        """out[i, 0:8, 0:16] = the unpacked group · the 16 tokens of token tile first_tile + i, for i below
+        num_tiles, by the hardware tiles (tiles.mode == HARDWARE) or their emulation."""
+        sig = types.void(unpacked, num_blocks, tiles, first_tile, num_tiles, out)
+
+        def codegen(context, builder, signature, args):
+            unpacked_arr, n_blocks, tiles_value, tile_index, n_tiles, out_arr = args
+            tiles_type = signature.args[2]
+            fields = {name: (builder.extract_value(tiles_value, i), tiles_type.types[i])
+                      for i, name in enumerate(TileActivations._fields)}  # fmt: skip
+            n_blocks = context.cast(builder, n_blocks, signature.args[1], types.int64)
+            tile_index = context.cast(builder, tile_index, signature.args[3], types.int64)
+            n_tiles = context.cast(builder, n_tiles, signature.args[4], types.int64)
+
+            def tile_base_and_stride(name: str) -> tuple[ir.Value, ir.Value]:  # arrays are C-contiguous, tile-major
                 value, ty = fields[name]
                 array = context.make_array(ty)(context, builder, value)
                 stride = builder.extract_value(array.strides, 0)
-                return builder.gep(builder.bitcast(array.data, _i8p), [builder.mul(tile_index, stride)])
+                return builder.gep(builder.bitcast(array.data, _i8p), [builder.mul(tile_index, stride)]), stride
 
-            pointers = [w_base, n_blocks, tile_base("xq"), tile_base("xd"), tile_base("mass"), tile_base("half_sums"),
+            (bq, bq_stride), (xd, fields_stride), (mass, _), (hs, hs_stride) = (
+                tile_base_and_stride(name) for name in ("xq", "xd", "mass", "half_sums"))
+            pointers = [array_byte_pointer(context, builder, signature.args[0], unpacked_arr), n_blocks, bq, xd, mass,
+                        hs, n_tiles, bq_stride, fields_stride, hs_stride,
                         array_byte_pointer(context, builder, signature.args[5], out_arr)]  # fmt: skip
             mode = context.cast(builder, fields["mode"][0], fields["mode"][1], types.int64)
             hardware = builder.icmp_signed("==", mode, ir.Constant(_i64, HARDWARE))
             with builder.if_else(hardware) as (on_hardware, emulated):
                 with on_hardware:
-                    builder.call(_define_tile_dot(builder.module, qtype, _HardwareTiles), pointers)
+                    builder.call(_define_tile_products(builder.module, bias, has_mins, _HardwareTiles), pointers)
                 with emulated:
-                    builder.call(_define_tile_dot(builder.module, qtype, _EmulatedTiles), pointers)
+                    builder.call(_define_tile_products(builder.module, bias, has_mins, _EmulatedTiles), pointers)
             return context.get_dummy_value()
 
         return sig, codegen
 
-    return tile_dot
+    return tile_products
 
 
-tile_dot_q4_0 = _make_tile_dot(QType.Q4_0)
-tile_dot_q4_1 = _make_tile_dot(QType.Q4_1)
-tile_dot_q4_k = _make_tile_dot(QType.Q4_K)
-tile_dot_q5_0 = _make_tile_dot(QType.Q5_0)
-tile_dot_q5_1 = _make_tile_dot(QType.Q5_1)
-tile_dot_q6_k = _make_tile_dot(QType.Q6_K)
-tile_dot_q8_0 = _make_tile_dot(QType.Q8_0)
+unpack_q4_0 = _make_unpack(QType.Q4_0)
+unpack_q4_1 = _make_unpack(QType.Q4_1)
+unpack_q4_k = _make_unpack(QType.Q4_K)
+unpack_q5_0 = _make_unpack(QType.Q5_0)
+unpack_q5_1 = _make_unpack(QType.Q5_1)
+unpack_q6_k = _make_unpack(QType.Q6_K)
+unpack_q8_0 = _make_unpack(QType.Q8_0)
+# the products depend on a type only through its storage offset and whether it has a min term
+tile_products_with_mins = _make_tile_products(0, True)
+tile_products_offset_8 = _make_tile_products(UNSIGNED_BIAS[QType.Q4_0], False)
+tile_products_offset_16 = _make_tile_products(UNSIGNED_BIAS[QType.Q5_0], False)
+tile_products_offset_32 = _make_tile_products(UNSIGNED_BIAS[QType.Q6_K], False)
+tile_products_offset_128 = _make_tile_products(UNSIGNED_BIAS[QType.Q8_0], False)

@@ -100,7 +100,7 @@ def check_tiles(mode: int | None = None) -> list[str]:
     VNNI kernels: the mismatches (empty if none)."""
     import numpy as np
 
-    from decoding.kernels.amx import HARDWARE, tile_activations
+    from decoding.kernels.amx import HARDWARE, tile_activations, tile_scratch
     from decoding.kernels.fast_kernels import activation_arrays, matmul_groups, quantize_activation_rows
     from decoding.kernels.repack import repack
     from decoding.kernels.vnni import GROUP_ROWS, MOST_GROUP_TOKENS
@@ -125,7 +125,7 @@ def check_tiles(mode: int | None = None) -> list[str]:
             out = np.zeros((tokens, rows), np.float32)
             matmul_groups(packed, int(qtype), cols, xq, xd, xsum, tokens, out, 0, rows // 8, False,
                           np.zeros((MOST_GROUP_TOKENS, GROUP_ROWS), np.float32), tiles,
-                          np.zeros((8, 16), np.float32))
+                          tile_scratch(1, tiles_mode, cols, tokens)[0, 0])
             results.append(out)
         if not np.array_equal(results[0].view(np.int32), results[1].view(np.int32)):
             mismatches.append(f"{qtype.name}: {int((results[0] != results[1]).sum())} of {results[0].size} differ")

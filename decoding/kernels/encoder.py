@@ -32,7 +32,7 @@ from threadpool import barrier_wait
 from ..model.encoder import EncoderConfig, EncoderWeights
 from ..model.quant import QType, quantize
 from ..model.weights import WeightMatrix
-from .amx import TileActivations, tile_activation_row, tile_activations
+from .amx import TileActivations, tile_activation_row, tile_activations, tile_scratch
 from .fast_kernels import activation_arrays, quantize_activation_row, tiled_tokens
 from .forward import _as_bytes, project
 from .kernels import dequantize_row, split_range
@@ -164,7 +164,7 @@ class EncoderScratch(NamedTuple):
     row_buffers: np.ndarray  # (n_threads, 2, max(dim, hidden_dim)) dequantized weight rows
     group_out: np.ndarray  # (n_threads, 2, 8, 8) float32
     tiles: TileActivations  # the activations again in AMX tiles' layout (decoding.kernels.amx), or none
-    tile_out: np.ndarray  # (n_threads, 2, 8, 16) float32
+    tile_out: np.ndarray  # (n_threads, 2, …) float32: amx.tile_scratch
     xq: np.ndarray  # (max_tokens, max(dim, hidden_dim)) int8 quantized activations (fast mode)
     xd: np.ndarray  # (max_tokens, widest / 32, 2) float32 (decoding.kernels.fast_kernels.activation_arrays)
     xsum: np.ndarray  # (max_tokens, widest / 32, 2) int32
@@ -183,7 +183,8 @@ class EncoderScratch(NamedTuple):
             v=zeros(max_tokens, cfg.dim), attn=zeros(max_tokens, cfg.dim), out=zeros(max_tokens, cfg.dim),
             hidden=zeros(max_tokens, cfg.hidden_dim), scores=zeros(n_threads, cfg.max_context),
             row_buffers=zeros(n_threads, 2, widest), group_out=zeros(n_threads, 2, MOST_GROUP_TOKENS, GROUP_ROWS),
-            tiles=tile_activations(tile_mode, max_tokens, widest), tile_out=zeros(n_threads, 2, 8, 16),
+            tiles=tile_activations(tile_mode, max_tokens, widest),
+            tile_out=tile_scratch(n_threads, tile_mode, widest, max_tokens),
             xq=xq, xd=xd, xsum=xsum,
         )  # fmt: skip
 

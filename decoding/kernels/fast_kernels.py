@@ -17,14 +17,20 @@ from kvcache.fastmath import exp_f32
 from ..model.quant import QType
 from .amx import (
     TILE_TOKENS,
+    UNPACKED_FLOATS_PER_BLOCK,
     tile_activation_row,
-    tile_dot_q4_0,
-    tile_dot_q4_1,
-    tile_dot_q4_k,
-    tile_dot_q5_0,
-    tile_dot_q5_1,
-    tile_dot_q6_k,
-    tile_dot_q8_0,
+    tile_products_offset_8,
+    tile_products_offset_16,
+    tile_products_offset_32,
+    tile_products_offset_128,
+    tile_products_with_mins,
+    unpack_q4_0,
+    unpack_q4_1,
+    unpack_q4_k,
+    unpack_q5_0,
+    unpack_q5_1,
+    unpack_q6_k,
+    unpack_q8_0,
 )
 from .kernels import gate_sigmoid_argument
 from .vnni import (
@@ -166,36 +172,52 @@ def group_dot(packed, qtype, offset, n_blocks, xq, xd, xsum, token, num_tokens, 
 
 
 @njit(nogil=True, cache=True)
-def tile_group_dot(packed, qtype, offset, n_blocks, tiles, tile, out):
-    """out[:8, :16] = the group at `offset` · the 16 tokens of token tile `tile` (decoding.kernels.amx)."""
+def tile_group_products(packed, qtype, offset, n_blocks, tiles, first_tile, n_tiles, scratch):
+    """The group at `offset` · token tiles first_tile.. first_tile + n_tiles - 1 (decoding.kernels.amx): unpacked
+    once into the end of `scratch` (a row of amx.tile_scratch), then each tile's 8 × 16 results at its start;
+    returns those results, (n_tiles, 8, 16)."""
+    unpacked = scratch[scratch.shape[0] - n_blocks * UNPACKED_FLOATS_PER_BLOCK :]
+    results = scratch[: n_tiles * 8 * TILE_TOKENS]
     if qtype == Q4_1:
-        tile_dot_q4_1(packed, offset, n_blocks, tiles, tile, out)
+        unpack_q4_1(packed, offset, n_blocks, unpacked)
+        tile_products_with_mins(unpacked, n_blocks, tiles, first_tile, n_tiles, results)
     elif qtype == Q4_K:
-        tile_dot_q4_k(packed, offset, n_blocks, tiles, tile, out)
+        unpack_q4_k(packed, offset, n_blocks, unpacked)
+        tile_products_with_mins(unpacked, n_blocks, tiles, first_tile, n_tiles, results)
     elif qtype == Q6_K:
-        tile_dot_q6_k(packed, offset, n_blocks, tiles, tile, out)
+        unpack_q6_k(packed, offset, n_blocks, unpacked)
+        tile_products_offset_32(unpacked, n_blocks, tiles, first_tile, n_tiles, results)
     elif qtype == Q5_1:
-        tile_dot_q5_1(packed, offset, n_blocks, tiles, tile, out)
+        unpack_q5_1(packed, offset, n_blocks, unpacked)
+        tile_products_with_mins(unpacked, n_blocks, tiles, first_tile, n_tiles, results)
     elif qtype == Q5_0:
-        tile_dot_q5_0(packed, offset, n_blocks, tiles, tile, out)
+        unpack_q5_0(packed, offset, n_blocks, unpacked)
+        tile_products_offset_16(unpacked, n_blocks, tiles, first_tile, n_tiles, results)
     elif qtype == Q8_0:
-        tile_dot_q8_0(packed, offset, n_blocks, tiles, tile, out)
+        unpack_q8_0(packed, offset, n_blocks, unpacked)
+        tile_products_offset_128(unpacked, n_blocks, tiles, first_tile, n_tiles, results)
     else:
-        tile_dot_q4_0(packed, offset, n_blocks, tiles, tile, out)
+        unpack_q4_0(packed, offset, n_blocks, unpacked)
+        tile_products_offset_8(unpacked, n_blocks, tiles, first_tile, n_tiles, results)
+    return results.reshape((n_tiles, 8, TILE_TOKENS))
 
 
 # the activations one pass over a thread's weight groups keeps in its L2: a prompt's rows in passes of
 # this many bytes, so each 8-row group meets them from L2, not from L3 (a 512-token row set of a 7B's
 # down projection is 14 MB); the weights, a few bytes per 64 multiply-accumulates, are re-read per pass
 ACTIVATION_PASS_BYTES = 384 * 1024
+# through AMX tiles, more: each group is unpacked into the tiles' layout once per pass (decoding.kernels.amx), and
+# the CPUs that have AMX have 2 MB of L2 a core
+TILE_PASS_BYTES = 1024 * 1024
 
 
 @njit(nogil=True, cache=True)
-def tokens_per_pass(n_cols):
+def tokens_per_pass(n_cols, tiled=False):
     """Tokens in one pass of matmul_groups: whole tiles of 16, whose activations (n_cols int8 and 16 bytes a
-    block beside them) fit ACTIVATION_PASS_BYTES; at least one tile. Every token keeps its 8-, 4- and
-    1-token steps, so its numbers do not change."""
-    return max(1, ACTIVATION_PASS_BYTES // ((n_cols + n_cols // 2) * TILE_TOKENS)) * TILE_TOKENS
+    block beside them) fit ACTIVATION_PASS_BYTES (TILE_PASS_BYTES where tiles are in use); at least one
+    tile. Every token keeps its 8-, 4- and 1-token steps, so its numbers do not change."""
+    budget = TILE_PASS_BYTES if tiled else ACTIVATION_PASS_BYTES
+    return max(1, budget // ((n_cols + n_cols // 2) * TILE_TOKENS)) * TILE_TOKENS
 
 
 @njit(nogil=True, cache=True)
@@ -236,19 +258,23 @@ def group_step(t, end):
 def matmul_groups(
     packed, qtype, n_cols, xq, xd, xsum, n_tokens, out, group_begin, group_end, accumulate, tmp, tiles, tile_out
 ):
-    """out[t, 8g + i] (+)= row 8g+i · x[t] for groups [group_begin, group_end); tmp: (8, 8) float32, tile_out:
-    (8, 16) float32. Whole tiles of 16 tokens go through `tiles` where they are in use (the same numbers).
-    Many tokens go in passes of tokens_per_pass, each over all the groups."""
+    """out[t, 8g + i] (+)= row 8g+i · x[t] for groups [group_begin, group_end); tmp: (8, 8) float32, tile_out: a
+    row of amx.tile_scratch. Whole tiles of 16 tokens go through `tiles` where they are in use (the same
+    numbers). Many tokens go in passes of tokens_per_pass, each over all the groups."""
     n_blocks = n_cols // 32
     stride = group_stride(qtype, n_blocks)
     n_tiled = tiled_tokens(tiles, n_tokens)
-    chunk = tokens_per_pass(n_cols)
+    chunk = tokens_per_pass(n_cols, n_tiled > 0)
     for chunk_begin in range(0, n_tokens, chunk):
         chunk_end = min(n_tokens, chunk_begin + chunk)
+        first_tile = chunk_begin // TILE_TOKENS
+        n_pass_tiles = max(0, min(chunk_end, n_tiled) // TILE_TOKENS - first_tile)
         for g in range(group_begin, group_end):
-            for tile in range(chunk_begin // TILE_TOKENS, min(chunk_end, n_tiled) // TILE_TOKENS):
-                tile_group_dot(packed, qtype, g * stride, n_blocks, tiles, tile, tile_out)
-                store_group(out, tile * TILE_TOKENS, TILE_TOKENS, g, tile_out.T, accumulate)
+            if n_pass_tiles > 0:
+                results = tile_group_products(packed, qtype, g * stride, n_blocks, tiles, first_tile, n_pass_tiles,
+                                              tile_out)  # fmt: skip
+                for i in range(n_pass_tiles):
+                    store_group(out, (first_tile + i) * TILE_TOKENS, TILE_TOKENS, g, results[i].T, accumulate)
             t = max(chunk_begin, n_tiled)
             while t < chunk_end:
                 step = group_step(t, chunk_end)
@@ -263,7 +289,7 @@ def swiglu_groups(gate, up, qtype_gate, qtype_up, n_cols, xq, xd, xsum, n_tokens
     """out[t, r] = act(gate_r · x[t]) · (up_r · x[t]) for the rows of groups [group_begin, group_end);
     act is SiLU or the tanh GELU (kernels.gate_sigmoid_argument).
 
-    Whole tiles of 16 tokens go through `tiles` where they are in use (tile_out: (2, 8, 16) float32).
+    Whole tiles of 16 tokens go through `tiles` where they are in use (tile_out: two rows of amx.tile_scratch).
     The dot products land first in `out` (gate) and `up_out` (up); the SiLU then runs as one
     contiguous pass over the thread's own columns, where `exp_f32` vectorises (a libm expf per
     element was a sixth of the feed-forward's time at 32 tokens). error_model="numpy": numba's
@@ -274,15 +300,20 @@ def swiglu_groups(gate, up, qtype_gate, qtype_up, n_cols, xq, xd, xsum, n_tokens
     stride_gate = group_stride(qtype_gate, n_blocks)
     stride_up = group_stride(qtype_up, n_blocks)
     n_tiled = tiled_tokens(tiles, n_tokens)
-    chunk = tokens_per_pass(n_cols)
+    chunk = tokens_per_pass(n_cols, n_tiled > 0)
     for chunk_begin in range(0, n_tokens, chunk):
         chunk_end = min(n_tokens, chunk_begin + chunk)
+        first_tile = chunk_begin // TILE_TOKENS
+        n_pass_tiles = max(0, min(chunk_end, n_tiled) // TILE_TOKENS - first_tile)
         for g in range(group_begin, group_end):
-            for tile in range(chunk_begin // TILE_TOKENS, min(chunk_end, n_tiled) // TILE_TOKENS):
-                tile_group_dot(gate, qtype_gate, g * stride_gate, n_blocks, tiles, tile, tile_out[0])
-                tile_group_dot(up, qtype_up, g * stride_up, n_blocks, tiles, tile, tile_out[1])
-                store_group(out, tile * TILE_TOKENS, TILE_TOKENS, g, tile_out[0].T, False)
-                store_group(up_out, tile * TILE_TOKENS, TILE_TOKENS, g, tile_out[1].T, False)
+            if n_pass_tiles > 0:
+                gates = tile_group_products(gate, qtype_gate, g * stride_gate, n_blocks, tiles, first_tile,
+                                            n_pass_tiles, tile_out[0])  # fmt: skip
+                ups = tile_group_products(up, qtype_up, g * stride_up, n_blocks, tiles, first_tile, n_pass_tiles,
+                                          tile_out[1])  # fmt: skip
+                for i in range(n_pass_tiles):
+                    store_group(out, (first_tile + i) * TILE_TOKENS, TILE_TOKENS, g, gates[i].T, False)
+                    store_group(up_out, (first_tile + i) * TILE_TOKENS, TILE_TOKENS, g, ups[i].T, False)
             t = max(chunk_begin, n_tiled)
             while t < chunk_end:
                 step = group_step(t, chunk_end)

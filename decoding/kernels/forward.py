@@ -45,7 +45,7 @@ from ..model.config import ModelConfig
 from ..model.token_rows import TokenRows
 from ..model.weights import LayerWeights, ModelWeights, WeightMatrix, release_mapped_pages
 from . import weight_cache
-from .amx import EMULATED, HARDWARE, TileActivations, tile_activations, tiles_from
+from .amx import EMULATED, HARDWARE, TileActivations, tile_activations, tile_scratch, tiles_from
 from .amx_probe import tile_support
 from .experts import expert_feed_forward, route_tokens
 from .fast_kernels import activation_arrays, matmul_groups, quantize_activation_rows, swiglu_groups, tokens_per_pass
@@ -357,7 +357,7 @@ class StepScratch(NamedTuple):
     group_out: np.ndarray  # (n_threads, 2, 8, 8) float32 results of one 8-row group for up to 8 tokens
     tiles: TileActivations  # the activations again in AMX tiles' layout (decoding.kernels.amx), or none
     untiled: TileActivations  # none: for the experts' gathered rows
-    tile_out: np.ndarray  # (n_threads, 2, 8, 16) float32 results of one 8-row group for a tile of 16 tokens
+    tile_out: np.ndarray  # (n_threads, 2, …) float32: amx.tile_scratch
     phase_cycles: np.ndarray  # (len(PHASES),) int64 cycles per phase while profiling, else empty
     # a mixture of experts (decoding.kernels.experts); a pair is one (token, chosen expert); no rows if dense
     expert_scores: np.ndarray  # (max_tokens, n_experts) float32 router probabilities
@@ -402,7 +402,7 @@ class StepScratch(NamedTuple):
             xq=xq, xd=xd, xsum=xsum,
             group_out=zeros(n_threads, 2, MOST_GROUP_TOKENS, GROUP_ROWS),
             tiles=tile_activations(tile_mode, rows, max(cfg.dim, cfg.q_dim)), untiled=tile_activations(0, 0, 0),
-            tile_out=zeros(n_threads, 2, 8, 16), phase_cycles=no_profile(),
+            tile_out=tile_scratch(n_threads, tile_mode, widest, rows), phase_cycles=no_profile(),
             expert_scores=zeros(max_tokens if experts else 0, experts),
             expert_choices=np.zeros((max_tokens, used), dtype=np.int64), expert_weights=zeros(max_tokens, used),
             expert_offsets=np.zeros((n_threads, experts + 1), dtype=np.int64),
