@@ -8,8 +8,8 @@ real step (`ModelRunner.forward`, the fast kernels on the spin pool, the weight 
 sequences each decoding one token at position `context` - 1 over a float16 KV cache (random values:
 a step's time does not depend on them), and reports per level the median step time, the
 multiply-accumulates it does per second (every matrix and the LM head, per token) and their share of
-the int8 probe measured in the same run (`bench.engine_rooflines.measure_int8_gmacs`, the AMX tiles'
-where they are granted), and where the step's time goes (the kernels' phases). With
+the int8 probe measured in the same run (`bench.engine_rooflines.measure_int8_gmacs`; the AMX tiles'
+for steps that take them, where they are granted), and where the step's time goes (the kernels' phases). With
 --prompt-tokens, one more row: one sequence's prompt of that many tokens as a single step (causal
 attention over itself, no LM head but its last row's), whose multiply-accumulates are every layer's
 matrices per token. Through HTTP (`bench sizes`) the same streams also carry their prompts,
@@ -136,17 +136,22 @@ def measure(path: Path, streams: list[int], context: int, threads: int, steps: i
 
 
 def report(results: dict[str, Any]) -> str:
-    roof = results["amx_int8_gmacs"] or results["int8_gmacs"]
-    roof_name = "the AMX tiles' probe" if results["amx_int8_gmacs"] else "the int8 probe"
+    from decoding.kernels.amx import FEWEST_TILED_TOKENS
+
+    int8, tiles = results["int8_gmacs"], results["amx_int8_gmacs"]
+    probes = f"the int8 probe {int8 or 0:.0f} GMAC/s" + (
+        f", the AMX tiles' {tiles:.0f} (the roof of steps of {FEWEST_TILED_TOKENS} tokens or more, which take them)"
+        if tiles else "")  # fmt: skip
     lines = [f"**{Path(results['model']).name}**, {results['threads']} threads, context {results['context']}: one "
-             f"decode step of N sequences ({results['decode_macs_per_token'] / 1e9:.2f} GMAC a token; {roof_name} "
-             f"{roof or 0:.0f} GMAC/s, measured after the steps)", "",
+             f"decode step of N sequences ({results['decode_macs_per_token'] / 1e9:.2f} GMAC a token; {probes}, "
+             f"measured after the steps)", "",
              "| streams | step, ms | tokens/s | GMAC/s | share of the roof | largest phases |",
              "| ---: | ---: | ---: | ---: | ---: | --- |"]  # fmt: skip
-    rows = [(str(level["streams"]), level) for level in results["levels"]]
+    rows = [(str(level["streams"]), level["streams"], level) for level in results["levels"]]
     if results.get("prompt"):
-        rows.append((f"a {results['prompt']['tokens']}-token prompt", results["prompt"]))
-    for label, level in rows:
+        rows.append((f"a {results['prompt']['tokens']}-token prompt", results["prompt"]["tokens"], results["prompt"]))
+    for label, tokens, level in rows:
+        roof = tiles if tiles and tokens >= FEWEST_TILED_TOKENS else int8
         phases = sorted(level["phases"].items(), key=lambda item: -item[1])[:3]
         share = f"{level['gmacs'] / roof:.0%}" if roof else "—"
         lines.append(f"| {label} | {level['step_ms']:.1f} | {level['tokens_per_s']:.1f} | "

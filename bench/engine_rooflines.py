@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 from numba import njit
 
-from decoding.kernels.amx import tile_activations, tile_scratch
+from decoding.kernels.amx import TILE_TOKENS, tile_activations, tile_scratch
 from decoding.kernels.fast_kernels import activation_arrays, matmul_groups, quantize_activation_rows
 from decoding.kernels.kernels import split_range
 from decoding.kernels.repack import is_packable, packed_type, repack
@@ -133,15 +133,18 @@ def int8_matmul_repeats(tid, nthreads, barrier, packed, qtype, n_rows, n_cols, x
         barrier_wait(barrier, tid)
 
 
-def measure_int8_gmacs(model: Model, threads: int, tokens: int = 32, tile_mode: int = 0) -> float | None:
+def measure_int8_gmacs(model: Model, threads: int, tokens: int | None = None, tile_mode: int = 0) -> float | None:
     """Multiply-accumulates per second of the fast kernels on the pool, weights in cache: the compute
     ceiling of a batched step (a 32-sequence decode step is int8 dot products, not memory traffic).
 
     One feed-forward matrix of the model (repacked: a few hundred KB for a small model, in L2; 8-40 MB at
     1.5B-7B, streamed from L3 or memory at ~0.02 byte per multiply-accumulate for 32 tokens, well under
     the memory's speed), `tokens` activation rows (in L1), split over the threads as a step splits it;
-    through AMX tiles with `tile_mode` (decoding.kernels.amx). None when the matrix is not packable.
+    through AMX tiles with `tile_mode` (decoding.kernels.amx). `tokens` defaults to 32 on the VNNI kernels and
+    to a prompt's 256 through the tiles (a step takes them only from amx.FEWEST_TILED_TOKENS on, and each pass
+    unpacks the weights once for all its tiles). None when the matrix is not packable.
     """
+    tokens = tokens or (256 if tile_mode else 32)
     matrix = model.weights.layers[0].w_up
     if not is_packable(matrix.qtype, matrix.n_rows):
         return None
@@ -149,12 +152,12 @@ def measure_int8_gmacs(model: Model, threads: int, tokens: int = 32, tile_mode: 
     packed = repack(matrix.data, matrix.qtype, rows, cols)
     x = np.random.default_rng(0).standard_normal((tokens, cols)).astype(np.float32)
     xq, xd, xsum = activation_arrays(tokens, cols)
-    tiles = tile_activations(tile_mode, tokens, cols)
+    tiles = tile_activations(tile_mode, tokens, cols, TILE_TOKENS)
     quantize_activation_rows(x, cols, 0, tokens, xq, xd, xsum, tiles, tokens)
     out = np.zeros((tokens, rows), np.float32)
     tmp = np.zeros((threads, MOST_GROUP_TOKENS, GROUP_ROWS), np.float32)
     tile_out = np.ascontiguousarray(tile_scratch(threads, tile_mode, cols, tokens)[:, 0])
-    repeats = 50
+    repeats = max(5, 50 * 32 // tokens)
     best = float("inf")
     with SpinPool(threads) as pool:
         args = (packed, int(packed_type(matrix.qtype)), rows, cols, xq, xd, xsum, tokens, out, tmp, tiles, tile_out)

@@ -27,7 +27,7 @@ from numba import njit
 
 from bench.engine_rooflines import int8_matmul_repeats
 from bench.pool import machine_description
-from decoding.kernels.amx import HARDWARE, tile_activations, tile_scratch
+from decoding.kernels.amx import HARDWARE, TILE_TOKENS, tile_activations, tile_scratch
 from decoding.kernels.amx_probe import tile_support
 from decoding.kernels.fast_kernels import activation_arrays, quantize_activation_rows
 from decoding.kernels.kernels import matmul_rows, split_range
@@ -92,7 +92,7 @@ def time_matmul(qtype: QType, rows: int, cols: int, tokens: int, threads: int, r
     with SpinPool(threads) as pool:
         if int8:
             xq, xd, xsum = activation_arrays(tokens, cols)
-            tiles = tile_activations(tile_mode, tokens, cols)
+            tiles = tile_activations(tile_mode, tokens, cols, TILE_TOKENS)
             quantize_activation_rows(x, cols, 0, tokens, xq, xd, xsum, tiles, tokens)
             packed = repack(stored, qtype, rows, cols)
             resident = packed.nbytes

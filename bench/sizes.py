@@ -247,6 +247,8 @@ def _row(label: str, values: list[str]) -> str:
 
 
 def report_table(path: Path, costs: dict[str, Any], runs: dict[str, dict[str, Any]], streams: list[int]) -> str:
+    from decoding.kernels.amx import FEWEST_TILED_TOKENS
+
     names = [n for n in runs if "skipped" not in runs[n]]
     header = _row("", names + (["treadle / llama-server"] if {"treadle", "llama-server"} <= set(names) else []))
     active = (f" ({costs['active_parameters_b']:.2f}B active: {costs['n_experts_used']} of {costs['n_experts']} "
@@ -289,7 +291,7 @@ def report_table(path: Path, costs: dict[str, Any], runs: dict[str, dict[str, An
                 label += f" (a step reads {share:.0%} of experts)"
             add(label, lambda r, s=s: (r.get("aggregate_tokens_per_s") or {}).get(s), "{:.1f}")
             if costs["int8_gmacs"]:  # a batch's step is int8 dot products (through HTTP: with its prompts too)
-                roof = costs.get("amx_int8_gmacs") if s >= 16 else None
+                roof = costs.get("amx_int8_gmacs") if s >= FEWEST_TILED_TOKENS else None  # the tiles from there
                 macs = costs.get("decode_macs_per_token") or costs["prompt_macs_per_token"]
                 add(f"{s} streams, share of {'the AMX tiles' if roof else 'int8'} roof",
                     lambda r, s=s, roof=roof or costs["int8_gmacs"], macs=macs:

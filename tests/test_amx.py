@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from bench.kernels import store_as
-from decoding.kernels.amx import EMULATED, HARDWARE, tile_activations, tile_scratch
+from decoding.kernels.amx import EMULATED, HARDWARE, TILE_TOKENS, tile_activations, tile_scratch
 from decoding.kernels.fast_kernels import activation_arrays, matmul_groups, quantize_activation_rows, swiglu_groups
 from decoding.kernels.kernels import GATE_SILU
 from decoding.kernels.repack import repack
@@ -18,7 +18,7 @@ WIDEST = 768  # the scratch is wider than the matrices, as the engine's is
 def quantized(x: np.ndarray, mode: int):
     tokens, cols = x.shape
     xq, xd, xsum = activation_arrays(tokens, WIDEST)
-    tiles = tile_activations(mode, tokens, WIDEST)
+    tiles = tile_activations(mode, tokens, WIDEST, TILE_TOKENS)
     quantize_activation_rows(x, cols, 0, tokens, xq, xd, xsum, tiles, tokens)
     return xq, xd, xsum, tiles
 
@@ -53,7 +53,7 @@ def tile_modes():
 
 @pytest.mark.parametrize("mode", tile_modes())
 @pytest.mark.parametrize("qtype", PACKED_TYPES, ids=lambda q: q.name)
-@pytest.mark.parametrize("tokens", [16, 37])
+@pytest.mark.parametrize("tokens", [16, 37, 70])  # 70: a pass of four tiles over each unpacked group, a remainder
 def test_tiles_give_the_vnni_kernels_bits(mode, qtype, tokens):
     rows, cols = 48, 512
     packed = weights(qtype, rows, cols, int(qtype) * 7 + tokens)
@@ -65,6 +65,35 @@ def test_tiles_give_the_vnni_kernels_bits(mode, qtype, tokens):
     assert_same_bits(tiled, vector)
     assert_same_bits(matmul(packed, qtype, rows, x, mode, accumulate=True),
                      matmul(packed, qtype, rows, x, 0, accumulate=True))
+
+
+def test_calls_of_fewer_than_four_tiles_run_on_the_vector_kernels_on_hardware():
+    """On hardware a call takes the tiles from FEWEST_TILED_TOKENS on (below, unpacking each group for one or two
+    tiles costs more than it saves); the emulation takes them from one tile, to test their numbers."""
+    from decoding.kernels.amx import FEWEST_TILED_TOKENS
+    from decoding.kernels.fast_kernels import tiled_tokens
+
+    hardware = tile_activations(HARDWARE, 128, 256)
+    assert hardware.fewest_tokens == FEWEST_TILED_TOKENS == 4 * TILE_TOKENS
+    assert [tiled_tokens(hardware, n) for n in (16, 63, 64, 70, 128)] == [0, 0, 64, 64, 128]
+    emulated = tile_activations(EMULATED, 128, 256)
+    assert [tiled_tokens(emulated, n) for n in (15, 16, 37)] == [0, 16, 32]
+    assert tiled_tokens(tile_activations(0, 128, 256), 128) == 0
+
+
+@pytest.mark.parametrize("mode", tile_modes())
+def test_a_call_below_its_fewest_tokens_gives_the_same_bits_without_tiles(mode):
+    rows, cols, tokens = 16, 256, 40
+    packed = weights(QType.Q6_K, rows, cols, 11)
+    x = np.random.default_rng(12).standard_normal((tokens, cols)).astype(np.float32)
+    xq, xd, xsum = activation_arrays(tokens, cols)
+    tiles = tile_activations(mode, tokens, cols, fewest_tokens=48)
+    quantize_activation_rows(x, cols, 0, tokens, xq, xd, xsum, tiles, tokens)
+    assert not tiles.xq.any()  # the tiles' copy is not even written
+    out = np.zeros((tokens, rows), np.float32)
+    matmul_groups(packed, int(QType.Q6_K), cols, xq, xd, xsum, tokens, out, 0, rows // 8, False,
+                  np.zeros((8, 8), np.float32), tiles, tile_scratch(1, mode, cols, tokens)[0, 0])
+    assert_same_bits(out, matmul(packed, QType.Q6_K, rows, x, 0))
 
 
 @pytest.mark.parametrize("mode", tile_modes())

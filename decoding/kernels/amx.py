@@ -60,6 +60,11 @@ from .vnni import (
 )
 
 TILE_TOKENS = 16
+# Below four tiles a call, the VNNI kernels are faster: each pass unpacks every weight group into the tiles'
+# layout (~15 ns a block) before its tiles' products (~26 ns a block and tile), where the VNNI kernels
+# compute as the weights arrive (Sapphire Rapids guest, 2 threads: 16 and 32 streams' decode steps 0.6-0.9x
+# with the tiles; docs/performance.md)
+FEWEST_TILED_TOKENS = 4 * TILE_TOKENS
 HARDWARE, EMULATED = 1, 2  # TileActivations.mode: 0 is no tiles
 C0, A0, B0 = range(3)
 # (rows, bytes a row): C is 16 lanes × 16 tokens int32, A 16 lanes × 32 weight bytes (half of them zero), B 8 × 16
@@ -81,16 +86,22 @@ class TileActivations(NamedTuple):
     arrays and mode 0 where the tiles are not used."""
 
     mode: int  # 0: none; HARDWARE; EMULATED
+    fewest_tokens: int  # a call with fewer tokens runs on the VNNI kernels alone (the same numbers)
     xq: np.ndarray  # (tiles, blocks, 2, 4, 16) int32: B0 and B1 of each token tile and block
     xd: np.ndarray  # (tiles, blocks, 16) float32 the 16 tokens' scales
     mass: np.ndarray  # (tiles, blocks, 16) float32 their scale · Σq (the min term's)
     half_sums: np.ndarray  # (tiles, blocks, 2, 16) int32 Σq over each half of the block (the storage offsets')
 
 
-def tile_activations(mode: int, max_tokens: int, widest: int) -> TileActivations:
+def tile_activations(mode: int, max_tokens: int, widest: int, fewest_tokens: int | None = None) -> TileActivations:
+    """Room for `max_tokens` activations of up to `widest` columns in the tiles' layout. `fewest_tokens`: the
+    fewest tokens a call takes through the tiles (default FEWEST_TILED_TOKENS on hardware; one tile in the
+    emulation, which exists to test the tiles' numbers, not their speed)."""
+    if fewest_tokens is None:
+        fewest_tokens = FEWEST_TILED_TOKENS if mode == HARDWARE else TILE_TOKENS
     tiles, blocks = (max_tokens // TILE_TOKENS, widest // 32) if mode else (0, 0)
     # on 64-byte boundaries, as every tile row then is: a tile load whose rows straddle cache lines costs ~40%
-    return TileActivations(mode, cache_aligned_zeros((tiles, blocks, 2, 4, TILE_TOKENS), np.int32),
+    return TileActivations(mode, fewest_tokens, cache_aligned_zeros((tiles, blocks, 2, 4, TILE_TOKENS), np.int32),
                            cache_aligned_zeros((tiles, blocks, TILE_TOKENS), np.float32),
                            cache_aligned_zeros((tiles, blocks, TILE_TOKENS), np.float32),
                            cache_aligned_zeros((tiles, blocks, 2, TILE_TOKENS), np.int32))  # fmt: skip
@@ -109,7 +120,7 @@ def tile_scratch(n_threads: int, mode: int, widest: int, max_tokens: int) -> np.
 def tiles_from(tiles, first_token):
     """The activations from token `first_token` on (a whole tile's first token): a view, token 0 its first."""
     first = first_token // TILE_TOKENS
-    return TileActivations(tiles.mode, tiles.xq[first:], tiles.xd[first:], tiles.mass[first:],
+    return TileActivations(tiles.mode, tiles.fewest_tokens, tiles.xq[first:], tiles.xd[first:], tiles.mass[first:],
                            tiles.half_sums[first:])  # fmt: skip
 
 

@@ -100,7 +100,7 @@ def check_tiles(mode: int | None = None) -> list[str]:
     VNNI kernels: the mismatches (empty if none)."""
     import numpy as np
 
-    from decoding.kernels.amx import HARDWARE, tile_activations, tile_scratch
+    from decoding.kernels.amx import HARDWARE, TILE_TOKENS, tile_activations, tile_scratch
     from decoding.kernels.fast_kernels import activation_arrays, matmul_groups, quantize_activation_rows
     from decoding.kernels.repack import repack
     from decoding.kernels.vnni import GROUP_ROWS, MOST_GROUP_TOKENS
@@ -120,7 +120,8 @@ def check_tiles(mode: int | None = None) -> list[str]:
         packed = repack(blocks.reshape(rows, -1), qtype, rows, cols)
         results = []
         for tiles_mode in (0, mode):
-            (xq, xd, xsum), tiles = activation_arrays(tokens, cols), tile_activations(tiles_mode, tokens, cols)
+            xq, xd, xsum = activation_arrays(tokens, cols)
+            tiles = tile_activations(tiles_mode, tokens, cols, TILE_TOKENS)
             quantize_activation_rows(x, cols, 0, tokens, xq, xd, xsum, tiles, tokens)
             out = np.zeros((tokens, rows), np.float32)
             matmul_groups(packed, int(qtype), cols, xq, xd, xsum, tokens, out, 0, rows // 8, False,

@@ -222,8 +222,9 @@ def tokens_per_pass(n_cols, tiled=False):
 
 @njit(nogil=True, cache=True)
 def tiled_tokens(tiles, n_tokens):
-    """How many of the first tokens go through the tiles: whole tiles of 16, where tiles are in use."""
-    return (n_tokens // TILE_TOKENS) * TILE_TOKENS if tiles.mode != 0 else 0
+    """How many of the first tokens go through the tiles: whole tiles of 16, where tiles are in use and the call
+    has at least tiles.fewest_tokens."""
+    return (n_tokens // TILE_TOKENS) * TILE_TOKENS if tiles.mode != 0 and n_tokens >= tiles.fewest_tokens else 0
 
 
 @njit(nogil=True, cache=True)

@@ -45,7 +45,15 @@ from ..model.config import ModelConfig
 from ..model.token_rows import TokenRows
 from ..model.weights import LayerWeights, ModelWeights, WeightMatrix, release_mapped_pages
 from . import weight_cache
-from .amx import EMULATED, HARDWARE, TileActivations, tile_activations, tile_scratch, tiles_from
+from .amx import (
+    EMULATED,
+    FEWEST_TILED_TOKENS,
+    HARDWARE,
+    TileActivations,
+    tile_activations,
+    tile_scratch,
+    tiles_from,
+)
 from .amx_probe import tile_support
 from .experts import expert_feed_forward, route_tokens
 from .fast_kernels import activation_arrays, matmul_groups, quantize_activation_rows, swiglu_groups, tokens_per_pass
@@ -110,7 +118,8 @@ def tile_mode(kernels: str) -> int:
         log.info("AMX tiles: emulated in vector IR (TREADLE_AMX=emulate; slower, for tests)")
         return EMULATED
     support = tile_support()
-    log.info("AMX tiles: %s", "used for 16 tokens at a time" if support.granted else f"not used ({support.reason})")
+    log.info("AMX tiles: %s", f"used for steps of {FEWEST_TILED_TOKENS} tokens or more" if support.granted
+             else f"not used ({support.reason})")  # fmt: skip
     return HARDWARE if support.granted else 0
 _NOT_PACKED = np.zeros(0, dtype=np.uint8)
 
