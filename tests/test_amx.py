@@ -90,10 +90,35 @@ def test_a_call_below_its_fewest_tokens_gives_the_same_bits_without_tiles(mode):
     tiles = tile_activations(mode, tokens, cols, fewest_tokens=48)
     quantize_activation_rows(x, cols, 0, tokens, xq, xd, xsum, tiles, tokens)
     assert not tiles.xq.any()  # the tiles' copy is not even written
-    out = np.zeros((tokens, rows), np.float32)
+    out, scratch = np.zeros((tokens, rows), np.float32), tile_scratch(1, mode, cols, tokens)[0, 0]
     matmul_groups(packed, int(QType.Q6_K), cols, xq, xd, xsum, tokens, out, 0, rows // 8, False,
-                  np.zeros((8, 8), np.float32), tiles, tile_scratch(1, mode, cols, tokens)[0, 0])
+                  np.zeros((8, 8), np.float32), tiles, scratch)
     assert_same_bits(out, matmul(packed, QType.Q6_K, rows, x, 0))
+    assert not scratch.any()  # no group was unpacked, no tile's products written
+
+
+@pytest.mark.parametrize("mode", tile_modes())
+def test_a_long_rows_passes_of_fewer_tiles_than_the_fewest_run_without_tiles(mode):
+    """A matrix whose rows are so long that a pass holds one tile (its activations fill TILE_PASS_BYTES) runs
+    on the VNNI kernels where the fewest tokens are two tiles, though the call has many more."""
+    from decoding.kernels.fast_kernels import tokens_per_pass
+
+    rows, cols, tokens = 8, 256 * 88, 64
+    assert tokens_per_pass(cols, True) == TILE_TOKENS
+    packed = weights(QType.Q4_K, rows, cols, 13)
+    x = np.random.default_rng(14).standard_normal((tokens, cols)).astype(np.float32)
+    results = []
+    for fewest in (TILE_TOKENS, 2 * TILE_TOKENS):
+        xq, xd, xsum = activation_arrays(tokens, cols)
+        tiles = tile_activations(mode, tokens, cols, fewest_tokens=fewest)
+        quantize_activation_rows(x, cols, 0, tokens, xq, xd, xsum, tiles, tokens)
+        out, scratch = np.zeros((tokens, rows), np.float32), tile_scratch(1, mode, cols, tokens)[0, 0]
+        matmul_groups(packed, int(QType.Q4_K), cols, xq, xd, xsum, tokens, out, 0, 1, False,
+                      np.zeros((8, 8), np.float32), tiles, scratch)
+        assert scratch.any() == (fewest == TILE_TOKENS)  # one tile a pass: through the tiles only from one on
+        results.append(out)
+    assert np.abs(results[0]).max() > 0
+    assert_same_bits(results[1], results[0])
 
 
 @pytest.mark.parametrize("mode", tile_modes())

@@ -228,6 +228,16 @@ def tiled_tokens(tiles, n_tokens):
 
 
 @njit(nogil=True, cache=True)
+def pass_tiles(tiles, chunk_begin, chunk_end, n_tiled):
+    """(first tile, tiles) of a pass [chunk_begin, chunk_end) that go through the tiles: its whole tiles below
+    n_tiled, none where they hold fewer than tiles.fewest_tokens (a long row's pass of one or two tiles, whose
+    unpacking would cost more than the tiles save)."""
+    first_tile = chunk_begin // TILE_TOKENS
+    n_pass_tiles = max(0, min(chunk_end, n_tiled) // TILE_TOKENS - first_tile)
+    return first_tile, n_pass_tiles if n_pass_tiles * TILE_TOKENS >= tiles.fewest_tokens else 0
+
+
+@njit(nogil=True, cache=True)
 def quantize_activation_rows(x, n_cols, row_begin, row_end, xq, xd, xsum, tiles, n_tokens):
     """quantize_activation_row for rows [row_begin, row_end), and the tiles' copy of those in whole tiles."""
     n_tiled = tiled_tokens(tiles, n_tokens)
@@ -268,15 +278,14 @@ def matmul_groups(
     chunk = tokens_per_pass(n_cols, n_tiled > 0)
     for chunk_begin in range(0, n_tokens, chunk):
         chunk_end = min(n_tokens, chunk_begin + chunk)
-        first_tile = chunk_begin // TILE_TOKENS
-        n_pass_tiles = max(0, min(chunk_end, n_tiled) // TILE_TOKENS - first_tile)
+        first_tile, n_pass_tiles = pass_tiles(tiles, chunk_begin, chunk_end, n_tiled)
         for g in range(group_begin, group_end):
             if n_pass_tiles > 0:
                 results = tile_group_products(packed, qtype, g * stride, n_blocks, tiles, first_tile, n_pass_tiles,
                                               tile_out)  # fmt: skip
                 for i in range(n_pass_tiles):
                     store_group(out, (first_tile + i) * TILE_TOKENS, TILE_TOKENS, g, results[i].T, accumulate)
-            t = max(chunk_begin, n_tiled)
+            t = chunk_begin + n_pass_tiles * TILE_TOKENS
             while t < chunk_end:
                 step = group_step(t, chunk_end)
                 group_dot(packed, qtype, g * stride, n_blocks, xq, xd, xsum, t, step, tmp)
@@ -304,8 +313,7 @@ def swiglu_groups(gate, up, qtype_gate, qtype_up, n_cols, xq, xd, xsum, n_tokens
     chunk = tokens_per_pass(n_cols, n_tiled > 0)
     for chunk_begin in range(0, n_tokens, chunk):
         chunk_end = min(n_tokens, chunk_begin + chunk)
-        first_tile = chunk_begin // TILE_TOKENS
-        n_pass_tiles = max(0, min(chunk_end, n_tiled) // TILE_TOKENS - first_tile)
+        first_tile, n_pass_tiles = pass_tiles(tiles, chunk_begin, chunk_end, n_tiled)
         for g in range(group_begin, group_end):
             if n_pass_tiles > 0:
                 gates = tile_group_products(gate, qtype_gate, g * stride_gate, n_blocks, tiles, first_tile,
@@ -315,7 +323,7 @@ def swiglu_groups(gate, up, qtype_gate, qtype_up, n_cols, xq, xd, xsum, n_tokens
                 for i in range(n_pass_tiles):
                     store_group(out, (first_tile + i) * TILE_TOKENS, TILE_TOKENS, g, gates[i].T, False)
                     store_group(up_out, (first_tile + i) * TILE_TOKENS, TILE_TOKENS, g, ups[i].T, False)
-            t = max(chunk_begin, n_tiled)
+            t = chunk_begin + n_pass_tiles * TILE_TOKENS
             while t < chunk_end:
                 step = group_step(t, chunk_end)
                 group_dot(gate, qtype_gate, g * stride_gate, n_blocks, xq, xd, xsum, t, step, tmp_gate)
