@@ -12,7 +12,9 @@ the int8 probe measured in the same run (`bench.engine_rooflines.measure_int8_gm
 for steps that take them, where they are granted), and where the step's time goes (the kernels' phases). With
 --prompt-tokens, one more row: one sequence's prompt of that many tokens as a single step (causal
 attention over itself, no LM head but its last row's), whose multiply-accumulates are every layer's
-matrices per token. Through HTTP (`bench sizes`) the same streams also carry their prompts,
+matrices per token. With --against-no-tiles ROUNDS, where AMX tiles run, each step is also alternated
+with the same step on the VNNI kernels alone (`fast-no-amx`) in the same process, and the table adds the
+median time without tiles and the median ratio. Through HTTP (`bench sizes`) the same streams also carry their prompts,
 scheduling and streaming; this is the step alone.
 """
 
@@ -94,8 +96,28 @@ def _time_step(runner: ModelRunner, batch: StepBatch, steps: int) -> tuple[float
                                       if c}
 
 
+def _against_no_tiles(runners: dict[str, ModelRunner], batch: StepBatch, rounds: int) -> dict[str, float]:
+    """The same step with the tiles (`fast`) and without (`fast-no-amx`), alternated `rounds` times in this
+    process (a guest's speed drifts by tens of percent between runs a minute apart): the median time without,
+    and the median of each round's ratio."""
+    first = {kernels: runner.forward(batch).copy() for kernels, runner in runners.items()}
+    if not np.array_equal(first["fast"], first["fast-no-amx"]):
+        raise RuntimeError("the tiles' step gave other logits than the VNNI kernels'")
+    times: dict[str, list[float]] = {kernels: [] for kernels in runners}
+    for _ in range(rounds):
+        for kernels, runner in runners.items():
+            started = time.perf_counter()
+            runner.forward(batch)
+            times[kernels].append(time.perf_counter() - started)
+    ratios = [without / with_ for with_, without in zip(times["fast"], times["fast-no-amx"], strict=True)]
+    return {"no_tiles_step_ms": 1e3 * statistics.median(times["fast-no-amx"]),
+            "tiles_speedup": statistics.median(ratios)}  # fmt: skip
+
+
 def measure(path: Path, streams: list[int], context: int, threads: int, steps: int,
-            prompt_tokens: int = 0) -> dict[str, Any]:  # fmt: skip
+            prompt_tokens: int = 0, against_no_tiles: int = 0) -> dict[str, Any]:  # fmt: skip
+    """Each level's step (and the prompt's); with `against_no_tiles` rounds, where the tiles run (granted, or
+    TREADLE_AMX=emulate), each step also alternated with the same step without them."""
     from bench.engine_rooflines import measure_int8_gmacs
     from decoding.kernels.amx import HARDWARE
     from decoding.kernels.amx_probe import tile_support
@@ -119,16 +141,24 @@ def measure(path: Path, streams: list[int], context: int, threads: int, steps: i
     rows = max(max(streams), prompt_tokens)
     with SpinPool(threads) as pool:
         runner = ModelRunner(model, storage, pool, max_num_tokens=rows, max_logit_rows=rows, weights=weights)
+        runners = {"fast": runner, "fast-no-amx": ModelRunner(model, storage, pool, max_num_tokens=rows,
+                                                              max_logit_rows=rows, kernels="fast-no-amx",
+                                                              weights=weights)} \
+            if against_no_tiles and runner.state.tiles.mode else None  # fmt: skip
         for n in streams:
             step, phases = _time_step(runner, _decode_batch(n, context), steps)
             results["levels"].append({"streams": n, "step_ms": 1e3 * step, "tokens_per_s": n / step,
                                       "gmacs": n * macs / step / 1e9, "phases": phases})  # fmt: skip
+            if runners:
+                results["levels"][-1].update(_against_no_tiles(runners, _decode_batch(n, context), against_no_tiles))
         if prompt_tokens:
             step, phases = _time_step(runner, _prompt_batch(prompt_tokens), steps)
             # the LM head runs once, for the prompt's last row
             prompt_macs = prompt_tokens * prompt_macs_per_token(cfg) + cfg.vocab_size * cfg.dim
             results["prompt"] = {"tokens": prompt_tokens, "step_ms": 1e3 * step, "tokens_per_s": prompt_tokens / step,
                                  "gmacs": prompt_macs / step / 1e9, "phases": phases}  # fmt: skip
+            if runners:
+                results["prompt"].update(_against_no_tiles(runners, _prompt_batch(prompt_tokens), against_no_tiles))
     results["int8_gmacs"] = measure_int8_gmacs(model, threads)
     results["amx_int8_gmacs"] = measure_int8_gmacs(model, threads, tile_mode=HARDWARE) if tile_support().granted \
         else None  # fmt: skip
@@ -139,14 +169,17 @@ def report(results: dict[str, Any]) -> str:
     from decoding.kernels.amx import FEWEST_TILED_TOKENS
 
     int8, tiles = results["int8_gmacs"], results["amx_int8_gmacs"]
+    levels = results["levels"] + ([results["prompt"]] if results.get("prompt") else [])
+    compared = (" without tiles, ms | the tiles' speedup |", " ---: | ---: |") \
+        if any("tiles_speedup" in level for level in levels) else ("", "")  # fmt: skip
     probes = f"the int8 probe {int8 or 0:.0f} GMAC/s" + (
         f", the AMX tiles' {tiles:.0f} (the roof of steps of {FEWEST_TILED_TOKENS} tokens or more, which take them)"
         if tiles else "")  # fmt: skip
     lines = [f"**{Path(results['model']).name}**, {results['threads']} threads, context {results['context']}: one "
              f"decode step of N sequences ({results['decode_macs_per_token'] / 1e9:.2f} GMAC a token; {probes}, "
              f"measured after the steps)", "",
-             "| streams | step, ms | tokens/s | GMAC/s | share of the roof | largest phases |",
-             "| ---: | ---: | ---: | ---: | ---: | --- |"]  # fmt: skip
+             "| streams | step, ms | tokens/s | GMAC/s | share of the roof | largest phases |" + compared[0],
+             "| ---: | ---: | ---: | ---: | ---: | --- |" + compared[1]]  # fmt: skip
     rows = [(str(level["streams"]), level["streams"], level) for level in results["levels"]]
     if results.get("prompt"):
         rows.append((f"a {results['prompt']['tokens']}-token prompt", results["prompt"]["tokens"], results["prompt"]))
@@ -154,8 +187,12 @@ def report(results: dict[str, Any]) -> str:
         roof = tiles if tiles and tokens >= FEWEST_TILED_TOKENS else int8
         phases = sorted(level["phases"].items(), key=lambda item: -item[1])[:3]
         share = f"{level['gmacs'] / roof:.0%}" if roof else "—"
-        lines.append(f"| {label} | {level['step_ms']:.1f} | {level['tokens_per_s']:.1f} | "
-                     f"{level['gmacs']:.0f} | {share} | " + ", ".join(f"{n} {s:.0%}" for n, s in phases) + " |")
+        line = (f"| {label} | {level['step_ms']:.1f} | {level['tokens_per_s']:.1f} | {level['gmacs']:.0f} | {share} | "
+                + ", ".join(f"{n} {s:.0%}" for n, s in phases) + " |")  # fmt: skip
+        if compared[0]:
+            line += (f" {level['no_tiles_step_ms']:.1f} | {level['tiles_speedup']:.2f}x |" if "tiles_speedup" in level
+                     else " — | — |")  # fmt: skip
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -168,12 +205,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="also one prompt of this many tokens as a single step (default: none)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--against-no-tiles", type=int, default=0, metavar="ROUNDS",
+                        help="where AMX tiles run, also each step without them, alternated ROUNDS times in this "
+                             "process: the tiles' speedup (default: not)")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     results = measure(args.file, [int(s) for s in args.streams.split(",")], args.context, args.threads, args.steps,
-                      args.prompt_tokens)
+                      args.prompt_tokens, args.against_no_tiles)
     print(report(results))
     prompt = f" --prompt-tokens {args.prompt_tokens}" if args.prompt_tokens else ""
+    prompt += f" --against-no-tiles {args.against_no_tiles}" if args.against_no_tiles else ""
     print(f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; `treadle bench batch-decode {args.file} "
           f"--streams {args.streams} --context {args.context}{prompt} --threads {args.threads}`")
     if args.json:

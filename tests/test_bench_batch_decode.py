@@ -39,3 +39,13 @@ def test_each_level_gets_a_step_time_its_rate_and_where_its_time_went(tiny_file)
         (37 * prompt_macs_per_token(cfg) + cfg.vocab_size * cfg.dim) / prompt["step_ms"] / 1e6)
     assert "lm head" in prompt["phases"] and "paged attention" in prompt["phases"]
     assert "| a 37-token prompt |" in table
+
+
+def test_against_no_tiles_alternates_each_step_with_the_vnni_kernels_alone(tiny_file, monkeypatch):
+    monkeypatch.setenv("TREADLE_AMX", "emulate")  # the tiles' path on any CPU, from one tile of 16 tokens
+    results = measure(tiny_file, [4, 16], context=40, threads=2, steps=1, prompt_tokens=37, against_no_tiles=2)
+    for level in (*results["levels"], results["prompt"]):
+        assert level["no_tiles_step_ms"] > 0 and level["tiles_speedup"] > 0
+    table = report(results)
+    assert "the tiles' speedup" in table and f"{results['prompt']['tiles_speedup']:.2f}x |" in table
+    assert "the tiles' speedup" not in report(measure(tiny_file, [4], context=40, threads=2, steps=1))
