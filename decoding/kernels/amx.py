@@ -12,7 +12,7 @@ the 16 tokens. The float work is then the VNNI kernel's, with the vector running
 Two phases per group and pass of tokens: `unpack` writes the group's A tiles, lane scales and mins into scratch
 once; the products then load each block's A from there for every token tile of the pass. A tile load of bytes
 that vector stores have just written waits for those stores to retire (no forwarding: ~30 ns a block on a
-Sapphire Rapids guest, more than the product itself), so A is never built in the loop that loads it; for the
+Xeon guest (Emerald Rapids), more than the product itself), so A is never built in the loop that loads it; for the
 same reason the loop is software-pipelined by one block (block b's scaling reads the C buffer written a block
 earlier). The float scaling — per lane and 16 tokens a conversion, a multiply and one or two fused
 multiply-adds — is what bounds the gain (~1.1-1.3x the VNNI kernels on a prompt's matmuls there), not
@@ -62,7 +62,7 @@ from .vnni import (
 TILE_TOKENS = 16
 # Below four tiles a call, the VNNI kernels are faster: each pass unpacks every weight group into the tiles'
 # layout (~15 ns a block) before its tiles' products (~26 ns a block and tile), where the VNNI kernels
-# compute as the weights arrive (Sapphire Rapids guest, 2 threads: 16 and 32 streams' decode steps 0.6-0.9x
+# compute as the weights arrive (Emerald Rapids Xeon guest, 2 threads: 16 and 32 streams' decode steps 0.6-0.9x
 # with the tiles; docs/performance.md)
 FEWEST_TILED_TOKENS = 4 * TILE_TOKENS
 HARDWARE, EMULATED = 1, 2  # TileActivations.mode: 0 is no tiles
