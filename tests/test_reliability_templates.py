@@ -81,7 +81,8 @@ def test_a_gguf_with_a_hostile_template_gets_400s_and_the_server_serves_on(tmp_p
             stop.set()
             prober.join()
         assert health_ok and all(health_ok)
-        ordinary = httpx.post(f"{url}{CHAT}", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+        ordinary = httpx.post(f"{url}{CHAT}", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                                                       "ignore_eos": True},  # a sampled EOS would end it early
                               timeout=60)
         assert ordinary.status_code == 200 and ordinary.json()["choices"][0]["finish_reason"] == "length"
         assert httpx.post(f"{url}{COMPLETIONS}", json={"prompt": "hi", "max_tokens": 4}, timeout=60).status_code == 200
