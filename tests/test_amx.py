@@ -75,10 +75,21 @@ def test_calls_of_fewer_than_four_tiles_run_on_the_vector_kernels_on_hardware():
 
     hardware = tile_activations(HARDWARE, 128, 256)
     assert hardware.fewest_tokens == FEWEST_TILED_TOKENS == 4 * TILE_TOKENS
-    assert [tiled_tokens(hardware, n) for n in (16, 63, 64, 70, 128)] == [0, 0, 64, 64, 128]
+    assert [tiled_tokens(hardware, n, 256) for n in (16, 63, 64, 70, 128)] == [0, 0, 64, 64, 128]
     emulated = tile_activations(EMULATED, 128, 256)
-    assert [tiled_tokens(emulated, n) for n in (15, 16, 37)] == [0, 16, 32]
-    assert tiled_tokens(tile_activations(0, 128, 256), 128) == 0
+    assert [tiled_tokens(emulated, n, 256) for n in (15, 16, 37)] == [0, 16, 32]
+    assert tiled_tokens(tile_activations(0, 128, 256), 128, 256) == 0
+
+
+def test_rows_too_long_for_a_pass_of_the_fewest_tokens_never_take_the_tiles():
+    """Where a pass of TILE_PASS_BYTES holds fewer than the fewest tokens (a 7B's down projection, 18,944 columns,
+    two tiles a pass), no pass could take the tiles: the call runs without them, whatever its length."""
+    from decoding.kernels.fast_kernels import tiled_tokens, tokens_per_pass
+
+    hardware = tile_activations(HARDWARE, 512, 18944)
+    assert tokens_per_pass(18944, True) < hardware.fewest_tokens <= tokens_per_pass(8960, True)
+    assert tiled_tokens(hardware, 512, 18944) == 0
+    assert tiled_tokens(hardware, 512, 8960) == 512
 
 
 @pytest.mark.parametrize("mode", tile_modes())
@@ -116,6 +127,7 @@ def test_a_long_rows_passes_of_fewer_tiles_than_the_fewest_run_without_tiles(mod
         matmul_groups(packed, int(QType.Q4_K), cols, xq, xd, xsum, tokens, out, 0, 1, False,
                       np.zeros((8, 8), np.float32), tiles, scratch)
         assert scratch.any() == (fewest == TILE_TOKENS)  # one tile a pass: through the tiles only from one on
+        assert tiles.xq.any() == (fewest == TILE_TOKENS)  # nor are the activations copied for them
         results.append(out)
     assert np.abs(results[0]).max() > 0
     assert_same_bits(results[1], results[0])

@@ -273,7 +273,7 @@ def _quantize(fast, rotate, x, n_cols, t_begin, t_end, xq, xd, xsum, row, tiles,
     """Rows of x to int8 for the fast kernels (and the tiles), through `row` (scratch) rotated where the weights
     are."""
     if fast:
-        n_tiled = tiled_tokens(tiles, n_tokens)
+        n_tiled = tiled_tokens(tiles, n_tokens, n_cols)
         for t in range(t_begin, t_end):
             if rotate:
                 row[:n_cols] = x[t, :n_cols]

@@ -214,17 +214,21 @@ TILE_PASS_BYTES = 1024 * 1024
 @njit(nogil=True, cache=True)
 def tokens_per_pass(n_cols, tiled=False):
     """Tokens in one pass of matmul_groups: whole tiles of 16, whose activations (n_cols int8 and 16 bytes a
-    block beside them) fit ACTIVATION_PASS_BYTES (TILE_PASS_BYTES where tiles are in use); at least one
-    tile. Every token keeps its 8-, 4- and 1-token steps, so its numbers do not change."""
+    block beside them) fit ACTIVATION_PASS_BYTES (TILE_PASS_BYTES where the step's tiles are in use, for the
+    calls that take them and those that do not alike: such CPUs have the L2 for it); at least one tile. Every token keeps its 8-, 4- and 1-token steps, so its numbers do not change."""
     budget = TILE_PASS_BYTES if tiled else ACTIVATION_PASS_BYTES
     return max(1, budget // ((n_cols + n_cols // 2) * TILE_TOKENS)) * TILE_TOKENS
 
 
 @njit(nogil=True, cache=True)
-def tiled_tokens(tiles, n_tokens):
-    """How many of the first tokens go through the tiles: whole tiles of 16, where tiles are in use and the call
-    has at least tiles.fewest_tokens."""
-    return (n_tokens // TILE_TOKENS) * TILE_TOKENS if tiles.mode != 0 and n_tokens >= tiles.fewest_tokens else 0
+def tiled_tokens(tiles, n_tokens, n_cols):
+    """How many of the first tokens of activations n_cols wide go through the tiles: whole tiles of 16, where
+    tiles are in use, the call has at least tiles.fewest_tokens and a pass (tokens_per_pass) can hold that
+    many — rows so long that it cannot (a 7B's down projection, 18,944 columns) never take the tiles, so
+    their activations are not copied into the tiles' layout either."""
+    if tiles.mode == 0 or n_tokens < tiles.fewest_tokens or tokens_per_pass(n_cols, True) < tiles.fewest_tokens:
+        return 0
+    return (n_tokens // TILE_TOKENS) * TILE_TOKENS
 
 
 @njit(nogil=True, cache=True)
@@ -240,7 +244,7 @@ def pass_tiles(tiles, chunk_begin, chunk_end, n_tiled):
 @njit(nogil=True, cache=True)
 def quantize_activation_rows(x, n_cols, row_begin, row_end, xq, xd, xsum, tiles, n_tokens):
     """quantize_activation_row for rows [row_begin, row_end), and the tiles' copy of those in whole tiles."""
-    n_tiled = tiled_tokens(tiles, n_tokens)
+    n_tiled = tiled_tokens(tiles, n_tokens, n_cols)
     for t in range(row_begin, row_end):
         quantize_activation_row(x[t], n_cols, xq[t], xd[t], xsum[t])
         if t < n_tiled:
@@ -274,8 +278,8 @@ def matmul_groups(
     numbers). Many tokens go in passes of tokens_per_pass, each over all the groups."""
     n_blocks = n_cols // 32
     stride = group_stride(qtype, n_blocks)
-    n_tiled = tiled_tokens(tiles, n_tokens)
-    chunk = tokens_per_pass(n_cols, n_tiled > 0)
+    n_tiled = tiled_tokens(tiles, n_tokens, n_cols)
+    chunk = tokens_per_pass(n_cols, tiles.mode != 0)
     for chunk_begin in range(0, n_tokens, chunk):
         chunk_end = min(n_tokens, chunk_begin + chunk)
         first_tile, n_pass_tiles = pass_tiles(tiles, chunk_begin, chunk_end, n_tiled)
@@ -309,8 +313,8 @@ def swiglu_groups(gate, up, qtype_gate, qtype_up, n_cols, xq, xd, xsum, n_tokens
     n_blocks = n_cols // 32
     stride_gate = group_stride(qtype_gate, n_blocks)
     stride_up = group_stride(qtype_up, n_blocks)
-    n_tiled = tiled_tokens(tiles, n_tokens)
-    chunk = tokens_per_pass(n_cols, n_tiled > 0)
+    n_tiled = tiled_tokens(tiles, n_tokens, n_cols)
+    chunk = tokens_per_pass(n_cols, tiles.mode != 0)
     for chunk_begin in range(0, n_tokens, chunk):
         chunk_end = min(n_tokens, chunk_begin + chunk)
         first_tile, n_pass_tiles = pass_tiles(tiles, chunk_begin, chunk_end, n_tiled)
