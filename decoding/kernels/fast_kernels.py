@@ -215,7 +215,8 @@ TILE_PASS_BYTES = 1024 * 1024
 def tokens_per_pass(n_cols, tiled=False):
     """Tokens in one pass of matmul_groups: whole tiles of 16, whose activations (n_cols int8 and 16 bytes a
     block beside them) fit ACTIVATION_PASS_BYTES (TILE_PASS_BYTES where the step's tiles are in use, for the
-    calls that take them and those that do not alike: such CPUs have the L2 for it); at least one tile. Every token keeps its 8-, 4- and 1-token steps, so its numbers do not change."""
+    calls that take them and those that do not alike: such CPUs have the L2 for it); at least one tile. Every
+    token keeps its 8-, 4- and 1-token steps, so its numbers do not change."""
     budget = TILE_PASS_BYTES if tiled else ACTIVATION_PASS_BYTES
     return max(1, budget // ((n_cols + n_cols // 2) * TILE_TOKENS)) * TILE_TOKENS
 
