@@ -1,7 +1,7 @@
 /* Where a block of decoding/kernels/amx.py's tile products goes, in C: the tile instructions alone, the float
- * scaling alone, both as the kernel runs them, and both with every other block on a second set of tile
- * registers. One thread, one 8-row group of 48 blocks (1,536 columns) against 16 token tiles; ns a block and
- * tile of 16 tokens. Needs a CPU and kernel that grant AMX (Linux >= 5.16):
+ * scaling alone, both as the kernel runs them, both with every other block on a second set of tile registers,
+ * and the form whose lanes are whole rows (the halves summed in integers). One thread, one 8-row group of 48
+ * blocks (1,536 columns) against 16 token tiles; ns a block and tile of 16 tokens. Needs a CPU and kernel that grant AMX (Linux >= 5.16):
  *
  *     gcc -O2 -march=sapphirerapids -o /tmp/amx_scaling bench/micro/amx_scaling.c && taskset -c 1 /tmp/amx_scaling
  */
@@ -53,6 +53,27 @@ static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t);
 PIPELINED(both, PRODUCT_SET0)
 PIPELINED(both_two_register_sets, PRODUCT_ALTERNATING)
 
+/* the form that would halve the scaling a multiply-accumulate: each row's two halves summed in integers, so a
+ * tile's 16 lanes are 16 rows (two 8-row groups) and its product twice the useful work, 8192 MACs; every lane
+ * then has a min. The same tile shapes and instructions: only the float work per MAC differs. */
+#define SCALE_ROWS(b) do { int32_t *c = c_buffers[(b) % 2]; \
+    __m512 xs = _mm512_loadu_ps(token_scales[t][b]), xm = _mm512_loadu_ps(token_mass[t][b]); \
+    for (int l = 0; l < 16; l++) { \
+        acc[l] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * l)), \
+                                 _mm512_mul_ps(_mm512_set1_ps(lane_scales[b][l]), xs), acc[l]); \
+        acc[l] = _mm512_fmadd_ps(_mm512_set1_ps(lane_mins[b][l]), xm, acc[l]); } } while (0)
+
+__attribute__((noinline)) static void row_sums(void) {
+    _tile_loadconfig(&config);
+    for (int t = 0; t < TILES; t++) {
+        BEGIN_TILE PRODUCT_SET0(0);
+        for (int b = 1; b < BLOCKS; b++) { PRODUCT_SET0(b); SCALE_ROWS(b - 1); }
+        SCALE_ROWS(BLOCKS - 1);
+        for (int r = 0; r < 16; r++) _mm512_storeu_ps(out[t][r % 8], acc[r]);
+    }
+    _tile_release();
+}
+
 __attribute__((noinline)) static void products_alone(void) {
     _tile_loadconfig(&config);
     for (int t = 0; t < TILES; t++) for (int b = 0; b < BLOCKS; b++) PRODUCT_SET0(b);
@@ -71,11 +92,11 @@ int main(void) {
         config.rows[3 * set + 1] = 16; config.colsb[3 * set + 1] = 32;  /* A */
         config.rows[3 * set + 2] = 8; config.colsb[3 * set + 2] = 64;   /* B */
     }
-    void (*kernels[])(void) = {products_alone, scaling_alone, both, both_two_register_sets};
+    void (*kernels[])(void) = {products_alone, scaling_alone, both, both_two_register_sets, row_sums};
     const char *names[] = {"tile loads, product, store alone", "float scaling alone", "both, as the kernel runs",
-                           "both, a second register set"};
+                           "both, a second register set", "row sums: 16 rows, twice the MACs"};
     for (int round = 0; round < 3; round++)
-        for (int k = 0; k < 4; k++) {
+        for (int k = 0; k < 5; k++) {
             int repeats = 20000;
             kernels[k]();
             double started = now();
