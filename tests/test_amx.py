@@ -55,7 +55,7 @@ def tile_modes():
 @pytest.mark.parametrize("qtype", PACKED_TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("tokens", [16, 37, 70])  # 70: a pass of four tiles over each unpacked group, a remainder
 def test_tiles_give_the_vnni_kernels_bits(mode, qtype, tokens):
-    rows, cols = 48, 512
+    rows, cols = 40, 512  # five 8-row groups: two tile calls of two and one of one
     packed = weights(qtype, rows, cols, int(qtype) * 7 + tokens)
     x = np.random.default_rng(tokens).standard_normal((tokens, cols)).astype(np.float32) * 3
     x[3, :64] = 0.0  # a token with all-zero blocks: scale 0
@@ -241,12 +241,12 @@ def test_the_hardware_kernel_is_built_on_every_cpu():
 
     @njit  # not cached: numba keeps no assembly for cached code
     def one_tile(packed, n_blocks, tiles, unpacked, out):
-        unpack_q4_k(packed, 0, n_blocks, unpacked)
+        unpack_q4_k(packed, 0, 0, n_blocks, unpacked)
         tile_products_with_mins(unpacked, n_blocks, tiles, 0, 1, out)
 
     rows, cols = 8, 256
     _, _, _, tiles = quantized(np.zeros((16, cols), np.float32), EMULATED)
-    unpacked, out = np.zeros(cols // 32 * UNPACKED_FLOATS_PER_BLOCK, np.float32), np.zeros((1, 8, 16), np.float32)
+    unpacked, out = np.zeros(cols // 32 * UNPACKED_FLOATS_PER_BLOCK, np.float32), np.zeros((1, 16, 16), np.float32)
     one_tile(weights(QType.Q4_K, rows, cols, 1), cols // 32, tiles, unpacked, out)
     asm = one_tile.inspect_asm(one_tile.signatures[0])
     for instruction in ("ldtilecfg", "tileloadd", "tdpbusd", "tilestored", "tilerelease"):

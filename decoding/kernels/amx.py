@@ -1,22 +1,25 @@
-"""AMX int8 tiles for the `fast` kernels: an 8-row weight group against token tiles of 16, bit for bit the VNNI
-kernel's numbers (decoding.kernels.vnni).
+"""AMX int8 tiles for the `fast` kernels: 16 weight rows (two 8-row groups) against token tiles of 16, bit for
+bit the VNNI kernel's numbers (decoding.kernels.vnni).
 
-The VNNI kernel keeps, per row and 32-weight block, two int32 lanes (the row's weights 0..15 and 16..31), scales
-each in float32 and adds the pair at the end. A token's numbers must not depend on the batch it runs in, so the
-tile kernel forms those same integers and repeats the same float operations. Per block one `TDPBUSD` multiplies
-A, 16 rows × 32 bytes (row i is lane i: its 16 weight bytes where the K order holds its half, zeros where it
-holds the other half), by B, 8 rows × 16 tokens' activation bytes (row 4h + s: step s of half h, prepared once
-per activation by `tile_activation_row`), so row i of the int32 result C is lane i of the VNNI kernel for each of
-the 16 tokens. The float work is then the VNNI kernel's, with the vector running over tokens instead of lanes.
+The VNNI kernel keeps, per row and 32-weight block, one int32 sum (the two lanes of the row's halves added in
+integers), scales it in float32 and adds it to the row's accumulator. A token's numbers must not depend on the
+batch it runs in, so the tile kernel forms those same integers and repeats the same float operations. Per block
+one `TDPBUSD` multiplies A, 16 rows × 32 bytes (row i is weight row i of the two groups, its 32 bytes in the K
+order), by B, 8 rows × 16 tokens' activation bytes (row 4h + s: step s of half h, prepared once per activation
+by `tile_activation_row`), so row i of the int32 result C is row i's block sum for each of the 16 tokens. The
+float work is then the VNNI kernel's, with the vector running over tokens instead of rows. Q6_K, whose halves
+have scales of their own, keeps one group a call and the VNNI kernel's lanes: A row i is lane i (row i // 2,
+half i % 2) with zeros in the other half's K positions, and each row's two lanes are scaled apart and added at
+the end.
 
-Two phases per group and pass of tokens: `unpack` writes the group's A tiles, lane scales and mins into scratch
+Two phases per pair of groups and pass of tokens: `unpack` writes the A tiles, row scales and mins into scratch
 once; the products then load each block's A from there for every token tile of the pass. A tile load of bytes
 that vector stores have just written waits for those stores to retire (no forwarding: ~30 ns a block on a
 Xeon guest (Emerald Rapids), more than the product itself), so A is never built in the loop that loads it; for the
 same reason the loop is software-pipelined by one block (block b's scaling reads the C buffer written a block
-earlier). The float scaling — per lane and 16 tokens a conversion, a multiply and one or two fused
-multiply-adds — is what bounds the gain (~1.1-1.3x the VNNI kernels on a prompt's matmuls there), not
-AMX's nominal 8x: docs/performance.md.
+earlier). The float scaling — per row and 16 tokens a conversion, a multiply and one or two fused
+multiply-adds — is what bounds the gain, not AMX's nominal 8x: whole rows as lanes do twice the
+multiply-accumulates of half rows for the same float work (bench/micro/amx_scaling.c, docs/performance.md).
 
 `TDPBUSD` multiplies unsigned bytes of A by signed bytes of B, as `vpdpbusd` multiplies the weights' unsigned
 bytes by the activations' signed ones. Tile registers are named by immediates: C0, A0, B0 are tmm0..tmm2,
@@ -45,6 +48,8 @@ from threadpool.atomics import cache_aligned_zeros
 
 from ..model.quant import QType
 from .vnni import (
+    GROUP_ROWS,
+    HALF_SCALES,
     UNSIGNED_BIAS,
     array_byte_pointer,
     block_scales,
@@ -60,18 +65,18 @@ from .vnni import (
 )
 
 TILE_TOKENS = 16
+TILE_ROWS = 16  # weight rows a tile product covers: two 8-row groups (one for HALF_SCALES types, as 16 lanes)
 # Below four tiles a call, the VNNI kernels are faster: each pass unpacks every weight group into the tiles'
-# layout (~15 ns a block) before its tiles' products (~26 ns a block and tile), where the VNNI kernels
-# compute as the weights arrive (Emerald Rapids Xeon guest, 2 threads: 16 and 32 streams' decode steps 0.6-0.9x
-# with the tiles; docs/performance.md)
+# layout before its tiles' products, where the VNNI kernels compute as the weights arrive (Emerald Rapids Xeon
+# guest, 2 threads: 16 and 32 streams' decode steps 0.6-0.9x with the tiles; docs/performance.md)
 FEWEST_TILED_TOKENS = 4 * TILE_TOKENS
 HARDWARE, EMULATED = 1, 2  # TileActivations.mode: 0 is no tiles
 C0, A0, B0 = range(3)
-# (rows, bytes a row): C is 16 lanes × 16 tokens int32, A 16 lanes × 32 weight bytes (half of them zero), B 8 × 16
+# (rows, bytes a row): C is 16 rows (or Q6_K's lanes) × 16 tokens int32, A 16 rows × 32 weight bytes, B 8 × 16
 # tokens × 4 activation bytes
 TILE_SHAPES = {C0: (16, 64), A0: (16, 32), B0: (8, 64)}
 UNPACKED_A_BYTES = 16 * 32
-# an unpacked group's bytes per block: its A tile, its 16 lanes' scales and mins
+# unpacked bytes per block: the A tile, its 16 rows' (lanes') scales and mins
 UNPACKED_FLOATS_PER_BLOCK = (UNPACKED_A_BYTES + 64 + 64) // 4
 # one block of a token tile's activations, its B tile: row 4h + s is step s of half h, 16 tokens × 4 bytes
 TILE_BLOCK_BYTES = 2 * 4 * TILE_TOKENS * 4
@@ -109,10 +114,11 @@ def tile_activations(mode: int, max_tokens: int, widest: int, fewest_tokens: int
 
 def tile_scratch(n_threads: int, mode: int, widest: int, max_tokens: int) -> np.ndarray:
     """Per thread, two float32 scratch rows for the tiles (a gated feed-forward's gate and up): a pass's
-    results, 8 × 16 floats per token tile, from the start; an unpacked 8-row group at the end, on a 64-byte
-    boundary as the A tiles' loads want it (every row's length is a multiple of 16 floats, and so is a group's
-    unpacked length). Empty where the tiles are not used."""
-    floats = (max_tokens // TILE_TOKENS) * 8 * TILE_TOKENS + (widest // 32) * UNPACKED_FLOATS_PER_BLOCK if mode else 0
+    results, up to 16 rows × 16 tokens per token tile, from the start; the unpacked rows at the end, on a
+    64-byte boundary as the A tiles' loads want it (every row's length is a multiple of 16 floats, and so is
+    the unpacked length). Empty where the tiles are not used."""
+    results = (max_tokens // TILE_TOKENS) * TILE_ROWS * TILE_TOKENS
+    floats = results + (widest // 32) * UNPACKED_FLOATS_PER_BLOCK if mode else 0
     return cache_aligned_zeros((n_threads, 2, floats), np.float32)
 
 
@@ -266,50 +272,63 @@ class _TargetFeatures(FunctionAttributes):
 
 
 def _define_unpack(module: ir.Module, qtype: QType) -> ir.Function:
-    """void f(i8* weights, i64 blocks, i8* unpacked): one 8-row group's A tiles (16 lanes × 32 bytes a block, at
-    UNPACKED_A_BYTES · block), then its lanes' scales (64 bytes a block) and mins (64 bytes a block, zero
-    where the type has none) — what every token tile of a pass multiplies it by."""
+    """void f(i8* weights, i64 second_group, i64 blocks, i8* unpacked): A tiles (16 lanes × 32 bytes a block, at
+    UNPACKED_A_BYTES · block), then the lanes' scales (64 bytes a block) and mins (64 bytes a block, zero where
+    the type has none) — what every token tile of a pass multiplies them by.
+
+    A type with a scale per row (every one but HALF_SCALES): the lanes are 16 whole rows, those of the 8-row
+    group at `weights` and of the one `second_group` bytes past it. Q6_K (a scale per half row): the lanes are
+    the VNNI kernel's of the one group at `weights` (lane 2r + h: row r's half h), each with the other half's
+    K positions zero."""
     name = f"treadle_tile_unpack_{qtype.name.lower()}"
     existing = module.globals.get(name)
     if existing is not None:
         return existing
-    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [_i8p, _i64, _i8p]), name)
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [_i8p, _i64, _i64, _i8p]), name)
     fn.linkage = "internal"
-    w_base, n_blocks, unpacked = fn.args
+    w_base, second_group, n_blocks, unpacked = fn.args
     builder = ir.IRBuilder(fn.append_basic_block("entry"))
-    # A row i (the VNNI kernel's lane i: row i // 2, half i % 2) follows the B rows' K order, step s of half h at
-    # word 4h + s: the lane's four words where h is its half, zeros where not
-    a_mask = lane_mask([16 * (w % 4) + i if w // 4 == i % 2 else 64 for i in range(16) for w in range(8)])
+    row_sums = qtype not in HALF_SCALES
+    # the B rows' K order: word 4h + s is step s of half h. steps[s] word 2r + h is row r's (step s, half h).
+    if row_sums:  # A row r: its 8 words in K order
+        a_mask = lane_mask([16 * (w % 4) + 2 * r + w // 4 for r in range(GROUP_ROWS) for w in range(8)])
+    else:  # A row i (lane i: row i // 2, half i % 2): its four words where h is its half, zeros where not
+        a_mask = lane_mask([16 * (w % 4) + i if w // 4 == i % 2 else 64 for i in range(16) for w in range(8)])
     zeros = ir.Constant(vec(_i32, 64), [0] * 64)
     scales_at = builder.mul(n_blocks, ir.Constant(_i64, UNPACKED_A_BYTES))
     mins_at = builder.add(scales_at, builder.mul(n_blocks, ir.Constant(_i64, 64)))
     blocks = open_block_loop(builder, n_blocks, 0)
     block = blocks.block
-    block_ptr, scales16, mins16 = block_scales(builder, qtype, w_base, block)
-    prefetch_ahead(builder, qtype, block_ptr)
-    steps = [builder.bitcast(weight_vector(builder, qtype, block_ptr, s), vec(_i32, 16)) for s in range(4)]
-    low, high = (builder.shuffle_vector(steps[0], steps[1], lane_mask(list(range(32)))),
-                 builder.shuffle_vector(steps[2], steps[3], lane_mask(list(range(32)))))  # fmt: skip
-    all_steps = builder.shuffle_vector(low, high, lane_mask(list(range(64))))  # word 16s + lane
     a_ptr = builder.gep(unpacked, [builder.mul(block, ir.Constant(_i64, UNPACKED_A_BYTES))])
-    builder.store(builder.shuffle_vector(all_steps, zeros, a_mask), builder.bitcast(a_ptr, vec(_i32, 128).as_pointer()),
-                  align=4)  # fmt: skip
     block_bytes = builder.mul(block, ir.Constant(_i64, 64))
-    for at, values in ((scales_at, scales16), (mins_at, mins16)):
-        if values is None:
-            values = ir.Constant(vec(_f32, 16), [0.0] * 16)
-        ptr = builder.gep(unpacked, [builder.add(at, block_bytes)])
-        builder.store(values, builder.bitcast(ptr, vec(_f32, 16).as_pointer()), align=4)
+    for group in range(2 if row_sums else 1):
+        group_base = builder.gep(w_base, [second_group]) if group else w_base
+        block_ptr, scales, mins = block_scales(builder, qtype, group_base, block)
+        prefetch_ahead(builder, qtype, block_ptr)
+        steps = [builder.bitcast(weight_vector(builder, qtype, block_ptr, s), vec(_i32, 16)) for s in range(4)]
+        low, high = (builder.shuffle_vector(steps[0], steps[1], lane_mask(list(range(32)))),
+                     builder.shuffle_vector(steps[2], steps[3], lane_mask(list(range(32)))))  # fmt: skip
+        all_steps = builder.shuffle_vector(low, high, lane_mask(list(range(64))))  # word 16s + 2r + h
+        a_rows = builder.shuffle_vector(all_steps, zeros, a_mask)
+        group_a = builder.gep(a_ptr, [ir.Constant(_i64, 4 * a_rows.type.count * group)])
+        builder.store(a_rows, builder.bitcast(group_a, a_rows.type.as_pointer()), align=4)
+        for at, values in ((scales_at, scales), (mins_at, mins)):
+            if values is None:
+                values = ir.Constant(vec(_f32, scales.type.count), [0.0] * scales.type.count)
+            ptr = builder.gep(unpacked, [builder.add(at, builder.add(block_bytes, ir.Constant(_i64, 32 * group)))])
+            builder.store(values, builder.bitcast(ptr, values.type.as_pointer()), align=4)
     close_block_loop(builder, blocks, n_blocks, [])
     builder.ret_void()
     return fn
 
 
-def _define_tile_products(module: ir.Module, bias: int, has_mins: bool, tiles_class) -> ir.Function:  # noqa: C901
+def _define_tile_products(module: ir.Module, bias: int, has_mins: bool, row_sums: bool,  # noqa: C901
+                          tiles_class) -> ir.Function:  # fmt: skip
     """void f(i8* unpacked, i64 blocks, i8* tile_xq, i8* tile_xd, i8* tile_mass, i8* half_sums, i64 tiles,
     i64 tile_xq_stride, i64 tile_fields_stride, i64 half_sums_stride, i8* out): for each of `tiles` token tiles
-    from the given one, out[tile] = 8 rows × 16 tokens float32, the unpacked group · the tile's tokens."""
-    name = f"treadle_tile_products_{bias}_{int(has_mins)}_{tiles_class.name}"
+    from the given one, out[tile] = rows × 16 tokens float32, the unpacked rows · the tile's tokens: 16 rows
+    where the lanes are whole rows (`row_sums`), else 8 (each the sum of its two lanes)."""
+    name = f"treadle_tile_products_{bias}_{int(has_mins)}_{int(row_sums)}_{tiles_class.name}"
     existing = module.globals.get(name)
     if existing is not None:
         return existing
@@ -364,6 +383,8 @@ def _define_tile_products(module: ir.Module, bias: int, has_mins: bool, tiles_cl
             offsets = [builder.mul(load_at(builder, hs_base, builder.add(half_bytes, ir.Constant(_i64, 64 * h)),
                                            vec(_i32, 16), align=4), ir.Constant(vec(_i32, 16), [-bias] * 16))
                        for h in range(2)]  # fmt: skip
+            if row_sums:  # a whole row's: both halves'
+                offsets = [builder.add(offsets[0], offsets[1])] * 2
         if has_mins:
             x_mass = load_at(builder, mass_base, token_bytes, vec(_f32, 16), align=4)
         lane_scales = builder.add(scales_at, token_bytes)
@@ -378,7 +399,8 @@ def _define_tile_products(module: ir.Module, bias: int, has_mins: bool, tiles_cl
                 _i64, 4 * lane)), _f32, align=4), 16)  # fmt: skip
             acc = builder.call(fma, [builder.sitofp(acc_i, vec(_f32, 16)), builder.fmul(lane_scale, x_scale),
                                      accs[lane]])  # fmt: skip
-            if has_mins and lane % 2 == 0:  # an odd lane's min is 0, and fma(0, m, acc) is acc: acc is never -0
+            # in the lanes' form an odd lane's min is 0, and fma(0, m, acc) is acc: acc is never -0
+            if has_mins and (row_sums or lane % 2 == 0):
                 lane_min = splat(builder, load_at(builder, unpacked, builder.add(lane_mins, ir.Constant(
                     _i64, 4 * lane)), _f32, align=4), 16)  # fmt: skip
                 acc = builder.call(fma, [lane_min, x_mass, acc])
@@ -389,14 +411,14 @@ def _define_tile_products(module: ir.Module, bias: int, has_mins: bool, tiles_cl
     # so block b's scaling reads C buffer b % 2 while block b + 1's product is being formed into the other one.
     products(ir.Constant(_i64, 0))
     blocks = open_block_loop(builder, builder.sub(n_blocks, ir.Constant(_i64, 1)), 16)
-    block = builder.add(blocks.block, ir.Constant(_i64, 1))  # accs[2r + h]: lane 2r + h of the VNNI kernel
+    block = builder.add(blocks.block, ir.Constant(_i64, 1))  # accs[i]: lane i (row i, or row i // 2's half i % 2)
     products(block)
     next_accs = scaled(blocks.block, blocks.accs)
     accs = close_block_loop(builder, blocks, builder.sub(n_blocks, ir.Constant(_i64, 1)), next_accs)
     finals = scaled(builder.sub(n_blocks, ir.Constant(_i64, 1)), accs)
-    out_base = builder.gep(out0, [builder.mul(tile, ir.Constant(_i64, 512))])
-    for r in range(8):
-        row = builder.fadd(finals[2 * r], finals[2 * r + 1])
+    rows = finals if row_sums else [builder.fadd(finals[2 * r], finals[2 * r + 1]) for r in range(8)]
+    out_base = builder.gep(out0, [builder.mul(tile, ir.Constant(_i64, 64 * len(rows)))])
+    for r, row in enumerate(rows):
         out_ptr = builder.bitcast(builder.gep(out_base, [ir.Constant(_i64, 64 * r)]), vec(_f32, 16).as_pointer())
         builder.store(row, out_ptr, align=4)
     next_tile = builder.add(tile, ir.Constant(_i64, 1))
@@ -410,18 +432,19 @@ def _define_tile_products(module: ir.Module, bias: int, has_mins: bool, tiles_cl
 
 def _make_unpack(qtype: QType):
     @intrinsic
-    def unpack(typingctx, weights, weight_offset, num_blocks, unpacked):
+    def unpack(typingctx, weights, weight_offset, second_group, num_blocks, unpacked):
         """unpacked (float32, ≥ UNPACKED_FLOATS_PER_BLOCK · num_blocks) = the 8-row group at `weight_offset`
-        in the tiles' layout."""
-        sig = types.void(weights, weight_offset, num_blocks, unpacked)
+        (and the one `second_group` bytes past it, but for HALF_SCALES types) in the tiles' layout."""
+        sig = types.void(weights, weight_offset, second_group, num_blocks, unpacked)
 
         def codegen(context, builder, signature, args):
-            w_arr, w_off, n_blocks, unpacked_arr = args
+            w_arr, w_off, second, n_blocks, unpacked_arr = args
             w_off = context.cast(builder, w_off, signature.args[1], types.int64)
-            n_blocks = context.cast(builder, n_blocks, signature.args[2], types.int64)
+            second = context.cast(builder, second, signature.args[2], types.int64)
+            n_blocks = context.cast(builder, n_blocks, signature.args[3], types.int64)
             w_base = builder.gep(array_byte_pointer(context, builder, signature.args[0], w_arr), [w_off])
             builder.call(_define_unpack(builder.module, qtype), [
-                w_base, n_blocks, array_byte_pointer(context, builder, signature.args[3], unpacked_arr)])
+                w_base, second, n_blocks, array_byte_pointer(context, builder, signature.args[4], unpacked_arr)])
             return context.get_dummy_value()
 
         return sig, codegen
@@ -429,11 +452,11 @@ def _make_unpack(qtype: QType):
     return unpack
 
 
-def _make_tile_products(bias: int, has_mins: bool):
+def _make_tile_products(bias: int, has_mins: bool, row_sums: bool):
     @intrinsic
     def tile_products(typingctx, unpacked, num_blocks, tiles, first_tile, num_tiles, out):
-        """out[i, 0:8, 0:16] = the unpacked group · the 16 tokens of token tile first_tile + i, for i below
-        num_tiles, by the hardware tiles (tiles.mode == HARDWARE) or their emulation."""
+        """out[i, rows, 0:16] = the unpacked rows (16 with `row_sums`, else 8) · the 16 tokens of token tile
+        first_tile + i, for i below num_tiles, by the hardware tiles (tiles.mode == HARDWARE) or their emulation."""
         sig = types.void(unpacked, num_blocks, tiles, first_tile, num_tiles, out)
 
         def codegen(context, builder, signature, args):
@@ -460,9 +483,11 @@ def _make_tile_products(bias: int, has_mins: bool):
             hardware = builder.icmp_signed("==", mode, ir.Constant(_i64, HARDWARE))
             with builder.if_else(hardware) as (on_hardware, emulated):
                 with on_hardware:
-                    builder.call(_define_tile_products(builder.module, bias, has_mins, _HardwareTiles), pointers)
+                    builder.call(_define_tile_products(builder.module, bias, has_mins, row_sums, _HardwareTiles),
+                                 pointers)  # fmt: skip
                 with emulated:
-                    builder.call(_define_tile_products(builder.module, bias, has_mins, _EmulatedTiles), pointers)
+                    builder.call(_define_tile_products(builder.module, bias, has_mins, row_sums, _EmulatedTiles),
+                                 pointers)  # fmt: skip
             return context.get_dummy_value()
 
         return sig, codegen
@@ -477,9 +502,10 @@ unpack_q5_0 = _make_unpack(QType.Q5_0)
 unpack_q5_1 = _make_unpack(QType.Q5_1)
 unpack_q6_k = _make_unpack(QType.Q6_K)
 unpack_q8_0 = _make_unpack(QType.Q8_0)
-# the products depend on a type only through its storage offset and whether it has a min term
-tile_products_with_mins = _make_tile_products(0, True)
-tile_products_offset_8 = _make_tile_products(UNSIGNED_BIAS[QType.Q4_0], False)
-tile_products_offset_16 = _make_tile_products(UNSIGNED_BIAS[QType.Q5_0], False)
-tile_products_offset_32 = _make_tile_products(UNSIGNED_BIAS[QType.Q6_K], False)
-tile_products_offset_128 = _make_tile_products(UNSIGNED_BIAS[QType.Q8_0], False)
+# the products depend on a type only through its storage offset, whether it has a min term and whether it has a
+# scale per row (16 rows a tile) or per half row (Q6_K: 8)
+tile_products_with_mins = _make_tile_products(0, True, True)
+tile_products_offset_8 = _make_tile_products(UNSIGNED_BIAS[QType.Q4_0], False, True)
+tile_products_offset_16 = _make_tile_products(UNSIGNED_BIAS[QType.Q5_0], False, True)
+tile_products_half_rows_offset_32 = _make_tile_products(UNSIGNED_BIAS[QType.Q6_K], False, False)
+tile_products_offset_128 = _make_tile_products(UNSIGNED_BIAS[QType.Q8_0], False, True)

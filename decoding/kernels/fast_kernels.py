@@ -19,9 +19,9 @@ from .amx import (
     TILE_TOKENS,
     UNPACKED_FLOATS_PER_BLOCK,
     tile_activation_row,
+    tile_products_half_rows_offset_32,
     tile_products_offset_8,
     tile_products_offset_16,
-    tile_products_offset_32,
     tile_products_offset_128,
     tile_products_with_mins,
     unpack_q4_0,
@@ -172,34 +172,42 @@ def group_dot(packed, qtype, offset, n_blocks, xq, xd, xsum, token, num_tokens, 
 
 
 @njit(nogil=True, cache=True)
-def tile_group_products(packed, qtype, offset, n_blocks, tiles, first_tile, n_tiles, scratch):
-    """The group at `offset` · token tiles first_tile.. first_tile + n_tiles - 1 (decoding.kernels.amx): unpacked
-    once into the end of `scratch` (a row of amx.tile_scratch), then each tile's 8 × 16 results at its start;
-    returns those results, (n_tiles, 8, 16)."""
+def groups_per_tile_call(qtype):
+    """8-row groups one tile call multiplies: two (16 whole rows), but one for Q6_K, whose lanes are half rows."""
+    return 1 if qtype == Q6_K else 2
+
+
+@njit(nogil=True, cache=True)
+def tile_group_products(packed, qtype, offset, stride, n_blocks, tiles, first_tile, n_tiles, scratch):
+    """The groups_per_tile_call(qtype) groups from `offset` (`stride` bytes apart; the first twice where a second
+    would be past the end, its results then unused) · token tiles first_tile.. first_tile + n_tiles - 1
+    (decoding.kernels.amx): unpacked once into the end of `scratch` (a row of amx.tile_scratch), then each
+    tile's results at its start; returns those results, (n_tiles, 8 · groups, 16)."""
     unpacked = scratch[scratch.shape[0] - n_blocks * UNPACKED_FLOATS_PER_BLOCK :]
-    results = scratch[: n_tiles * 8 * TILE_TOKENS]
+    rows = 8 * groups_per_tile_call(qtype)
+    results = scratch[: n_tiles * rows * TILE_TOKENS]
     if qtype == Q4_1:
-        unpack_q4_1(packed, offset, n_blocks, unpacked)
+        unpack_q4_1(packed, offset, stride, n_blocks, unpacked)
         tile_products_with_mins(unpacked, n_blocks, tiles, first_tile, n_tiles, results)
     elif qtype == Q4_K:
-        unpack_q4_k(packed, offset, n_blocks, unpacked)
+        unpack_q4_k(packed, offset, stride, n_blocks, unpacked)
         tile_products_with_mins(unpacked, n_blocks, tiles, first_tile, n_tiles, results)
     elif qtype == Q6_K:
-        unpack_q6_k(packed, offset, n_blocks, unpacked)
-        tile_products_offset_32(unpacked, n_blocks, tiles, first_tile, n_tiles, results)
+        unpack_q6_k(packed, offset, stride, n_blocks, unpacked)
+        tile_products_half_rows_offset_32(unpacked, n_blocks, tiles, first_tile, n_tiles, results)
     elif qtype == Q5_1:
-        unpack_q5_1(packed, offset, n_blocks, unpacked)
+        unpack_q5_1(packed, offset, stride, n_blocks, unpacked)
         tile_products_with_mins(unpacked, n_blocks, tiles, first_tile, n_tiles, results)
     elif qtype == Q5_0:
-        unpack_q5_0(packed, offset, n_blocks, unpacked)
+        unpack_q5_0(packed, offset, stride, n_blocks, unpacked)
         tile_products_offset_16(unpacked, n_blocks, tiles, first_tile, n_tiles, results)
     elif qtype == Q8_0:
-        unpack_q8_0(packed, offset, n_blocks, unpacked)
+        unpack_q8_0(packed, offset, stride, n_blocks, unpacked)
         tile_products_offset_128(unpacked, n_blocks, tiles, first_tile, n_tiles, results)
     else:
-        unpack_q4_0(packed, offset, n_blocks, unpacked)
+        unpack_q4_0(packed, offset, stride, n_blocks, unpacked)
         tile_products_offset_8(unpacked, n_blocks, tiles, first_tile, n_tiles, results)
-    return results.reshape((n_tiles, 8, TILE_TOKENS))
+    return results.reshape((n_tiles, rows, TILE_TOKENS))
 
 
 # the activations one pass over a thread's weight groups keeps in its L2: a prompt's rows in passes of
@@ -284,18 +292,25 @@ def matmul_groups(
     for chunk_begin in range(0, n_tokens, chunk):
         chunk_end = min(n_tokens, chunk_begin + chunk)
         first_tile, n_pass_tiles = pass_tiles(tiles, chunk_begin, chunk_end, n_tiled)
-        for g in range(group_begin, group_end):
+        g = group_begin
+        while g < group_end:
+            n_groups = min(groups_per_tile_call(qtype), group_end - g)
             if n_pass_tiles > 0:
-                results = tile_group_products(packed, qtype, g * stride, n_blocks, tiles, first_tile, n_pass_tiles,
-                                              tile_out)  # fmt: skip
+                second = stride if n_groups == 2 else 0
+                results = tile_group_products(packed, qtype, g * stride, second, n_blocks, tiles, first_tile,
+                                              n_pass_tiles, tile_out)  # fmt: skip
                 for i in range(n_pass_tiles):
-                    store_group(out, (first_tile + i) * TILE_TOKENS, TILE_TOKENS, g, results[i].T, accumulate)
-            t = chunk_begin + n_pass_tiles * TILE_TOKENS
-            while t < chunk_end:
-                step = group_step(t, chunk_end)
-                group_dot(packed, qtype, g * stride, n_blocks, xq, xd, xsum, t, step, tmp)
-                store_group(out, t, step, g, tmp, accumulate)
-                t += step
+                    for j in range(n_groups):
+                        store_group(out, (first_tile + i) * TILE_TOKENS, TILE_TOKENS, g + j,
+                                    results[i, 8 * j : 8 * j + 8].T, accumulate)  # fmt: skip
+            for group in range(g, g + n_groups):
+                t = chunk_begin + n_pass_tiles * TILE_TOKENS
+                while t < chunk_end:
+                    step = group_step(t, chunk_end)
+                    group_dot(packed, qtype, group * stride, n_blocks, xq, xd, xsum, t, step, tmp)
+                    store_group(out, t, step, group, tmp, accumulate)
+                    t += step
+            g += n_groups
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
@@ -319,23 +334,29 @@ def swiglu_groups(gate, up, qtype_gate, qtype_up, n_cols, xq, xd, xsum, n_tokens
     for chunk_begin in range(0, n_tokens, chunk):
         chunk_end = min(n_tokens, chunk_begin + chunk)
         first_tile, n_pass_tiles = pass_tiles(tiles, chunk_begin, chunk_end, n_tiled)
-        for g in range(group_begin, group_end):
+        g = group_begin
+        while g < group_end:
+            n_groups = min(groups_per_tile_call(qtype_gate), groups_per_tile_call(qtype_up), group_end - g)
             if n_pass_tiles > 0:
-                gates = tile_group_products(gate, qtype_gate, g * stride_gate, n_blocks, tiles, first_tile,
-                                            n_pass_tiles, tile_out[0])  # fmt: skip
-                ups = tile_group_products(up, qtype_up, g * stride_up, n_blocks, tiles, first_tile, n_pass_tiles,
-                                          tile_out[1])  # fmt: skip
+                gates = tile_group_products(gate, qtype_gate, g * stride_gate, stride_gate if n_groups == 2 else 0,
+                                            n_blocks, tiles, first_tile, n_pass_tiles, tile_out[0])  # fmt: skip
+                ups = tile_group_products(up, qtype_up, g * stride_up, stride_up if n_groups == 2 else 0, n_blocks,
+                                          tiles, first_tile, n_pass_tiles, tile_out[1])  # fmt: skip
                 for i in range(n_pass_tiles):
-                    store_group(out, (first_tile + i) * TILE_TOKENS, TILE_TOKENS, g, gates[i].T, False)
-                    store_group(up_out, (first_tile + i) * TILE_TOKENS, TILE_TOKENS, g, ups[i].T, False)
-            t = chunk_begin + n_pass_tiles * TILE_TOKENS
-            while t < chunk_end:
-                step = group_step(t, chunk_end)
-                group_dot(gate, qtype_gate, g * stride_gate, n_blocks, xq, xd, xsum, t, step, tmp_gate)
-                group_dot(up, qtype_up, g * stride_up, n_blocks, xq, xd, xsum, t, step, tmp_up)
-                store_group(out, t, step, g, tmp_gate, False)
-                store_group(up_out, t, step, g, tmp_up, False)
-                t += step
+                    first = (first_tile + i) * TILE_TOKENS
+                    for j in range(n_groups):
+                        store_group(out, first, TILE_TOKENS, g + j, gates[i, 8 * j : 8 * j + 8].T, False)
+                        store_group(up_out, first, TILE_TOKENS, g + j, ups[i, 8 * j : 8 * j + 8].T, False)
+            for group in range(g, g + n_groups):
+                t = chunk_begin + n_pass_tiles * TILE_TOKENS
+                while t < chunk_end:
+                    step = group_step(t, chunk_end)
+                    group_dot(gate, qtype_gate, group * stride_gate, n_blocks, xq, xd, xsum, t, step, tmp_gate)
+                    group_dot(up, qtype_up, group * stride_up, n_blocks, xq, xd, xsum, t, step, tmp_up)
+                    store_group(out, t, step, group, tmp_gate, False)
+                    store_group(up_out, t, step, group, tmp_up, False)
+                    t += step
+            g += n_groups
     for t in range(n_tokens):
         # sliced, with a loop from 0: numba then proves the index non-negative and LLVM vectorises
         # (a range(begin, end) index keeps a negative-index check in the loop and runs 16x slower)

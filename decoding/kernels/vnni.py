@@ -7,20 +7,22 @@ per token.
 
 Per 32-weight block and 8 rows, four `vpdpbusd`s multiply unsigned weight bytes with signed
 activation bytes and sum groups of four into 16 int32 lanes (two lanes per row: weights 0..15 and
-16..31 of the block). The lanes are scaled in float32 once per block — weight scale × activation
-scale — and join the accumulator in one fused multiply-add; the Q4_1 min term adds m · (d_x · Σq_x),
-the activation's mass, quantized beside it. Unsigned storage offsets (nibble − 8 for Q4_0, byte + 128
-for Q8_0) are taken back exactly in integers: each lane starts from −offset × the Σq_x of its half of
-the block, also computed once per activation row, so a token costs four `vpdpbusd`s, a conversion and
-two or three float operations a block. Q5_0 is Q4_0 (and Q5_1 is Q4_1) with a fifth bit: its nibbles
-take 16 more where the bit is set (`_fifth_bits_vector`), and 16 is its storage offset. Q6_K runs in
-a form of its own: Q4_0's nibbles with each weight's top two bits beside them (`_high_bits_vector`,
-q6 with offset 32) and a scale per 16 weights, one per lane. Q4_K keeps its own 4.5-bit economy
-nearly whole (4.625 bits): each super-block of 8 blocks opens with the 8 rows' fp16 d and dmin
-(32 B), then each block has Q4_0's nibbles and each row's 6-bit sub-block scale and min as a byte
-each; the kernel forms d·scale and dmin·min in float32 per block, then runs as Q4_1. Every token's
-arithmetic is the same sequence of operations whether it is computed alone or with three or seven
-others, so results are batch-invariant.
+16..31 of the block). Each row's two lanes are added in integers (two tokens' rows a vector), the
+row's sum is scaled in float32 once per block — weight scale × activation scale — and joins the
+accumulator in one fused multiply-add; the Q4_1 min term adds m · (d_x · Σq_x), the activation's
+mass, quantized beside it. Unsigned storage offsets (nibble − 8 for Q4_0, byte + 128 for Q8_0) are
+taken back exactly in integers: each lane starts from −offset × the Σq_x of its half of the block,
+also computed once per activation row, so a token costs a block four `vpdpbusd`s, a shuffle, and
+half of a conversion and two or three float operations. Q5_0 is Q4_0 (and Q5_1 is Q4_1) with a
+fifth bit: its nibbles take 16 more where the bit is set (`_fifth_bits_vector`), and 16 is its
+storage offset. Q6_K runs in a form of its own: Q4_0's nibbles with each weight's top two bits
+beside them (`_high_bits_vector`, q6 with offset 32) and a scale per 16 weights, one per lane, so
+its lanes are scaled one by one and each row's pair added at the end. Q4_K keeps its own 4.5-bit
+economy nearly whole (4.625 bits): each super-block of 8 blocks opens with the 8 rows' fp16 d and
+dmin (32 B), then each block has Q4_0's nibbles and each row's 6-bit sub-block scale and min as a
+byte each; the kernel forms d·scale and dmin·min in float32 per block, then runs as Q4_1. Every
+token's arithmetic is the same sequence of operations whether it is computed alone or with three or
+seven others, so results are batch-invariant.
 """
 
 from __future__ import annotations
@@ -174,31 +176,33 @@ def _k_scales_and_mins(builder: ir.IRBuilder, block_ptr: ir.Value, header: ir.Va
 
 
 def block_scales(builder: ir.IRBuilder, qtype: QType, w_base: ir.Value, block: ir.Value):
-    """(the bytes of one 8-row group's block, its 16 lanes' scales, its 16 lanes' mins or None): lanes 2r
-    and 2r+1 are row r's weights 0..15 and 16..31; a min belongs to the row, so it is on the even lane
-    and the odd lane's is 0."""
-    duplicate = lane_mask([i // 2 for i in range(16)])
-    even_only = lane_mask([i // 2 if i % 2 == 0 else 8 for i in range(16)])  # lane 8 of the 2nd operand = 0
-    zeros8 = ir.Constant(vec(_f32, 8), [0.0] * 8)
-    mins16 = None
+    """(the bytes of one 8-row group's block, its scales, its mins or None). A HALF_SCALES type has 16 lane
+    scales, lanes 2r and 2r+1 row r's weights 0..15 and 16..31, and no mins; every other type one scale and
+    min per row (8 lanes)."""
+    mins = None
     if qtype == QType.Q4_K:
         block_ptr, k_header = _k_block_pointers(builder, w_base, block)
         scales, mins = _k_scales_and_mins(builder, block_ptr, k_header)
-        mins16 = builder.shuffle_vector(mins, zeros8, even_only)
-        return block_ptr, builder.shuffle_vector(scales, scales, duplicate), mins16
+        return block_ptr, scales, mins
     block_ptr = builder.gep(w_base, [builder.mul(block, ir.Constant(_i64, BLOCK_STRIDE[qtype]))])
-    if qtype in HALF_SCALES:
-        scales16 = builder.fpext(builder.bitcast(load_at(builder, block_ptr, SCALE_OFFSET[qtype], vec(_i16, 16)),
-                                                 vec(ir.HalfType(), 16)), vec(_f32, 16))
-    else:
-        scales = builder.fpext(builder.bitcast(load_at(builder, block_ptr, SCALE_OFFSET[qtype], vec(_i16, 8)),
-                                               vec(ir.HalfType(), 8)), vec(_f32, 8))
-        scales16 = builder.shuffle_vector(scales, scales, duplicate)
+    width = 16 if qtype in HALF_SCALES else 8
+    scales = builder.fpext(builder.bitcast(load_at(builder, block_ptr, SCALE_OFFSET[qtype], vec(_i16, width)),
+                                           vec(ir.HalfType(), width)), vec(_f32, width))  # fmt: skip
     if qtype in MIN_OFFSET:
         mins = builder.fpext(builder.bitcast(load_at(builder, block_ptr, MIN_OFFSET[qtype], vec(_i16, 8)),
                                              vec(ir.HalfType(), 8)), vec(_f32, 8))
-        mins16 = builder.shuffle_vector(mins, zeros8, even_only)
-    return block_ptr, scales16, mins16
+    return block_ptr, scales, mins
+
+
+def row_sums(builder: ir.IRBuilder, first: ir.Value, second: ir.Value | None = None) -> ir.Value:
+    """Each row's two int32 lanes (2r, 2r+1) added: 8 rows of `first`, then 8 of `second` where given."""
+    if second is None:
+        even = builder.shuffle_vector(first, first, lane_mask(list(range(0, 16, 2))))
+        odd = builder.shuffle_vector(first, first, lane_mask(list(range(1, 16, 2))))
+    else:
+        even = builder.shuffle_vector(first, second, lane_mask(list(range(0, 32, 2))))
+        odd = builder.shuffle_vector(first, second, lane_mask(list(range(1, 32, 2))))
+    return builder.add(even, odd)
 
 
 def prefetch_ahead(builder: ir.IRBuilder, qtype: QType, block_ptr: ir.Value) -> None:
@@ -212,12 +216,12 @@ def prefetch_ahead(builder: ir.IRBuilder, qtype: QType, block_ptr: ir.Value) -> 
                                 ir.Constant(_i32, 1)])
 
 
-def fused_multiply_add(builder: ir.IRBuilder):
-    """a · b + c on float32 × 16, rounded once (`vfmadd`): the block's products join the accumulator in one
+def fused_multiply_add(builder: ir.IRBuilder, lanes: int = LANES):
+    """a · b + c on float32 × `lanes`, rounded once (`vfmadd`): the block's products join the accumulator in one
     instruction where a multiply and an add took two, and every kernel that must agree with these to the
     bit (the tiles' epilogue) uses it too."""
-    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec(_f32, LANES), [vec(_f32, LANES)] * 3),
-                                          "llvm.fma.v16f32")
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec(_f32, lanes), [vec(_f32, lanes)] * 3),
+                                          f"llvm.fma.v{lanes}f32")
 
 
 class BlockLoop(NamedTuple):
@@ -228,8 +232,8 @@ class BlockLoop(NamedTuple):
     accs: list[ir.Value]  # the float32 × 16 accumulators' values at the top of the body
 
 
-def open_block_loop(builder: ir.IRBuilder, n_blocks: ir.Value, n_accs: int) -> BlockLoop:
-    """A loop over the blocks (none when n_blocks <= 0) carrying `n_accs` float32 × 16 accumulators from 0,
+def open_block_loop(builder: ir.IRBuilder, n_blocks: ir.Value, n_accs: int, lanes: int = LANES) -> BlockLoop:
+    """A loop over the blocks (none when n_blocks <= 0) carrying `n_accs` float32 × `lanes` accumulators from 0,
     positioned at the top of its body."""
     entry = builder.block
     loop = builder.append_basic_block("blocks")
@@ -240,8 +244,8 @@ def open_block_loop(builder: ir.IRBuilder, n_blocks: ir.Value, n_accs: int) -> B
     block.add_incoming(ir.Constant(_i64, 0), entry)
     accs = []
     for _ in range(n_accs):
-        acc = builder.phi(vec(_f32, LANES))
-        acc.add_incoming(ir.Constant(vec(_f32, LANES), [0.0] * LANES), entry)
+        acc = builder.phi(vec(_f32, lanes))
+        acc.add_incoming(ir.Constant(vec(_f32, lanes), [0.0] * lanes), entry)
         accs.append(acc)
     return BlockLoop(entry, loop, done, block, accs)
 
@@ -258,8 +262,8 @@ def close_block_loop(builder: ir.IRBuilder, blocks: BlockLoop, n_blocks: ir.Valu
     builder.position_at_end(blocks.done)
     finals = []  # phis first: LLVM wants them at the top of the block
     for nxt in next_accs:
-        final = builder.phi(vec(_f32, LANES))
-        final.add_incoming(ir.Constant(vec(_f32, LANES), [0.0] * LANES), blocks.entry)
+        final = builder.phi(nxt.type)
+        final.add_incoming(ir.Constant(nxt.type, [0.0] * nxt.type.count), blocks.entry)
         final.add_incoming(nxt, blocks.loop)
         finals.append(final)
     return finals
@@ -295,16 +299,19 @@ def _make_group_dot(qtype: QType, num_tokens: int):  # noqa: C901 - one IR loop,
             xs_row_bytes = _row_stride_bytes(context, builder, signature.args[5], xs_arr)
 
             dpbusd = dpbusd_emitter(builder, UNSIGNED_MAX[qtype])
-            fma = fused_multiply_add(builder)
             zero_i = ir.Constant(vec(_i32, LANES), [0] * LANES)
+            # per call of one token, 8 lanes a token (its rows); else two tokens' rows a vector
+            lanes = LANES if qtype in HALF_SCALES or num_tokens > 1 else GROUP_ROWS
+            n_accs = num_tokens if qtype in HALF_SCALES else max(1, num_tokens // 2)
+            fma = fused_multiply_add(builder, lanes)
 
-            blocks = open_block_loop(builder, n_blocks, num_tokens)
+            blocks = open_block_loop(builder, n_blocks, n_accs, lanes)
             block, accs = blocks.block, blocks.accs
-            block_ptr, scales16, mins16 = block_scales(builder, qtype, w_base, block)
+            block_ptr, scales, mins = block_scales(builder, qtype, w_base, block)
             prefetch_ahead(builder, qtype, block_ptr)
             weight_vectors = [weight_vector(builder, qtype, block_ptr, s) for s in range(4)]
             pair_bytes = builder.mul(block, ir.Constant(_i64, 8))  # xd and xsum hold two 4-byte fields a block
-            next_accs = []
+            sums, x_scales, x_masses = [], [], []
             for k in range(num_tokens):
                 row = builder.add(tok, ir.Constant(_i64, k))
                 x_ptr = builder.gep(xq_base, [builder.add(builder.mul(row, xq_row_bytes),
@@ -322,17 +329,51 @@ def _make_group_dot(qtype: QType, num_tokens: int):  # noqa: C901 - one IR loop,
                     x8 = load_at(builder, x_ptr, 8 * s, _i64)
                     acc_i = dpbusd(acc_i, weight_vectors[s], builder.bitcast(splat(builder, x8, 8), vec(_i8, 64)))
                 fields = builder.add(builder.mul(row, xd_row_bytes), pair_bytes)
-                x_scale = load_at(builder, xd_base, fields, _f32, align=4)
-                lanes = builder.sitofp(acc_i, vec(_f32, LANES))
-                acc = builder.call(fma, [lanes, builder.fmul(scales16, splat(builder, x_scale, LANES)), accs[k]])
-                if qtype in MIN_OFFSET:
-                    x_mass = load_at(builder, xd_base, builder.add(fields, ir.Constant(_i64, 4)), _f32, align=4)
-                    acc = builder.call(fma, [mins16, splat(builder, x_mass, LANES), acc])
-                next_accs.append(acc)
-            for k, final in enumerate(close_block_loop(builder, blocks, n_blocks, next_accs)):
-                even = builder.shuffle_vector(final, final, lane_mask(list(range(0, 16, 2))))
-                odd = builder.shuffle_vector(final, final, lane_mask(list(range(1, 16, 2))))
-                rows = builder.fadd(even, odd)  # row r = lane 2r + lane 2r+1
+                sums.append(acc_i)
+                x_scales.append(load_at(builder, xd_base, fields, _f32, align=4))
+                if mins is not None:
+                    x_masses.append(load_at(builder, xd_base, builder.add(fields, ir.Constant(_i64, 4)), _f32, align=4))
+            next_accs = []
+            if qtype in HALF_SCALES:  # a scale per lane: each lane scaled, the pair added at the end
+                for k in range(num_tokens):
+                    scaled = builder.fmul(scales, splat(builder, x_scales[k], LANES))
+                    next_accs.append(builder.call(fma, [builder.sitofp(sums[k], vec(_f32, LANES)), scaled, accs[k]]))
+            else:  # a scale per row: each row's lanes added in integers, then scaled once
+                def per_token_lanes(values: list[ir.Value], first: int) -> ir.Value:
+                    if lanes == GROUP_ROWS:
+                        return splat(builder, values[first], GROUP_ROWS)
+                    pair = [splat(builder, values[first + h], GROUP_ROWS) for h in range(2)]
+                    return builder.shuffle_vector(*pair, lane_mask(list(range(16))))
+
+                row_lanes = scales if lanes == GROUP_ROWS else builder.shuffle_vector(
+                    scales, scales, lane_mask([i % 8 for i in range(16)]))  # fmt: skip
+                row_mins = None
+                if mins is not None:
+                    row_mins = mins if lanes == GROUP_ROWS else builder.shuffle_vector(
+                        mins, mins, lane_mask([i % 8 for i in range(16)]))  # fmt: skip
+                for p in range(n_accs):
+                    first = 2 * p if lanes == LANES else p
+                    sum_i = row_sums(builder, sums[first], sums[first + 1] if lanes == LANES else None)
+                    acc = builder.call(fma, [builder.sitofp(sum_i, vec(_f32, lanes)),
+                                             builder.fmul(row_lanes, per_token_lanes(x_scales, first)), accs[p]])
+                    if row_mins is not None:
+                        acc = builder.call(fma, [row_mins, per_token_lanes(x_masses, first), acc])
+                    next_accs.append(acc)
+            finals = close_block_loop(builder, blocks, n_blocks, next_accs)
+            out_rows = []  # (token, its 8 rows)
+            if qtype in HALF_SCALES:
+                for k, final in enumerate(finals):
+                    even = builder.shuffle_vector(final, final, lane_mask(list(range(0, 16, 2))))
+                    odd = builder.shuffle_vector(final, final, lane_mask(list(range(1, 16, 2))))
+                    out_rows.append((k, builder.fadd(even, odd)))  # row r = lane 2r + lane 2r+1
+            elif lanes == GROUP_ROWS:
+                out_rows.append((0, finals[0]))
+            else:
+                for p, final in enumerate(finals):
+                    for h in range(2):
+                        out_rows.append((2 * p + h, builder.shuffle_vector(final, final, lane_mask(
+                            list(range(8 * h, 8 * h + 8))))))  # fmt: skip
+            for k, rows in out_rows:
                 out_ptr = builder.gep(out_base, [builder.mul(ir.Constant(_i64, k), out_row_bytes)])
                 builder.store(rows, builder.bitcast(out_ptr, vec(_f32, 8).as_pointer()), align=4)
             return context.get_dummy_value()
