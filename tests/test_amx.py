@@ -53,7 +53,7 @@ def tile_modes():
 
 @pytest.mark.parametrize("mode", tile_modes())
 @pytest.mark.parametrize("qtype", PACKED_TYPES, ids=lambda q: q.name)
-@pytest.mark.parametrize("tokens", [16, 37, 70])  # 70: a pass of four tiles over each unpacked group, a remainder
+@pytest.mark.parametrize("tokens", [16, 37, 70])  # 70: a pass of four tiles over each unpacked pair, a remainder
 def test_tiles_give_the_vnni_kernels_bits(mode, qtype, tokens):
     rows, cols = 40, 512  # five 8-row groups: two tile calls of two and one of one
     packed = weights(qtype, rows, cols, int(qtype) * 7 + tokens)
@@ -67,29 +67,29 @@ def test_tiles_give_the_vnni_kernels_bits(mode, qtype, tokens):
                      matmul(packed, qtype, rows, x, 0, accumulate=True))
 
 
-def test_calls_of_fewer_than_four_tiles_run_on_the_vector_kernels_on_hardware():
-    """On hardware a call takes the tiles from FEWEST_TILED_TOKENS on (below, unpacking each group for one or two
-    tiles costs more than it saves); the emulation takes them from one tile, to test their numbers."""
+def test_calls_of_fewer_than_two_tiles_run_on_the_vector_kernels_on_hardware():
+    """On hardware a call takes the tiles from FEWEST_TILED_TOKENS on (below, unpacking each pair of groups for one
+    tile costs more than it saves); the emulation takes them from one tile, to test their numbers."""
     from decoding.kernels.amx import FEWEST_TILED_TOKENS
     from decoding.kernels.fast_kernels import tiled_tokens
 
     hardware = tile_activations(HARDWARE, 128, 256)
-    assert hardware.fewest_tokens == FEWEST_TILED_TOKENS == 4 * TILE_TOKENS
-    assert [tiled_tokens(hardware, n, 256) for n in (16, 63, 64, 70, 128)] == [0, 0, 64, 64, 128]
+    assert hardware.fewest_tokens == FEWEST_TILED_TOKENS == 2 * TILE_TOKENS
+    assert [tiled_tokens(hardware, n, 256) for n in (16, 31, 32, 37, 128)] == [0, 0, 32, 32, 128]
     emulated = tile_activations(EMULATED, 128, 256)
     assert [tiled_tokens(emulated, n, 256) for n in (15, 16, 37)] == [0, 16, 32]
     assert tiled_tokens(tile_activations(0, 128, 256), 128, 256) == 0
 
 
 def test_rows_too_long_for_a_pass_of_the_fewest_tokens_never_take_the_tiles():
-    """Where a pass of TILE_PASS_BYTES holds fewer than the fewest tokens (a 7B's down projection, 18,944 columns,
-    two tiles a pass), no pass could take the tiles: the call runs without them, whatever its length."""
+    """Where a pass of TILE_PASS_BYTES holds fewer than the fewest tokens (a 32B's down projection, 27,648 columns,
+    one tile a pass), no pass could take the tiles: the call runs without them, whatever its length."""
     from decoding.kernels.fast_kernels import tiled_tokens, tokens_per_pass
 
-    hardware = tile_activations(HARDWARE, 512, 18944)
-    assert tokens_per_pass(18944, True) < hardware.fewest_tokens <= tokens_per_pass(8960, True)
-    assert tiled_tokens(hardware, 512, 18944) == 0
-    assert tiled_tokens(hardware, 512, 8960) == 512
+    hardware = tile_activations(HARDWARE, 512, 27648)
+    assert tokens_per_pass(27648, True) < hardware.fewest_tokens <= tokens_per_pass(18944, True)
+    assert tiled_tokens(hardware, 512, 27648) == 0
+    assert tiled_tokens(hardware, 512, 18944) == 512
 
 
 @pytest.mark.parametrize("mode", tile_modes())

@@ -66,10 +66,11 @@ from .vnni import (
 
 TILE_TOKENS = 16
 TILE_ROWS = 16  # weight rows a tile product covers: two 8-row groups (one for HALF_SCALES types, as 16 lanes)
-# Below four tiles a call, the VNNI kernels are faster: each pass unpacks every weight group into the tiles'
+# Below two tiles a call, the VNNI kernels are faster: each pass unpacks every weight group into the tiles'
 # layout before its tiles' products, where the VNNI kernels compute as the weights arrive (Emerald Rapids Xeon
-# guest, 2 threads: 16 and 32 streams' decode steps 0.6-0.9x with the tiles; docs/performance.md)
-FEWEST_TILED_TOKENS = 4 * TILE_TOKENS
+# guest, 2 threads, the 1.5B shape: decode steps of 16 and 24 streams 0.86-0.89x with the tiles, of 32 1.18-1.37x,
+# of 48 1.40x; docs/performance.md)
+FEWEST_TILED_TOKENS = 2 * TILE_TOKENS
 HARDWARE, EMULATED = 1, 2  # TileActivations.mode: 0 is no tiles
 C0, A0, B0 = range(3)
 # (rows, bytes a row): C is 16 rows (or Q6_K's lanes) × 16 tokens int32, A 16 rows × 32 weight bytes, B 8 × 16

@@ -233,7 +233,7 @@ def tokens_per_pass(n_cols, tiled=False):
 def tiled_tokens(tiles, n_tokens, n_cols):
     """How many of the first tokens of activations n_cols wide go through the tiles: whole tiles of 16, where
     tiles are in use, the call has at least tiles.fewest_tokens and a pass (tokens_per_pass) can hold that
-    many — rows so long that it cannot (a 7B's down projection, 18,944 columns) never take the tiles, so
+    many — rows so long that it cannot (a 32B's down projection, 27,648 columns) never take the tiles, so
     their activations are not copied into the tiles' layout either."""
     if tiles.mode == 0 or n_tokens < tiles.fewest_tokens or tokens_per_pass(n_cols, True) < tiles.fewest_tokens:
         return 0

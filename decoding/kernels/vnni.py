@@ -194,14 +194,10 @@ def block_scales(builder: ir.IRBuilder, qtype: QType, w_base: ir.Value, block: i
     return block_ptr, scales, mins
 
 
-def row_sums(builder: ir.IRBuilder, first: ir.Value, second: ir.Value | None = None) -> ir.Value:
-    """Each row's two int32 lanes (2r, 2r+1) added: 8 rows of `first`, then 8 of `second` where given."""
-    if second is None:
-        even = builder.shuffle_vector(first, first, lane_mask(list(range(0, 16, 2))))
-        odd = builder.shuffle_vector(first, first, lane_mask(list(range(1, 16, 2))))
-    else:
-        even = builder.shuffle_vector(first, second, lane_mask(list(range(0, 32, 2))))
-        odd = builder.shuffle_vector(first, second, lane_mask(list(range(1, 32, 2))))
+def row_sums(builder: ir.IRBuilder, first: ir.Value, second: ir.Value) -> ir.Value:
+    """Each row's two int32 lanes (2r, 2r+1) added: the 8 rows of `first`, then the 8 of `second`."""
+    even = builder.shuffle_vector(first, second, lane_mask(list(range(0, 32, 2))))
+    odd = builder.shuffle_vector(first, second, lane_mask(list(range(1, 32, 2))))
     return builder.add(even, odd)
 
 
@@ -300,12 +296,13 @@ def _make_group_dot(qtype: QType, num_tokens: int):  # noqa: C901 - one IR loop,
 
             dpbusd = dpbusd_emitter(builder, UNSIGNED_MAX[qtype])
             zero_i = ir.Constant(vec(_i32, LANES), [0] * LANES)
-            # per call of one token, 8 lanes a token (its rows); else two tokens' rows a vector
-            lanes = LANES if qtype in HALF_SCALES or num_tokens > 1 else GROUP_ROWS
-            n_accs = num_tokens if qtype in HALF_SCALES else max(1, num_tokens // 2)
-            fma = fused_multiply_add(builder, lanes)
+            # rows scaled a vector: two tokens' (lanes 0..7 and 8..15) where the call has two; one token's, each row
+            # in both of its lanes, where it has one (the float work as the lanes', but two thirds of the shuffles)
+            paired = qtype not in HALF_SCALES and num_tokens > 1
+            n_accs = num_tokens // 2 if paired else num_tokens
+            fma = fused_multiply_add(builder)
 
-            blocks = open_block_loop(builder, n_blocks, n_accs, lanes)
+            blocks = open_block_loop(builder, n_blocks, n_accs)
             block, accs = blocks.block, blocks.accs
             block_ptr, scales, mins = block_scales(builder, qtype, w_base, block)
             prefetch_ahead(builder, qtype, block_ptr)
@@ -339,40 +336,41 @@ def _make_group_dot(qtype: QType, num_tokens: int):  # noqa: C901 - one IR loop,
                     scaled = builder.fmul(scales, splat(builder, x_scales[k], LANES))
                     next_accs.append(builder.call(fma, [builder.sitofp(sums[k], vec(_f32, LANES)), scaled, accs[k]]))
             else:  # a scale per row: each row's lanes added in integers, then scaled once
+                row_of_lane = [i % 8 for i in range(16)] if paired else [i // 2 for i in range(16)]
+                row_lanes = builder.shuffle_vector(scales, scales, lane_mask(row_of_lane))
+                row_mins = None if mins is None else builder.shuffle_vector(mins, mins, lane_mask(row_of_lane))
+
                 def per_token_lanes(values: list[ir.Value], first: int) -> ir.Value:
-                    if lanes == GROUP_ROWS:
-                        return splat(builder, values[first], GROUP_ROWS)
+                    if not paired:
+                        return splat(builder, values[first], LANES)
                     pair = [splat(builder, values[first + h], GROUP_ROWS) for h in range(2)]
                     return builder.shuffle_vector(*pair, lane_mask(list(range(16))))
 
-                row_lanes = scales if lanes == GROUP_ROWS else builder.shuffle_vector(
-                    scales, scales, lane_mask([i % 8 for i in range(16)]))  # fmt: skip
-                row_mins = None
-                if mins is not None:
-                    row_mins = mins if lanes == GROUP_ROWS else builder.shuffle_vector(
-                        mins, mins, lane_mask([i % 8 for i in range(16)]))  # fmt: skip
                 for p in range(n_accs):
-                    first = 2 * p if lanes == LANES else p
-                    sum_i = row_sums(builder, sums[first], sums[first + 1] if lanes == LANES else None)
-                    acc = builder.call(fma, [builder.sitofp(sum_i, vec(_f32, lanes)),
+                    first = 2 * p if paired else p
+                    if paired:
+                        sum_i = row_sums(builder, sums[first], sums[first + 1])
+                    else:  # lane 2r + h: its own and its pair's
+                        pair_swapped = lane_mask([i ^ 1 for i in range(16)])
+                        sum_i = builder.add(sums[first], builder.shuffle_vector(sums[first], sums[first], pair_swapped))
+                    acc = builder.call(fma, [builder.sitofp(sum_i, vec(_f32, LANES)),
                                              builder.fmul(row_lanes, per_token_lanes(x_scales, first)), accs[p]])
                     if row_mins is not None:
                         acc = builder.call(fma, [row_mins, per_token_lanes(x_masses, first), acc])
                     next_accs.append(acc)
             finals = close_block_loop(builder, blocks, n_blocks, next_accs)
             out_rows = []  # (token, its 8 rows)
-            if qtype in HALF_SCALES:
-                for k, final in enumerate(finals):
-                    even = builder.shuffle_vector(final, final, lane_mask(list(range(0, 16, 2))))
-                    odd = builder.shuffle_vector(final, final, lane_mask(list(range(1, 16, 2))))
-                    out_rows.append((k, builder.fadd(even, odd)))  # row r = lane 2r + lane 2r+1
-            elif lanes == GROUP_ROWS:
-                out_rows.append((0, finals[0]))
-            else:
-                for p, final in enumerate(finals):
+            even_lanes, odd_lanes = lane_mask(list(range(0, 16, 2))), lane_mask(list(range(1, 16, 2)))
+            for p, final in enumerate(finals):
+                if qtype in HALF_SCALES:  # row r = lane 2r + lane 2r+1
+                    out_rows.append((p, builder.fadd(builder.shuffle_vector(final, final, even_lanes),
+                                                     builder.shuffle_vector(final, final, odd_lanes))))  # fmt: skip
+                elif paired:
                     for h in range(2):
                         out_rows.append((2 * p + h, builder.shuffle_vector(final, final, lane_mask(
                             list(range(8 * h, 8 * h + 8))))))  # fmt: skip
+                else:
+                    out_rows.append((p, builder.shuffle_vector(final, final, even_lanes)))
             for k, rows in out_rows:
                 out_ptr = builder.gep(out_base, [builder.mul(ir.Constant(_i64, k), out_row_bytes)])
                 builder.store(rows, builder.bitcast(out_ptr, vec(_f32, 8).as_pointer()), align=4)
