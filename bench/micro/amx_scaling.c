@@ -1,7 +1,9 @@
-/* Where a block of decoding/kernels/amx.py's tile products goes, in C: the tile instructions alone, the float
- * scaling alone, both as the kernel runs them, both with every other block on a second set of tile registers,
- * and the form whose lanes are whole rows (the halves summed in integers). One thread, one 8-row group of 48
- * blocks (1,536 columns) against 16 token tiles; ns a block and tile of 16 tokens. Needs a CPU and kernel that grant AMX (Linux >= 5.16):
+/* Where a block of the tile products goes, in C: the tile instructions alone, the float scaling alone, both as
+ * decoding/kernels/amx.py ran them until whole rows went into a tile (lanes of half rows, half of A zero), both
+ * with every other block on a second set of tile registers, and the forms whose lanes are whole rows (the halves
+ * summed in integers): 16 rows of two groups, as the kernel now runs, and one group's 8 rows in an A of 8 rows.
+ * One thread, 48 blocks (1,536 columns) against 16 token tiles; ns a block and tile of 16 tokens. Needs a CPU and
+ * kernel that grant AMX (Linux >= 5.16):
  *
  *     gcc -O2 -march=sapphirerapids -o /tmp/amx_scaling bench/micro/amx_scaling.c && taskset -c 1 /tmp/amx_scaling
  */
@@ -112,13 +114,15 @@ int main(void) {
         config.rows[3 * set + 1] = 16; config.colsb[3 * set + 1] = 32;  /* A */
         config.rows[3 * set + 2] = 8; config.colsb[3 * set + 2] = 64;   /* B */
     }
-    config.rows[3] = 8; config.rows[4] = 8;  /* the second set: C and A of 8 rows (row_sums_one_group) */
-    void (*kernels[])(void) = {products_alone, scaling_alone, both, row_sums, row_sums_one_group};
-    const char *names[] = {"tile loads, product, store alone", "float scaling alone", "both, as the kernel runs",
-                           "row sums: 16 rows, twice the MACs",
+    void (*kernels[])(void) = {products_alone, scaling_alone, both, both_two_register_sets, row_sums,
+                               row_sums_one_group};
+    const char *names[] = {"tile loads, product, store alone", "float scaling alone", "both, half rows",
+                           "both, a second register set", "row sums: 16 rows, twice the MACs",
                            "row sums: one 8-row group, M = 8"};
     for (int round = 0; round < 3; round++)
-        for (int k = 0; k < 5; k++) {
+        for (int k = 0; k < 6; k++) {
+            /* the second register set: full-size for both_two_register_sets, C and A of 8 rows for row_sums_one_group */
+            config.rows[3] = config.rows[4] = k == 5 ? 8 : 16;
             int repeats = 20000;
             kernels[k]();
             double started = now();
