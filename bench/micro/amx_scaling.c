@@ -55,12 +55,12 @@ static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t);
 PIPELINED(both, PRODUCT_SET0)
 PIPELINED(both_two_register_sets, PRODUCT_ALTERNATING)
 
-/* the form that would halve the scaling a multiply-accumulate: each row's two halves summed in integers, so a
+/* the form that halves the scaling a multiply-accumulate: each row's two halves summed in integers, so a
  * tile's 16 lanes are 16 rows (two 8-row groups) and its product twice the useful work, 8192 MACs; every lane
  * then has a min. The same tile shapes and instructions: only the float work per MAC differs. */
-#define SCALE_ROWS(b) do { int32_t *c = c_buffers[(b) % 2]; \
+#define SCALE_ROWS(b, ROWS) do { int32_t *c = c_buffers[(b) % 2]; \
     __m512 xs = _mm512_loadu_ps(token_scales[t][b]), xm = _mm512_loadu_ps(token_mass[t][b]); \
-    for (int l = 0; l < 16; l++) { \
+    for (int l = 0; l < (ROWS); l++) { \
         acc[l] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * l)), \
                                  _mm512_mul_ps(_mm512_set1_ps(lane_scales[b][l]), xs), acc[l]); \
         acc[l] = _mm512_fmadd_ps(_mm512_set1_ps(lane_mins[b][l]), xm, acc[l]); } } while (0)
@@ -69,28 +69,22 @@ __attribute__((noinline)) static void row_sums(void) {
     _tile_loadconfig(&config);
     for (int t = 0; t < TILES; t++) {
         BEGIN_TILE PRODUCT_SET0(0);
-        for (int b = 1; b < BLOCKS; b++) { PRODUCT_SET0(b); SCALE_ROWS(b - 1); }
-        SCALE_ROWS(BLOCKS - 1);
+        for (int b = 1; b < BLOCKS; b++) { PRODUCT_SET0(b); SCALE_ROWS(b - 1, 16); }
+        SCALE_ROWS(BLOCKS - 1, 16);
         for (int r = 0; r < 16; r++) _mm512_storeu_ps(out[t][r % 8], acc[r]);
     }
     _tile_release();
 }
 
 /* the row-sum form on one 8-row group: A is 8 rows x 32 bytes (no zeros), C 8 rows x 16 tokens, on the second
- * register set configured with 8 rows; the same useful MACs as the kernel's (4096), half the float work */
-#define SCALE_ROWS8(b) do { int32_t *c = c_buffers[(b) % 2]; \
-    __m512 xs = _mm512_loadu_ps(token_scales[t][b]), xm = _mm512_loadu_ps(token_mass[t][b]); \
-    for (int l = 0; l < 8; l++) { \
-        acc[l] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * l)), \
-                                 _mm512_mul_ps(_mm512_set1_ps(lane_scales[b][l]), xs), acc[l]); \
-        acc[l] = _mm512_fmadd_ps(_mm512_set1_ps(lane_mins[b][l]), xm, acc[l]); } } while (0)
+ * register set configured with 8 rows; the useful MACs of the half-row form (4096), half its float work */
 
 __attribute__((noinline)) static void row_sums_one_group(void) {
     _tile_loadconfig(&config);
     for (int t = 0; t < TILES; t++) {
         BEGIN_TILE PRODUCT_SET1(0);
-        for (int b = 1; b < BLOCKS; b++) { PRODUCT_SET1(b); SCALE_ROWS8(b - 1); }
-        SCALE_ROWS8(BLOCKS - 1);
+        for (int b = 1; b < BLOCKS; b++) { PRODUCT_SET1(b); SCALE_ROWS(b - 1, 8); }
+        SCALE_ROWS(BLOCKS - 1, 8);
         for (int r = 0; r < 8; r++) _mm512_storeu_ps(out[t][r], acc[r]);
     }
     _tile_release();

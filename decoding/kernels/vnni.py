@@ -212,12 +212,12 @@ def prefetch_ahead(builder: ir.IRBuilder, qtype: QType, block_ptr: ir.Value) -> 
                                 ir.Constant(_i32, 1)])
 
 
-def fused_multiply_add(builder: ir.IRBuilder, lanes: int = LANES):
-    """a · b + c on float32 × `lanes`, rounded once (`vfmadd`): the block's products join the accumulator in one
+def fused_multiply_add(builder: ir.IRBuilder):
+    """a · b + c on float32 × 16, rounded once (`vfmadd`): the block's products join the accumulator in one
     instruction where a multiply and an add took two, and every kernel that must agree with these to the
     bit (the tiles' epilogue) uses it too."""
-    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec(_f32, lanes), [vec(_f32, lanes)] * 3),
-                                          f"llvm.fma.v{lanes}f32")
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec(_f32, LANES), [vec(_f32, LANES)] * 3),
+                                          "llvm.fma.v16f32")
 
 
 class BlockLoop(NamedTuple):
@@ -228,8 +228,8 @@ class BlockLoop(NamedTuple):
     accs: list[ir.Value]  # the float32 × 16 accumulators' values at the top of the body
 
 
-def open_block_loop(builder: ir.IRBuilder, n_blocks: ir.Value, n_accs: int, lanes: int = LANES) -> BlockLoop:
-    """A loop over the blocks (none when n_blocks <= 0) carrying `n_accs` float32 × `lanes` accumulators from 0,
+def open_block_loop(builder: ir.IRBuilder, n_blocks: ir.Value, n_accs: int) -> BlockLoop:
+    """A loop over the blocks (none when n_blocks <= 0) carrying `n_accs` float32 × 16 accumulators from 0,
     positioned at the top of its body."""
     entry = builder.block
     loop = builder.append_basic_block("blocks")
@@ -240,8 +240,8 @@ def open_block_loop(builder: ir.IRBuilder, n_blocks: ir.Value, n_accs: int, lane
     block.add_incoming(ir.Constant(_i64, 0), entry)
     accs = []
     for _ in range(n_accs):
-        acc = builder.phi(vec(_f32, lanes))
-        acc.add_incoming(ir.Constant(vec(_f32, lanes), [0.0] * lanes), entry)
+        acc = builder.phi(vec(_f32, LANES))
+        acc.add_incoming(ir.Constant(vec(_f32, LANES), [0.0] * LANES), entry)
         accs.append(acc)
     return BlockLoop(entry, loop, done, block, accs)
 
@@ -258,8 +258,8 @@ def close_block_loop(builder: ir.IRBuilder, blocks: BlockLoop, n_blocks: ir.Valu
     builder.position_at_end(blocks.done)
     finals = []  # phis first: LLVM wants them at the top of the block
     for nxt in next_accs:
-        final = builder.phi(nxt.type)
-        final.add_incoming(ir.Constant(nxt.type, [0.0] * nxt.type.count), blocks.entry)
+        final = builder.phi(vec(_f32, LANES))
+        final.add_incoming(ir.Constant(vec(_f32, LANES), [0.0] * LANES), blocks.entry)
         final.add_incoming(nxt, blocks.loop)
         finals.append(final)
     return finals
@@ -296,8 +296,8 @@ def _make_group_dot(qtype: QType, num_tokens: int):  # noqa: C901 - one IR loop,
 
             dpbusd = dpbusd_emitter(builder, UNSIGNED_MAX[qtype])
             zero_i = ir.Constant(vec(_i32, LANES), [0] * LANES)
-            # rows scaled a vector: two tokens' (lanes 0..7 and 8..15) where the call has two; one token's, each row
-            # in both of its lanes, where it has one (the float work as the lanes', but two thirds of the shuffles)
+            # a vector of rows scaled at once: two tokens' (lanes 0..7 and 8..15) where the call has pairs of tokens;
+            # a lone token's with each row in both of its lanes (an in-lane swap and add: no wider shuffles)
             paired = qtype not in HALF_SCALES and num_tokens > 1
             n_accs = num_tokens // 2 if paired else num_tokens
             fma = fused_multiply_add(builder)
