@@ -44,6 +44,37 @@ def test_activation_quantization_is_q8_0_with_round_half_away():
     assert xd[0, 0, 0] == 1.0 and list(xsum[0, 0]) == [1 - 1 + 2 - 3, 127] and xd[0, 0, 1] == 126.0
 
 
+def q8_0_in_numpy(x: np.ndarray, cols: int):
+    """The quantization as llama.cpp's quantize_row_q8_0 writes it, one float32 operation at a time: scale
+    amax / 127, values × (127 / amax) rounded half away from zero; bytes in the kernels' step order."""
+    blocks = x[:, :cols].reshape(x.shape[0], cols // 32, 32)
+    amax = np.abs(blocks).max(axis=2)
+    scale = (amax / np.float32(127.0)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inverse = np.where(amax > 0, np.float32(127.0) / amax, np.float32(0.0)).astype(np.float32)
+    scaled = (blocks * inverse[..., None]).astype(np.float32)
+    q = np.where(scaled >= 0, scaled + np.float32(0.5), scaled - np.float32(0.5)).astype(np.float32).astype(np.int32)
+    sums = np.stack([q[..., :16].sum(axis=2), q[..., 16:].sum(axis=2)], axis=2).astype(np.int32)
+    mass = (sums.sum(axis=2).astype(np.float32) * scale).astype(np.float32)
+    return (q[..., ACTIVATION_ORDER].astype(np.int8).reshape(x.shape[0], cols), np.stack([scale, mass], axis=2),
+            sums)
+
+
+def test_the_vector_quantization_gives_numpys_bytes_scales_and_sums_to_the_bit():
+    rng = np.random.default_rng(7)
+    cols = 8960  # a 1.5B's hidden row
+    x = rng.standard_normal((6, cols)).astype(np.float32) * np.float32([[0.01], [1], [3], [40], [1e4], [1e-20]])
+    x[0, :32] = 0.0  # a block of zeros: scale 0, every byte 0
+    x[1, 32:64] = np.arange(32, dtype=np.float32) - 15.5  # exact halves after scaling: the rounding's ties
+    x[1, 64:96] = -0.0
+    x[2, 96:128] = np.float32(5.0)  # every value at the scale's extreme
+    xq, xd, xsum = quantized_activations(x)
+    expected_q, expected_d, expected_sums = q8_0_in_numpy(x, cols)
+    np.testing.assert_array_equal(xq[:, :cols], expected_q)
+    np.testing.assert_array_equal(xd[:, : cols // 32].view(np.int32), expected_d.view(np.int32))
+    np.testing.assert_array_equal(xsum[:, : cols // 32], expected_sums)
+
+
 @pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0], ids=lambda q: q.name)
 @pytest.mark.parametrize("tokens", [1, 3, 4, 9])
 def test_group_dot_products_equal_numpy_on_the_same_quantized_inputs(qtype, tokens):

@@ -15,6 +15,7 @@ from numba import njit
 from kvcache.fastmath import exp_f32
 
 from ..model.quant import QType
+from .activation_blocks import block_abs_max, quantize_block
 from .amx import (
     TILE_TOKENS,
     UNPACKED_FLOATS_PER_BLOCK,
@@ -66,12 +67,6 @@ for _qtype, _stride in BLOCK_STRIDE.items():
     _GROUP_BLOCK_BYTES[int(_qtype)] = _stride
 
 
-@njit(nogil=True, cache=True, inline="always")
-def _round_half_away(v):
-    # truncation after adding ±0.5: round half away from zero, as llama.cpp's roundf; vectorises
-    return np.int32(v + np.float32(0.5) if v >= 0 else v - np.float32(0.5))
-
-
 def activation_arrays(tokens: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Zeroed (xq, xd, xsum) for `tokens` rows of up to `cols` activations, as quantize_activation_row fills
     them: xq (tokens, cols) int8; xd (tokens, cols // 32, 2) float32, each block's scale d and mass d·Σq;
@@ -91,25 +86,12 @@ def quantize_activation_row(x, n_cols, xq, xd, xsum):
     """
     for b in range(n_cols // 32):
         base = b * 32
-        amax = np.float32(0.0)
-        for j in range(32):
-            amax = max(amax, abs(x[base + j]))
+        amax = block_abs_max(x, base)
         scale = amax / np.float32(127.0)
         inverse = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
-        first_half = 0
-        second_half = 0
-        for s in range(4):
-            for k in range(4):
-                low = _round_half_away(x[base + 4 * s + k] * inverse)
-                high = _round_half_away(x[base + 16 + 4 * s + k] * inverse)
-                xq[base + 8 * s + k] = low
-                xq[base + 8 * s + 4 + k] = high
-                first_half += low
-                second_half += high
+        quantize_block(x, base, inverse, xq, xsum, b)  # rounded half away from zero, as llama.cpp's roundf
         xd[b, 0] = scale
-        xd[b, 1] = np.float32(first_half + second_half) * scale
-        xsum[b, 0] = first_half
-        xsum[b, 1] = second_half
+        xd[b, 1] = np.float32(xsum[b, 0] + xsum[b, 1]) * scale
 
 
 @njit(nogil=True, cache=True)
