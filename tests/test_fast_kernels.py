@@ -1,5 +1,7 @@
 """The VNNI kernels against numpy on the same int8 activations: only float rounding may differ."""
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -301,3 +303,23 @@ def test_the_vnni_avx2_and_plain_ir_dot_products_give_the_same_bits(tmp_path):
     subprocess.run([sys.executable, "-c", _EXTREMES_SCRIPT, str(out)], check=True, env=env, timeout=600,
                    cwd=Path(__file__).resolve().parent.parent)  # fmt: skip
     np.testing.assert_array_equal(extreme_products(), np.load(out))
+
+
+def test_the_tiles_copy_of_any_split_of_rows_is_the_copy_row_by_row():
+    """Threads quantize ranges of rows that need not start or end on a tile: whole tiles are copied at once,
+    the rows of a shared tile one at a time, and every range's copy lands where the row-by-row copy puts it."""
+    from decoding.kernels.amx import EMULATED, tile_activation_row, tile_activation_rows
+
+    rng = np.random.default_rng(11)
+    tokens, cols = 70, 320
+    xq, xd, xsum = quantized_activations(rng.standard_normal((tokens, cols)).astype(np.float32))
+    n_tiled = 64
+    one_by_one = tile_activations(EMULATED, tokens, cols)
+    for t in range(n_tiled):
+        tile_activation_row(one_by_one, t, cols, xq[t], xd[t], xsum[t])
+    for bounds in ([0, 70], [0, 35, 70], [0, 7, 16, 17, 40, 48, 63, 66, 70], [0, 32, 64, 70]):
+        copied = tile_activations(EMULATED, tokens, cols)
+        for begin, end in itertools.pairwise(bounds):
+            tile_activation_rows(copied, begin, end, n_tiled, cols, xq, xd, xsum)
+        for name, expected, got in zip(one_by_one._fields[2:], one_by_one[2:], copied[2:], strict=True):
+            np.testing.assert_array_equal(got, expected, err_msg=f"{name} after the ranges {bounds}")

@@ -147,6 +147,40 @@ def tile_activation_row(tiles, t, n_cols, xq, xd, xsum):
         tiles.mass[tile, b, n] = xd[b, 1]
 
 
+@njit(nogil=True, cache=True)
+def tile_activation_tile(tiles, tile, n_cols, xq, xd, xsum):
+    """tile_activation_row for the 16 tokens of one tile at once: each line of the tiles' layout is written
+    whole, where a row at a time writes one word of every line (~4x faster over a hidden row of 8,960)."""
+    first = tile * TILE_TOKENS
+    words = xq[first : first + TILE_TOKENS].view(np.int32)
+    for b in range(n_cols // 32):
+        for h in range(2):
+            for s in range(4):
+                for n in range(TILE_TOKENS):
+                    tiles.xq[tile, b, h, s, n] = words[n, 8 * b + 2 * s + h]
+            for n in range(TILE_TOKENS):
+                tiles.half_sums[tile, b, h, n] = xsum[first + n, b, h]
+        for n in range(TILE_TOKENS):
+            tiles.xd[tile, b, n] = xd[first + n, b, 0]
+            tiles.mass[tile, b, n] = xd[first + n, b, 1]
+
+
+@njit(nogil=True, cache=True)
+def tile_activation_rows(tiles, row_begin, row_end, n_tiled, n_cols, xq, xd, xsum):
+    """The tiles' copy of rows [row_begin, row_end) below n_tiled (xq, xd, xsum: every token's rows): the tiles
+    wholly inside the range at once, the rows of a tile it shares with another range (another thread's) one at
+    a time."""
+    copy_end = min(row_end, n_tiled)
+    whole_begin = min(-(-row_begin // TILE_TOKENS) * TILE_TOKENS, copy_end)
+    whole_end = max(whole_begin, copy_end // TILE_TOKENS * TILE_TOKENS)
+    for t in range(row_begin, whole_begin):
+        tile_activation_row(tiles, t, n_cols, xq[t], xd[t], xsum[t])
+    for tile in range(whole_begin // TILE_TOKENS, whole_end // TILE_TOKENS):
+        tile_activation_tile(tiles, tile, n_cols, xq, xd, xsum)
+    for t in range(whole_end, copy_end):
+        tile_activation_row(tiles, t, n_cols, xq[t], xd[t], xsum[t])
+
+
 class _HardwareTiles:
     """The tile instructions themselves."""
 

@@ -32,7 +32,7 @@ from threadpool import barrier_wait
 from ..model.encoder import EncoderConfig, EncoderWeights
 from ..model.quant import QType, quantize
 from ..model.weights import WeightMatrix
-from .amx import TileActivations, tile_activation_row, tile_activations, tile_scratch
+from .amx import TileActivations, tile_activation_rows, tile_activations, tile_scratch
 from .fast_kernels import activation_arrays, quantize_activation_row, tiled_tokens
 from .forward import _as_bytes, project
 from .kernels import dequantize_row, split_range
@@ -281,8 +281,7 @@ def _quantize(fast, rotate, x, n_cols, t_begin, t_end, xq, xd, xsum, row, tiles,
                 quantize_activation_row(row, n_cols, xq[t], xd[t], xsum[t])
             else:
                 quantize_activation_row(x[t], n_cols, xq[t], xd[t], xsum[t])
-            if t < n_tiled:
-                tile_activation_row(tiles, t, n_cols, xq[t], xd[t], xsum[t])
+        tile_activation_rows(tiles, t_begin, t_end, n_tiled, n_cols, xq, xd, xsum)
 
 
 # fmt: off

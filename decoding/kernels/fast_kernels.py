@@ -19,7 +19,7 @@ from .activation_blocks import block_abs_max, quantize_block
 from .amx import (
     TILE_TOKENS,
     UNPACKED_FLOATS_PER_BLOCK,
-    tile_activation_row,
+    tile_activation_rows,
     tile_products_half_rows_offset_32,
     tile_products_offset_8,
     tile_products_offset_16,
@@ -235,11 +235,9 @@ def pass_tiles(tiles, chunk_begin, chunk_end, n_tiled):
 @njit(nogil=True, cache=True)
 def quantize_activation_rows(x, n_cols, row_begin, row_end, xq, xd, xsum, tiles, n_tokens):
     """quantize_activation_row for rows [row_begin, row_end), and the tiles' copy of those in whole tiles."""
-    n_tiled = tiled_tokens(tiles, n_tokens, n_cols)
     for t in range(row_begin, row_end):
         quantize_activation_row(x[t], n_cols, xq[t], xd[t], xsum[t])
-        if t < n_tiled:
-            tile_activation_row(tiles, t, n_cols, xq[t], xd[t], xsum[t])
+    tile_activation_rows(tiles, row_begin, row_end, tiled_tokens(tiles, n_tokens, n_cols), n_cols, xq, xd, xsum)
 
 
 @njit(nogil=True, cache=True, inline="always")
