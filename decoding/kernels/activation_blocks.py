@@ -1,12 +1,11 @@
 """A 32-value block of activations to int8 in vector IR: its largest magnitude, then its bytes in the kernels'
 step order and the sums of its two halves.
 
-numba compiles the scalar loop (`fast_kernels.quantize_activation_row` before it called these) to one value at
-a time: ~3 ns a value, which made quantizing a prompt's 8,960-wide hidden rows ~5% of its step. Written as
-vectors, a block is a load, an absolute value and a reduction, then a multiply, a rounding, a conversion,
-one shuffle into the step order and a store. The arithmetic is the scalar loop's, operation for operation
-(a float32 multiply by the block's inverse scale, ±0.5, truncation: llama.cpp's roundf), so every byte and sum
-is the same.
+numba compiles such a block loop to scalar code, one value at a time (~3-4 ns a value, a few percent of a
+prompt's step at 8,960-wide hidden rows). As vectors a block is a load, an absolute value and a reduction,
+then a multiply, the rounding, a conversion, one shuffle into the step order and a store. The arithmetic is
+q8_0's, operation for operation (a float32 multiply by the block's inverse scale, ±0.5, truncation: llama.cpp's
+roundf), so the bytes and sums are those of the scalar form (tests/test_fast_kernels.py holds them to numpy's).
 """
 
 from __future__ import annotations

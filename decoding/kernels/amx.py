@@ -150,7 +150,7 @@ def tile_activation_row(tiles, t, n_cols, xq, xd, xsum):
 @njit(nogil=True, cache=True)
 def tile_activation_tile(tiles, tile, n_cols, xq, xd, xsum):
     """tile_activation_row for the 16 tokens of one tile at once: each line of the tiles' layout is written
-    whole, where a row at a time writes one word of every line (~4x faster over a hidden row of 8,960)."""
+    whole, where a row at a time writes one word into each of a block's 8 lines."""
     first = tile * TILE_TOKENS
     words = xq[first : first + TILE_TOKENS].view(np.int32)
     for b in range(n_cols // 32):
