@@ -15,16 +15,13 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .repack import ACTIVATION_ORDER
+from .vnni import array_byte_pointer, lane_mask, load_at, splat, vec
+
 BLOCK = 32
-# byte 8s + k of a block is value 4s + k, byte 8s + 4 + k value 16 + 4s + k (decoding.kernels.repack's steps)
-STEP_ORDER = [j for s in range(4) for j in (*range(4 * s, 4 * s + 4), *range(16 + 4 * s, 16 + 4 * s + 4))]
 
 _i8, _i32, _i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
 _f32 = ir.FloatType()
-
-
-def _vec(t: ir.Type, n: int) -> ir.VectorType:
-    return ir.VectorType(t, n)
 
 
 def _contiguous_1d(array_type: types.Type, dtype: types.Type) -> bool:
@@ -32,14 +29,10 @@ def _contiguous_1d(array_type: types.Type, dtype: types.Type) -> bool:
         array_type.dtype == dtype
 
 
-def _element_pointer(context, builder, array_type, array_value, index: ir.Value) -> ir.Value:
-    array = context.make_array(array_type)(context, builder, array_value)
-    return builder.gep(array.data, [index])
-
-
-def _load_block(context, builder, x_type, x, base) -> ir.Value:
-    ptr = _element_pointer(context, builder, x_type, x, base)
-    return builder.load(builder.bitcast(ptr, _vec(_f32, BLOCK).as_pointer()), align=4)
+def _load_block(context, builder, x_type, x, base: ir.Value) -> ir.Value:
+    """The 32 float32 values from x[base] on."""
+    return load_at(builder, array_byte_pointer(context, builder, x_type, x), builder.mul(base, ir.Constant(_i64, 4)),
+                   vec(_f32, BLOCK), align=4)
 
 
 @intrinsic
@@ -50,9 +43,9 @@ def block_abs_max(typingctx, x, base):
 
     def codegen(context, builder, signature, args):
         values = _load_block(context, builder, x, args[0], context.cast(builder, args[1], base, types.int64))
-        fabs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_vec(_f32, BLOCK), [_vec(_f32, BLOCK)]),
+        fabs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec(_f32, BLOCK), [vec(_f32, BLOCK)]),
                                               "llvm.fabs.v32f32")
-        reduce_max = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_f32, [_vec(_f32, BLOCK)]),
+        reduce_max = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_f32, [vec(_f32, BLOCK)]),
                                                     "llvm.vector.reduce.fmax.v32f32")
         return builder.call(reduce_max, [builder.call(fabs, [values])])
 
@@ -61,8 +54,8 @@ def block_abs_max(typingctx, x, base):
 
 @intrinsic
 def quantize_block(typingctx, x, base, inverse, xq, xsum, block):
-    """x[base:base + 32] × inverse, rounded half away from zero, into xq[base:base + 32] in the step order
-    (STEP_ORDER); xsum[block, 0] and xsum[block, 1] the sums of values 0..15 and 16..31."""
+    """x[base:base + 32] × inverse, rounded half away from zero, into xq[base:base + 32] in the kernels' step
+    order (repack.ACTIVATION_ORDER); xsum[block, 0] and xsum[block, 1] the sums of values 0..15 and 16..31."""
     if not (_contiguous_1d(x, types.float32) and _contiguous_1d(xq, types.int8) and isinstance(xsum, types.Array)
             and xsum.ndim == 2 and xsum.layout == "C" and xsum.dtype == types.int32):
         return None
@@ -72,28 +65,24 @@ def quantize_block(typingctx, x, base, inverse, xq, xsum, block):
         base64 = context.cast(builder, base_value, base, types.int64)
         block64 = context.cast(builder, block_value, block, types.int64)
         scale = context.cast(builder, inverse_value, inverse, types.float32)
-        values = _load_block(context, builder, x, x_value, base64)
-        splatted = builder.insert_element(ir.Constant(_vec(_f32, BLOCK), None), scale, ir.Constant(_i32, 0))
-        splatted = builder.shuffle_vector(splatted, splatted, ir.Constant(_vec(_i32, BLOCK), [0] * BLOCK))
-        scaled = builder.fmul(values, splatted)
-        half = ir.Constant(_vec(_f32, BLOCK), [0.5] * BLOCK)
-        nonnegative = builder.fcmp_ordered(">=", scaled, ir.Constant(_vec(_f32, BLOCK), [0.0] * BLOCK))
+        scaled = builder.fmul(_load_block(context, builder, x, x_value, base64), splat(builder, scale, BLOCK))
+        half = ir.Constant(vec(_f32, BLOCK), [0.5] * BLOCK)
+        nonnegative = builder.fcmp_ordered(">=", scaled, ir.Constant(vec(_f32, BLOCK), [0.0] * BLOCK))
         rounded = builder.select(nonnegative, builder.fadd(scaled, half), builder.fsub(scaled, half))
-        q = builder.fptosi(rounded, _vec(_i32, BLOCK))
+        q = builder.fptosi(rounded, vec(_i32, BLOCK))
 
-        reduce_add = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_i32, [_vec(_i32, 16)]),
+        reduce_add = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_i32, [vec(_i32, 16)]),
                                                     "llvm.vector.reduce.add.v16i32")
-        sums = context.make_array(xsum)(context, builder, xsum_value)
-        row = builder.gep(sums.data, [builder.mul(block64, ir.Constant(_i64, 2))])
+        sums = array_byte_pointer(context, builder, xsum, xsum_value)
         for half_index in range(2):
-            lanes = builder.shuffle_vector(q, q, ir.Constant(_vec(_i32, 16), list(range(16 * half_index,
-                                                                                          16 * half_index + 16))))
-            builder.store(builder.call(reduce_add, [lanes]), builder.gep(row, [ir.Constant(_i64, half_index)]))
+            lanes = builder.shuffle_vector(q, q, lane_mask(list(range(16 * half_index, 16 * half_index + 16))))
+            offset = builder.add(builder.mul(block64, ir.Constant(_i64, 8)), ir.Constant(_i64, 4 * half_index))
+            target = builder.bitcast(builder.gep(sums, [offset]), _i32.as_pointer())
+            builder.store(builder.call(reduce_add, [lanes]), target)
 
-        ordered = builder.shuffle_vector(q, q, ir.Constant(_vec(_i32, BLOCK), STEP_ORDER))
-        target = _element_pointer(context, builder, xq, xq_value, base64)
-        builder.store(builder.trunc(ordered, _vec(_i8, BLOCK)), builder.bitcast(target, _vec(_i8, BLOCK).as_pointer()),
-                      align=1)
+        ordered = builder.trunc(builder.shuffle_vector(q, q, lane_mask(ACTIVATION_ORDER.tolist())), vec(_i8, BLOCK))
+        target = builder.gep(array_byte_pointer(context, builder, xq, xq_value), [base64])
+        builder.store(ordered, builder.bitcast(target, vec(_i8, BLOCK).as_pointer()), align=1)
         return context.get_dummy_value()
 
     return types.none(x, base, inverse, xq, xsum, block), codegen
