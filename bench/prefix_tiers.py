@@ -36,7 +36,7 @@ import httpx
 import numpy as np
 
 from bench.serve import machine_description
-from bench.servers import free_port, stop, wait_until_ready
+from bench.servers import ServerLog, free_port, stop, wait_until_ready
 
 BLOCK_SIZE = 16
 USER_TOKENS = 24
@@ -46,14 +46,16 @@ class Server:
     def __init__(self, model: Path, threads: int, num_blocks: int, tier_args: list[str]) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile(prefix="prefix-tiers-", suffix=".log", delete=False)
+        self.log = ServerLog("prefix-tiers-")
         argv = [sys.executable, "-m", "app.cli", "serve", "--model", str(model), "--port", str(self.port),
                 "--threads", str(threads), "--num-kv-blocks", str(num_blocks), "--max-num-seqs", "4", *tier_args]
         self.command = " ".join(["treadle", *argv[3:]])
-        self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(argv, stdout=self.log.file, stderr=subprocess.STDOUT)
         why_not = wait_until_ready(self.process, f"{self.base_url}/health", 1800)
         if why_not is not None:
-            raise RuntimeError(f"treadle serve {why_not} (log: {self.log.name})")
+            stop(self.process)
+            self.log.close()
+            raise RuntimeError(f"treadle serve {why_not}:\n{self.log.text()[-3000:]}")
 
     def ttft_ms(self, prompt: list[int]) -> float:
         """Milliseconds from sending the prompt to its first streamed token."""
@@ -74,6 +76,7 @@ class Server:
 
     def stop(self) -> None:
         stop(self.process, timeout_s=60)
+        self.log.close()
 
 
 def token_id_bound(model: Path) -> int:

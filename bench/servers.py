@@ -3,11 +3,46 @@ answers, stopping it."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
+
+
+class ServerLog:
+    """A server's stdout and stderr in a temporary file, removed when it is closed unless `keep()` was called:
+    a log that a report or an error names stays for the reader, the others do not pile up in the temp dir."""
+
+    def __init__(self, prefix: str) -> None:
+        fd, name = tempfile.mkstemp(prefix=prefix, suffix=".log")
+        self.file = os.fdopen(fd, "wb")
+        self.path = Path(name)
+        self._kept = False
+        self._closed_text: str | None = None
+
+    def keep(self) -> Path:
+        """Keep the file after `close()`; returns its path, for the message that names it."""
+        self._kept = True
+        return self.path
+
+    def text(self) -> str:
+        """Everything written so far, also after `close()` removed the file."""
+        if self._closed_text is not None:
+            return self._closed_text
+        self.file.flush()
+        return self.path.read_text(errors="replace")
+
+    def close(self) -> None:
+        if self._closed_text is not None:
+            return
+        self._closed_text = self.text()
+        self.file.close()
+        if not self._kept:
+            self.path.unlink(missing_ok=True)
 
 
 def free_port() -> int:

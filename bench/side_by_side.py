@@ -36,7 +36,6 @@ import platform
 import shlex
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,7 +44,7 @@ from typing import Any
 
 from bench.serve import BenchConfig, machine_description, run_bench
 from bench.serve_report import format_table, write_plot
-from bench.servers import free_port, stop, wait_until_ready
+from bench.servers import ServerLog, free_port, stop, wait_until_ready
 from decoding.model.registry import resolve_model_path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -148,17 +147,21 @@ PEERS = {
 }
 
 
-def start(peer: Peer, argv: list[str], threads: int, timeout_s: float) -> tuple[subprocess.Popen[bytes], str, Path]:
+def start(peer: Peer, argv: list[str], threads: int,
+          timeout_s: float) -> tuple[subprocess.Popen[bytes], str, ServerLog]:
     port = int(argv[argv.index("--port") + 1])
-    log_path = Path(tempfile.mkstemp(prefix=f"bench-{peer.name}-", suffix=".log")[1])
+    log = ServerLog(f"bench-{peer.name}-")
     env = {**os.environ, **peer.env(threads), "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen(argv, stdout=log_path.open("wb"), stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    process = subprocess.Popen(argv, stdout=log.file, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     base_url = f"http://127.0.0.1:{port}"
     why_not = wait_until_ready(process, base_url + peer.ready_path, timeout_s, poll_s=0.5)
     if why_not is None:
-        return process, base_url, log_path
+        return process, base_url, log
     process.kill()
-    raise RuntimeError(f"{peer.name} {why_not}; log: {log_path}")
+    process.wait()
+    path = log.keep()
+    log.close()
+    raise RuntimeError(f"{peer.name} {why_not}; log: {path}")
 
 
 def settle(max_load: float, timeout_s: float) -> float:
@@ -289,7 +292,7 @@ def main() -> int:
         print(f"== {peer.name}: {commands[peer.name].strip()}", file=sys.stderr)
         load_before = settle(args.settle_load, args.settle_timeout)
         try:
-            process, base_url, _log = start(peer, argv, args.threads, args.start_timeout)
+            process, base_url, log = start(peer, argv, args.threads, args.start_timeout)
         except RuntimeError as exc:
             skipped[peer.name] = str(exc)
             print(f"== {peer.name}: skipped ({exc})", file=sys.stderr)
@@ -302,8 +305,12 @@ def main() -> int:
                                  timeout_s=1800, knee_metric="ttft", knee_factor=1.5,
                                  extra_body=peer.extra_body(args.max_tokens))
             report = asyncio.run(run_bench(config))
+        except BaseException:
+            print(f"== {peer.name}: its log: {log.keep()}", file=sys.stderr)
+            raise
         finally:
             stop(process, timeout_s=30)
+            log.close()
         report["label"] = peer.name
         report["command"] = commands[peer.name].strip()
         report["load_average"] = {"before": load_before, "after": os.getloadavg()[0]}

@@ -43,7 +43,7 @@ from typing import Any
 import httpx
 
 from bench.serve import BenchConfig, machine_description, run_bench
-from bench.servers import free_port, stop, wait_until_ready
+from bench.servers import ServerLog, free_port, stop, wait_until_ready
 from bench.side_by_side import PEERS
 
 
@@ -89,14 +89,14 @@ def measure_server(name: str, gguf: Path, threads: int, streams: list[int], prom
         return {"skipped": peer.why_missing}
     if "--ctx-size" in argv:  # llama-server splits its context over its slots: room for the long prompt in each
         argv[argv.index("--ctx-size") + 1] = str(max(streams) * (prompt_tokens + 512))
-    log = tempfile.NamedTemporaryFile(prefix=f"sizes-{name}-", suffix=".log", delete=False)
+    log = ServerLog(f"sizes-{name}-")
     started = time.perf_counter()
-    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+    process = subprocess.Popen(argv, stdout=log.file, stderr=subprocess.STDOUT,
                                env={**os.environ, **peer.env(threads), **(env or {})})  # fmt: skip
     try:
         why_not = wait_until_ready(process, f"http://127.0.0.1:{port}{peer.ready_path}", 1800, poll_s=0.1)
         if why_not is not None:
-            return {"skipped": f"{why_not} (log: {log.name})"}
+            return {"skipped": f"{why_not} (log: {log.keep()})"}
         result: dict[str, Any] = {"command": " ".join(argv), "start_s": time.perf_counter() - started,
                                   "peak_rss_mb_at_ready": (_vm_kib(process.pid, "VmHWM") or 0) / 1024}  # fmt: skip
         if not serve:
@@ -113,13 +113,14 @@ def measure_server(name: str, gguf: Path, threads: int, streams: list[int], prom
             result["aggregate_tokens_per_s"] = {lv["concurrency"]: lv["output_throughput"] for lv in together}
         except RuntimeError as exc:
             result["error"] = str(exc)
-            print(f"{gguf.name}: {name}: {exc} (log: {log.name})", file=sys.stderr)
+            print(f"{gguf.name}: {name}: {exc} (log: {log.keep()})", file=sys.stderr)
         result["peak_rss_mb"] = (_vm_kib(process.pid, "VmHWM") or 0) / 1024
         if name == "treadle":
             result["prefix_ram_mb"] = _prefix_ram_mib(base_url)
         return result
     finally:
         stop(process, timeout_s=30)
+        log.close()
 
 
 def _prefix_ram_mib(base_url: str) -> float | None:
@@ -156,12 +157,12 @@ def measure_contexts(name: str, gguf: Path, threads: int, contexts: list[int], k
         argv += ["--max-model-len", str(room), "--max-num-seqs", "1", "--no-enable-prefix-caching",
                  "--kv-cache-mb", "auto"]
     argv += KV_OPTIONS[name][kv_dtype]
-    log = tempfile.NamedTemporaryFile(prefix=f"sizes-{name}-ctx-", suffix=".log", delete=False)
-    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **peer.env(threads)})
+    log = ServerLog(f"sizes-{name}-ctx-")
+    process = subprocess.Popen(argv, stdout=log.file, stderr=subprocess.STDOUT, env={**os.environ, **peer.env(threads)})
     try:
         why_not = wait_until_ready(process, f"http://127.0.0.1:{port}{peer.ready_path}", 1800, poll_s=0.1)
         if why_not is not None:
-            return {"skipped": f"{why_not} (log: {log.name})"}
+            return {"skipped": f"{why_not} (log: {log.keep()})"}
         result: dict[str, Any] = {"command": " ".join(argv), "contexts": {}}
         for context in contexts:
             # word salad is about a token a word: 2% fewer words keeps the prompt inside the context
@@ -171,11 +172,11 @@ def measure_contexts(name: str, gguf: Path, threads: int, contexts: list[int], k
                                     peer.extra_body(CONTEXT_DECODE_TOKENS), requests=1, warmup=0)["levels"][0]
             except RuntimeError as exc:
                 result["contexts"][context] = {"error": str(exc)}
-                print(f"{gguf.name}: {name} {kv_dtype} at {context}: {exc} (log: {log.name})", file=sys.stderr)
+                print(f"{gguf.name}: {name} {kv_dtype} at {context}: {exc} (log: {log.keep()})", file=sys.stderr)
                 continue
             if level["ttft_ms"]["p50"] is None:
                 result["contexts"][context] = {"error": level.get("errors")}
-                print(f"{gguf.name}: {name} {kv_dtype} at {context}: {level.get('errors')} (log: {log.name})",
+                print(f"{gguf.name}: {name} {kv_dtype} at {context}: {level.get('errors')} (log: {log.keep()})",
                       file=sys.stderr)
                 continue
             tokens = level["mean_prompt_tokens"] or words
@@ -189,6 +190,7 @@ def measure_contexts(name: str, gguf: Path, threads: int, contexts: list[int], k
         return result
     finally:
         stop(process, timeout_s=30)
+        log.close()
 
 
 def context_table(path: Path, runs: dict[str, dict[str, Any]], contexts: list[int]) -> str:

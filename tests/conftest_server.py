@@ -11,7 +11,6 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +18,7 @@ from pathlib import Path
 import httpx
 
 from bench.prometheus import parse_metrics
-from bench.servers import free_port, stop, wait_until_ready
+from bench.servers import ServerLog, free_port, stop, wait_until_ready
 
 REPO = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 600  # a cold numba cache compiles every kernel before the server is ready
@@ -51,11 +50,10 @@ class TreadleServer:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
-        self.log_path = Path(tempfile.mkstemp(prefix="treadle-serve-", suffix=".log")[1])
-        self._log = self.log_path.open("wb")
+        self._log = ServerLog("treadle-serve-")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "app.cli", "serve", "--port", str(self.port), *args],
-            cwd=REPO, env=server_env(), stdout=self._log, stderr=subprocess.STDOUT,
+            cwd=REPO, env=server_env(), stdout=self._log.file, stderr=subprocess.STDOUT,
         )
 
     @property
@@ -69,7 +67,7 @@ class TreadleServer:
         return self
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+        return self._log.text()
 
     def metrics(self) -> dict[str, float]:
         """Every sample of /metrics, keyed like `name{label="value"}` (or just `name`)."""
@@ -88,7 +86,7 @@ class TreadleServer:
 
     def stop(self) -> None:
         stop(self.process)
-        self._log.close()
+        self._log.close()  # the tests that read it did so while it ran
 
 
 _servers: dict[str, TreadleServer] = {}

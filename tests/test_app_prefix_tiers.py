@@ -4,6 +4,7 @@ a restart, from disk, with the same answer; /metrics shows every tier; /v1/cache
 from __future__ import annotations
 
 import json
+import tempfile
 
 import httpx
 import pytest
@@ -94,14 +95,18 @@ def test_cache_clear_needs_the_key_refuses_parameters_and_empties_every_tier(cac
         server.stop()
 
 
-def test_the_benchmark_prints_its_table_and_writes_json(tmp_path, capsys):
+def test_the_benchmark_prints_its_table_and_writes_json(tmp_path, capsys, monkeypatch):
     from bench import prefix_tiers
     from decoding.model.registry import DEFAULT_MODEL, resolve_model_path
 
     model, _ = resolve_model_path(DEFAULT_MODEL)
     out = tmp_path / "tiers.json"
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
     assert prefix_tiers.main([str(model), "--system-tokens", "96", "--agents", "2", "--agent-tokens", "64",
                               "--json", str(out)]) == 0
+    assert list(temp.iterdir()) == []  # its servers' logs and the disk tier's directory are gone
     result = json.loads(out.read_text())
     single = result["single"]
     assert single["ram_hit_blocks"] >= 5 and single["disk_hit_blocks"] >= 5
