@@ -260,7 +260,7 @@ def group_kernel_times(blocks: int = 64, repeats: int = 200) -> list[dict]:
         key_cache = _stored(rng, (1, blocks, spec.row_width, 16), spec)
         value_cache = _stored(rng, (1, blocks, 16, spec.row_width), spec)
         for heads in range(1, most_heads + 1):
-            work = attention_scratch(1, heads, 1, 128, 16)[0]
+            work = attention_scratch(1, heads, 1, 128, 16, rows_together=1)[0]
             for g in range(heads):  # a real query's row: scaled, running max -inf, quantized for int8
                 work[g, :128] = rng.standard_normal(128, dtype=np.float32) / np.float32(np.sqrt(128))
                 work[g, 2 * 128 + 16] = -np.inf

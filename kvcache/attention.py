@@ -14,10 +14,11 @@ sequence s are its last positions: row `query_start_loc[s] + i` sits at position
 `context_lens[s] - query_len + i` and attends to positions 0..itself (or, on a sliding-window
 layer, to the last `window` of them), so a chunk sees all earlier context and itself causally.
 
-Work is split into (query row, KV head) items dealt round-robin to threads; one item computes the
-outputs of every query head of that KV head's group, reading each K/V tile once for the group. The
-arithmetic of an item depends only on its own row, its sequence's KV and the block size: never on
-`nthreads`, on the other sequences in the batch, or on how the prompt was split into chunks (a
+Work is split into items of up to `ROWS_TOGETHER` consecutive query rows of a sequence and one KV
+head, dealt round-robin to threads; one item computes the outputs of every query head of that KV
+head's group for its rows, reading each K/V tile once for all of them. The arithmetic of each row
+depends only on that row, its sequence's KV and the block size: never on `nthreads`, on the other
+rows of its item, on the other sequences in the batch, or on how the prompt was split into chunks (a
 position's output is bit-identical whether it was a decode or a row of any prefill chunk). That is
 what lets the engine promise outputs independent of batching, chunking, preemption and thread count.
 
@@ -87,6 +88,10 @@ CACHED_KV_BYTES = 16 << 20
 # blocks ask for the pair this many blocks on, a float call's block for the one this many on
 INT8_BLOCKS_AHEAD = 6
 FLOAT_BLOCKS_AHEAD = 3
+# A prefill chunk's consecutive query rows that walk their sequence's blocks together, each block read
+# from L2 or L3 once for all of them rather than once a row (docs/performance.md, "Prompts: rows that
+# read their keys together")
+ROWS_TOGETHER = 8
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -96,11 +101,13 @@ def query_q8_floats(head_dim: int) -> int:
 
 
 def attention_scratch(
-    max_threads: int, n_heads: int, n_kv_heads: int, head_dim: int, block_size: int
+    max_threads: int, n_heads: int, n_kv_heads: int, head_dim: int, block_size: int,
+    rows_together: int = ROWS_TOGETHER,
 ) -> np.ndarray:
     """Per-thread scratch for `paged_attention_rows`, allocated once at start.
 
-    Shape (max_threads, group_size, width) float32: a row per query head of a GQA group, width
+    Shape (max_threads, rows_together · group_size, width) float32: a row per query head of a GQA group
+    for each of the query rows an item takes together, width
     2 * head_dim + block_size + 2 + query_q8_floats + two blocks' byte weights (each the larger of
     block_size floats, the numba path's, and `attention_simd.byte_weight_floats`, the vector IR's).
     """
@@ -108,7 +115,7 @@ def attention_scratch(
         raise ValueError(f"{n_heads} query heads do not split into groups over {n_kv_heads} KV heads")
     byte_weights = max(block_size, byte_weight_floats(head_dim))
     width = 2 * head_dim + block_size + _NUM_SOFTMAX_STATS + query_q8_floats(head_dim) + 2 * byte_weights
-    return np.zeros((max_threads, n_heads // n_kv_heads, width), dtype=np.float32)
+    return np.zeros((max_threads, rows_together * (n_heads // n_kv_heads), width), dtype=np.float32)
 
 
 @njit(nogil=True, cache=True, fastmath=False)
@@ -242,12 +249,14 @@ def paged_attention_rows(
                      entries of a row are read
     context_lens:    (num_seqs,) int32, this step's rows included
     query_start_loc: (num_seqs + 1,) int32; sequence s owns rows [query_start_loc[s], query_start_loc[s+1])
-    scratch:         (nthreads or more, ...) float32: `attention_scratch`'s
+    scratch:         (nthreads or more, rows_together · group_size, ...) float32: `attention_scratch`'s;
+                     an item takes up to rows_together consecutive rows of a prefill chunk
     The caches and scratch must be C-contiguous (the vector IR reads them by pointer): a view that
     is not is refused when the kernel is compiled.
     """
     require_c_contiguous(key_cache, value_cache, scratch)
     n_kv_heads = key_cache.shape[0]
+    rows_together = max(1, scratch.shape[1] // (query.shape[1] // n_kv_heads))
     block_bytes = n_kv_heads * (key_cache[0, 0].size + value_cache[0, 0].size) * key_cache.itemsize
     work = scratch[tid]
     item = 0
@@ -256,38 +265,60 @@ def paged_attention_rows(
         row_begin = query_start_loc[seq]
         row_end = query_start_loc[seq + 1]
         first_position = context_lens[seq] - (row_end - row_begin)
-        # A chunk's first row brings its sequence's tiles in; the rows after it find them in L2 or L3,
+        # A chunk's first item brings its sequence's tiles in; the items after it find them in L2 or L3,
         # where they come sooner without asking (the requests cost a fifth of a block's time), unless
         # the sequence's KV outgrows the cache.
         kv_bytes = -(-context_lens[seq] // key_cache.shape[3]) * block_bytes
-        prefetch_every_row = kv_bytes > CACHED_KV_BYTES
-        for row in range(row_begin, row_end):
+        prefetch_every_item = kv_bytes > CACHED_KV_BYTES
+        row = row_begin
+        while row < row_end:
+            rows = min(rows_together, row_end - row)
             position = first_position + (row - row_begin)
             for kv_head in range(n_kv_heads):
                 # Round-robin over items balances the causal triangle of a prefill chunk.
                 if item % nthreads == tid:
-                    _attend_row_group(out, query, key_cache, value_cache, block_table, row, position, kv_head, work,
-                                      scale, window, prefetch_every_row or row == row_begin)  # fmt: skip
+                    _attend_rows(out, query, key_cache, value_cache, block_table, row, rows, position, kv_head, work,
+                                 scale, window, prefetch_every_item or row == row_begin)  # fmt: skip
                 item += 1
+            row += rows
+
+
+@njit(nogil=True, cache=True, fastmath=False, inline="always")
+def _starts_pair(logical_block, first_key, last_block, block_size, pairable):
+    """Whether a row whose keys run first_key..(its position) folds `logical_block` together with the next:
+    int8 vector-IR blocks of heads of 64 or 128 go two a call, paired by position (2k, 2k + 1), so that
+    a row's calls, and so its rounding, depend on its position and window only; a block whose partner is
+    not read (the last), or not read whole (the first of a window), goes with an empty one."""
+    return (pairable and logical_block % 2 == 0 and logical_block < last_block
+            and first_key <= logical_block * block_size)
 
 
 @njit(nogil=True, cache=True, fastmath=False, inline="always")  # compiled once, in the kernel's body
-def _attend_row_group(out, query, key_cache, value_cache, block_table, row, position, kv_head, work, scale, window,
-                      prefetch):  # fmt: skip
-    """Outputs of query row `row` (at `position`) for the query heads of `kv_head`'s group.
+def _attend_rows(out, query, key_cache, value_cache, block_table, first_row, rows, position, kv_head, work, scale,
+                 window, prefetch):  # fmt: skip
+    """Outputs of query rows first_row..first_row + rows (one sequence's, at positions position..) for the
+    query heads of `kv_head`'s group.
 
-    work: one thread's `attention_scratch`; row g < group_size serves query head
-    kv_head * group_size + g and holds [scaled query | output accumulator | one block's scores,
-    then weights | running max, running sum | with an int8 cache, the int8 query and the byte
-    weights of a block (numba path) or of a call's two blocks (vector IR)].
+    The rows walk the sequence's blocks together: a block (an int8 pair) that every row reads whole is
+    folded for all of them in the same vector-IR calls, their query heads side by side, and the others
+    (the causal edge, where a window opens) row by row, the block's tiles then in L1. One row at a time
+    read a long prompt's KV from L2 or L3 again for every row, in calls of three heads where they now
+    take four (int8: eight). Each row's arithmetic is its own and in its own order (its blocks ascending,
+    each folded as when the row is alone: a head's arithmetic does not depend on the call's other
+    heads), so its output is the same bits whichever rows share its item.
+
+    work: one thread's `attention_scratch`; row r · group_size + g serves query head
+    kv_head * group_size + g of query row first_row + r and holds [scaled query | output accumulator |
+    one block's scores, then weights | running max, running sum | with an int8 cache, the int8 query and
+    the byte weights of a block (numba path) or of a call's two blocks (vector IR)].
     The vector IR (16-key blocks of head_dim 64, 128 or 256) reads a block's tiles by (cache, KV head,
     block), not through views, whose references to the cache are taken and dropped by atomic
     operations; from an int8 cache it folds two blocks a call (heads of 64 and 128). It asks for
-    later blocks' tiles a line per step of its loops. (The same requests issued back to back before
-    the call left a 32k context's attention ~40% slower from DRAM on a Zen 4 guest, int8 or float16:
-    a burst the kernel's own loads wait behind.) The numba path's inner loops run over
-    unit-stride 1-D views with a plain loop index, so numba proves the indices non-negative and
-    vectorises.
+    later blocks' tiles a line per step of its loops, in the call of the first row that reads a block.
+    (The same requests issued back to back before the call left a 32k context's attention ~40% slower
+    from DRAM on a Zen 4 guest, int8 or float16: a burst the kernel's own loads wait behind.) The numba
+    path's inner loops run over unit-stride 1-D views with a plain loop index, so numba proves the
+    indices non-negative and vectorises.
     """
     head_dim = query.shape[2]
     block_size = value_cache.shape[2]
@@ -298,16 +329,17 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
     q8_begin = stats_begin + 2
     byte_weights_begin = q8_begin + query_q8_floats(head_dim)
     scale = np.float32(scale)
-    for g in range(group_size):
-        work_row = work[g]
-        q = query[row, first_head + g]
-        for d in range(head_dim):
-            work_row[d] = q[d] * scale
-            work_row[acc_begin + d] = 0.0
-        work_row[stats_begin] = -np.inf  # running max
-        work_row[stats_begin + 1] = 0.0  # running sum of exp(score - running max)
-        if quantized:  # an int8 cache's scores are int8 dot products, as llama.cpp's q8_0 cache's
-            quantize_query_q8(work_row, head_dim, q8_begin)
+    for r in range(rows):
+        for g in range(group_size):
+            work_row = work[r * group_size + g]
+            q = query[first_row + r, first_head + g]
+            for d in range(head_dim):
+                work_row[d] = q[d] * scale
+                work_row[acc_begin + d] = 0.0
+            work_row[stats_begin] = -np.inf  # running max
+            work_row[stats_begin + 1] = 0.0  # running sum of exp(score - running max)
+            if quantized:  # an int8 cache's scores are int8 dot products, as llama.cpp's q8_0 cache's
+                quantize_query_q8(work_row, head_dim, q8_begin)
 
     # The vector IR's blocks are asked for from its own loops (`attend_heads`), a line a step: an int8
     # block's two tiles (68 lines) three pairs of blocks ahead, a float block's (128-256 lines) three
@@ -316,78 +348,111 @@ def _attend_row_group(out, query, key_cache, value_cache, block_table, row, posi
     # once, float16 attention from DRAM ran 25-30% slower); an int8 block's once, three ahead.
     first_ahead, last_ahead, ahead_step = (3, 3, 1) if quantized else (2, 4, 2)
     vector_ir = block_size == SIMD_BLOCK_SIZE and (head_dim == 64 or head_dim == 128 or head_dim == WIDE_HEAD_DIM)
-    last_block = position // block_size
-    first_key = max(0, position - window + 1) if window > 0 else 0
-    first_block = first_key // block_size
-    logical_block = first_block
-    while logical_block <= last_block:
+    pairable = quantized and vector_ir and head_dim != WIDE_HEAD_DIM
+    last_position = position + rows - 1
+    highest_block = last_position // block_size
+    lowest_key = max(0, position - window + 1) if window > 0 else 0
+    highest_first_key = max(0, last_position - window + 1) if window > 0 else 0
+    for logical_block in range(lowest_key // block_size, highest_block + 1):
         block_id = block_table[logical_block]
-        num_keys = min(block_size, position + 1 - logical_block * block_size)  # causal within the last block
-        skipped = max(0, first_key - logical_block * block_size)  # keys before the window, in its first block
-        # int8 vector-IR blocks of heads of 64 or 128 go two a call, paired by position (2k, 2k + 1)
-        # so that a row's calls, and so its rounding, depend on its position and window only; a block
-        # whose partner is not read (the last), or not read whole (the first of a window), goes with
-        # an empty one. Other blocks go alone, heads of 256 too (`attention_simd.WIDE_HEAD_DIM` says why).
-        paired = (quantized and vector_ir and head_dim != WIDE_HEAD_DIM and skipped == 0
-                  and logical_block % 2 == 0 and logical_block < last_block)
-        second_id = block_table[logical_block + 1] if paired else block_id
-        second_keys = min(block_size, position + 1 - (logical_block + 1) * block_size) if paired else 0
-        ahead_ids = (-1, -1)  # later blocks' tiles travel from DRAM into L2 while this one is computed
-        if prefetch and quantized and vector_ir:  # asked for from the vector IR's loops
-            ahead = logical_block + INT8_BLOCKS_AHEAD
-            ahead_ids = (block_table[ahead] if ahead <= last_block else -1,
-                         block_table[ahead + 1] if ahead + 1 <= last_block else -1)
-        elif prefetch and vector_ir:
-            ahead = logical_block + FLOAT_BLOCKS_AHEAD
-            ahead_ids = (block_table[ahead] if ahead <= last_block else -1, -1)
-        elif prefetch:
-            for ahead in range(first_ahead, last_ahead + 1, ahead_step):
-                if logical_block + ahead <= last_block:
-                    next_block_id = block_table[logical_block + ahead]
-                    prefetch_tile(key_cache[kv_head, next_block_id])
-                    prefetch_tile(value_cache[kv_head, next_block_id])
-        logical_block += 2 if paired else 1
-        if vector_ir:
-            g = 0
-            while g < group_size:
-                heads = _heads_in_next_call(group_size - g, quantized, head_dim)
-                # a group served in two calls asks twice: a float block's 128-256 requests are not all
-                # kept from one pass
-                attend_heads(work, g, heads, head_dim, key_cache, value_cache, (block_id, second_id), kv_head,
-                             (num_keys, second_keys), ahead_ids, skipped)  # fmt: skip
-                g += heads
+        asked = not prefetch  # later blocks are asked for by the first row that reads this one
+        # A block (an int8 pair) that every row reads whole is folded for all of them at once: their
+        # heads side by side in calls of as many as fit, each head's arithmetic its own.
+        span = 2 if pairable else 1
+        if (vector_ir and rows > 1 and logical_block % span == 0 and logical_block * block_size >= highest_first_key
+                and (logical_block + span) * block_size <= position + 1):
+            ahead_ids = (-1, -1)
+            if prefetch and quantized:
+                ahead = logical_block + INT8_BLOCKS_AHEAD
+                ahead_ids = (block_table[ahead] if ahead <= highest_block else -1,
+                             block_table[ahead + 1] if ahead + 1 <= highest_block else -1)
+            elif prefetch:
+                ahead = logical_block + FLOAT_BLOCKS_AHEAD
+                ahead_ids = (block_table[ahead] if ahead <= highest_block else -1, -1)
+            second_id = block_table[logical_block + 1] if pairable else block_id
+            second_keys = block_size if pairable else 0
+            total = rows * group_size
+            h = 0
+            while h < total:
+                heads = _heads_in_next_call(total - h, quantized, head_dim)
+                attend_heads(work, h, heads, head_dim, key_cache, value_cache, (block_id, second_id), kv_head,
+                             (block_size, second_keys), ahead_ids, 0)  # fmt: skip
+                h += heads
             continue
-        keys = key_cache[kv_head, block_id]  # (head_dim, block_size)
-        values = value_cache[kv_head, block_id]  # (block_size, head_dim)
-        for g in range(group_size):
-            work_row = work[g]
-            acc = work_row[acc_begin:weights_begin]
-            weights = work_row[weights_begin:stats_begin]
-            # where the window opens inside this block, only its later keys count
-            if quantized:
-                _block_scores_q8(weights, keys, work_row[q8_begin:], skipped, num_keys - skipped, head_dim)
-            elif skipped > 0:
-                _block_scores(weights, keys[:, skipped:], work_row[:acc_begin], num_keys - skipped)
-            else:
-                _block_scores(weights, keys, work_row[:acc_begin], num_keys)
-            correction = _softmax_block_update(weights, num_keys - skipped, work_row[stats_begin:])
-            if correction != 1.0:
-                for d in range(head_dim):
-                    acc[d] *= correction
-            if quantized:
-                _accumulate_values_q8(acc, values, weights, work_row[byte_weights_begin:], skipped,
-                                      num_keys - skipped, head_dim)  # fmt: skip
-            elif skipped > 0:
-                _accumulate_values(acc, values[skipped:], weights, num_keys - skipped)
-            else:
-                _accumulate_values(acc, values, weights, num_keys)
+        for r in range(rows):
+            row_position = position + r
+            last_block = row_position // block_size
+            first_key = max(0, row_position - window + 1) if window > 0 else 0
+            first_block = first_key // block_size
+            if logical_block < first_block or logical_block > last_block:
+                continue  # outside this row's window, or after its position
+            if (logical_block % 2 == 1 and logical_block - 1 >= first_block
+                    and _starts_pair(logical_block - 1, first_key, last_block, block_size, pairable)):
+                continue  # folded with the block before it
+            num_keys = min(block_size, row_position + 1 - logical_block * block_size)  # causal in its last block
+            skipped = max(0, first_key - logical_block * block_size)  # keys before the window, in its first block
+            # Other blocks than int8 pairs go alone, heads of 256 too (`attention_simd.WIDE_HEAD_DIM` says why).
+            paired = _starts_pair(logical_block, first_key, last_block, block_size, pairable)
+            second_id = block_table[logical_block + 1] if paired else block_id
+            second_keys = min(block_size, row_position + 1 - (logical_block + 1) * block_size) if paired else 0
+            ahead_ids = (-1, -1)  # later blocks' tiles travel from DRAM into L2 while this one is computed
+            if not asked and quantized and vector_ir:  # asked for from the vector IR's loops
+                ahead = logical_block + INT8_BLOCKS_AHEAD
+                ahead_ids = (block_table[ahead] if ahead <= highest_block else -1,
+                             block_table[ahead + 1] if ahead + 1 <= highest_block else -1)
+            elif not asked and vector_ir:
+                ahead = logical_block + FLOAT_BLOCKS_AHEAD
+                ahead_ids = (block_table[ahead] if ahead <= highest_block else -1, -1)
+            elif not asked:
+                for ahead in range(first_ahead, last_ahead + 1, ahead_step):
+                    if logical_block + ahead <= highest_block:
+                        next_block_id = block_table[logical_block + ahead]
+                        prefetch_tile(key_cache[kv_head, next_block_id])
+                        prefetch_tile(value_cache[kv_head, next_block_id])
+            asked = True
+            if vector_ir:
+                g = 0
+                while g < group_size:
+                    heads = _heads_in_next_call(group_size - g, quantized, head_dim)
+                    # a group served in two calls asks twice: a float block's 128-256 requests are not all
+                    # kept from one pass
+                    attend_heads(work, r * group_size + g, heads, head_dim, key_cache, value_cache,
+                                 (block_id, second_id), kv_head, (num_keys, second_keys), ahead_ids,
+                                 skipped)  # fmt: skip
+                    g += heads
+                continue
+            keys = key_cache[kv_head, block_id]  # (head_dim, block_size)
+            values = value_cache[kv_head, block_id]  # (block_size, head_dim)
+            for g in range(group_size):
+                work_row = work[r * group_size + g]
+                acc = work_row[acc_begin:weights_begin]
+                weights = work_row[weights_begin:stats_begin]
+                # where the window opens inside this block, only its later keys count
+                if quantized:
+                    _block_scores_q8(weights, keys, work_row[q8_begin:], skipped, num_keys - skipped, head_dim)
+                elif skipped > 0:
+                    _block_scores(weights, keys[:, skipped:], work_row[:acc_begin], num_keys - skipped)
+                else:
+                    _block_scores(weights, keys, work_row[:acc_begin], num_keys)
+                correction = _softmax_block_update(weights, num_keys - skipped, work_row[stats_begin:])
+                if correction != 1.0:
+                    for d in range(head_dim):
+                        acc[d] *= correction
+                if quantized:
+                    _accumulate_values_q8(acc, values, weights, work_row[byte_weights_begin:], skipped,
+                                          num_keys - skipped, head_dim)  # fmt: skip
+                elif skipped > 0:
+                    _accumulate_values(acc, values[skipped:], weights, num_keys - skipped)
+                else:
+                    _accumulate_values(acc, values, weights, num_keys)
 
-    for g in range(group_size):
-        work_row = work[g]
-        inv_sum = np.float32(1.0) / work_row[stats_begin + 1]
-        out_row = out[row, first_head + g]
-        for d in range(head_dim):
-            out_row[d] = work_row[acc_begin + d] * inv_sum
+    for r in range(rows):
+        for g in range(group_size):
+            work_row = work[r * group_size + g]
+            inv_sum = np.float32(1.0) / work_row[stats_begin + 1]
+            out_row = out[first_row + r, first_head + g]
+            for d in range(head_dim):
+                out_row[d] = work_row[acc_begin + d] * inv_sum
 
 
 @njit(nogil=True, cache=True, fastmath=False, inline="always")

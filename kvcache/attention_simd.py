@@ -563,7 +563,7 @@ def _blocks_named(argument: types.Type) -> int | None:
 def attend_heads(typingctx, work, first_head, heads, head_dim, key_cache, value_cache, block_id, kv_head, num_keys,
                  prefetch_block, first_key):  # type: ignore[no-untyped-def]  # fmt: skip
     """Fold one block, or two from an int8 cache, into the online softmax of `heads` query heads of
-    a GQA group.
+    a GQA group (of one query row, or of several rows of a sequence that read the block whole).
 
     work: (≥ first_head + heads, ≥ 2·head_dim + 18; from an int8 cache `attention.attention_scratch`'s
     width) float32, C-contiguous rows; row first_head + g = [scaled query | accumulator | 16 scratch

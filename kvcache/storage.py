@@ -1,6 +1,6 @@
 """The KV arrays: allocated once at start, sized from a memory budget, never resized per request.
 
-Layout, chosen for `attention.paged_attention_rows`, which for one (query row, KV head) walks the
+Layout, chosen for `attention.paged_attention_rows`, which for a query row and a KV head walks the
 sequence's blocks and, per block, computes `block_size` scores and then a weighted sum of
 `block_size` value rows:
 

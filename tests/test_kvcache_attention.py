@@ -436,6 +436,25 @@ def test_position_output_is_bit_identical_however_the_prompt_is_chunked(storage:
     np.testing.assert_array_equal(np.concatenate(decodes), whole)
 
 
+@pytest.mark.parametrize("storage", STORAGE)
+@pytest.mark.parametrize(("block_size", "n_heads", "head_dim", "window"),
+                         [(16, 6, 128, 0), (16, 4, 64, 37), (16, 2, 256, 40), (8, 3, 32, 0), (8, 3, 32, 11)])
+def test_rows_that_walk_their_blocks_together_give_each_rows_bits_alone(
+    block_size: int, n_heads: int, head_dim: int, window: int, storage: str
+) -> None:  # fmt: skip
+    """A prefill chunk's rows share an item, up to `rows_together` of them, and walk their blocks
+    together: each row's output is the bits it gets alone, with the vector IR's shapes (int8 pairs of
+    blocks, windows that open mid-block) and the numba path's, for any number of rows an item takes."""
+    case = make_case(np.random.default_rng(head_dim + window), [150, 70], block_size, n_heads, 1, head_dim, storage)
+    alone = run_paged(case, [0, 1], [150, 70], [150, 39], nthreads=2, window=window,
+                      scratch=attention_scratch(2, n_heads, 1, head_dim, block_size, rows_together=1))  # fmt: skip
+    for rows_together in (3, 8, 64):
+        scratch = attention_scratch(2, n_heads, 1, head_dim, block_size, rows_together=rows_together)
+        together = run_paged(case, [0, 1], [150, 70], [150, 39], nthreads=2, window=window, scratch=scratch)
+        np.testing.assert_array_equal(together, alone)
+    assert_equals_dense(alone, case, [0, 1], [150, 39], window)
+
+
 def _strided_view(array: np.ndarray, how: str) -> np.ndarray:
     """The same values, not C-contiguous: each tile stored transposed ("transposed"), a gap after
     each row ("padded_rows"), or every other element of a twice-wider array ("every_other")."""
@@ -660,7 +679,7 @@ def int8_attention_extremes() -> np.ndarray:
             key_tiles = np.ascontiguousarray(source.key_cache[:1, source.block_tables[0]])
             value_tiles = np.ascontiguousarray(source.value_cache[:1, source.block_tables[0]])
             for position in range(40):
-                work = attention_scratch(1, heads, 1, head_dim, 16)[0]
+                work = attention_scratch(1, heads, 1, head_dim, 16, rows_together=1)[0]
                 work[:, :head_dim] = source.queries[0][position] * np.float32(1 / np.sqrt(head_dim))
                 work[:, 2 * head_dim + 16] = -np.inf
                 for g in range(heads):
@@ -700,7 +719,7 @@ def test_an_int8_block_beside_an_empty_one_folds_as_it_does_alone() -> None:
     value_tiles = np.ascontiguousarray(case.value_cache[:1, case.block_tables[0][:3]])
 
     def folded(fold, *extra):  # type: ignore[no-untyped-def]
-        work = attention_scratch(1, 6, 1, 128, 16)[0]
+        work = attention_scratch(1, 6, 1, 128, 16, rows_together=1)[0]
         work[:, :128] = case.queries[0][39] * np.float32(1 / np.sqrt(128))
         work[:, 2 * 128 + 16] = -np.inf
         for g in range(6):

@@ -52,7 +52,7 @@ def test_an_int8_call_asks_for_every_line_of_later_blocks_tiles() -> None:
     value_cache = np.zeros((1, 4, 16, spec.row_width), np.int8)
     assert int8_tile_lines(128) == 34
     for attend, blocks in ((_attend_int8, 1), (_attend_int8_pair, 2)):
-        work = attention_scratch(1, 2, 1, 128, 16)[0]
+        work = attention_scratch(1, 2, 1, 128, 16, rows_together=1)[0]
         work[:, 2 * 128 + 16] = -np.inf
         attend(work, key_cache, value_cache)
         asm = attend.inspect_asm(attend.signatures[-1])
@@ -78,7 +78,7 @@ def test_a_float_call_asks_for_a_later_blocks_tiles_from_its_loops() -> None:
     for dtype, key_lines in ((np.uint16, 64), (np.float32, 128)):
         key_cache = np.zeros((1, 4, 128, 16), dtype)
         value_cache = np.zeros((1, 4, 16, 128), dtype)
-        work = attention_scratch(1, 2, 1, 128, 16)[0]
+        work = attention_scratch(1, 2, 1, 128, 16, rows_together=1)[0]
         work[:, 2 * 128 + 16] = -np.inf
         _attend_float(work, key_cache, value_cache)
         asm = _attend_float.inspect_asm(_attend_float.signatures[-1])
