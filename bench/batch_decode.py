@@ -15,8 +15,12 @@ granted), and where the step's time goes (the kernels' phases). With
 attention over itself, no LM head but its last row's), whose multiply-accumulates are every layer's
 matrices per token. With --against-no-tiles ROUNDS, where AMX tiles run, each step is also alternated
 with the same step on the VNNI kernels alone (`fast-no-amx`) in the same process, and the table adds the
-median time without tiles and the median ratio. Through HTTP (`bench sizes`) the same streams also carry their prompts,
-scheduling and streaming; this is the step alone.
+median time without tiles and the median ratio. With --against-one-row ROUNDS, the prompt's step is also
+alternated with attention items of one query row each (`kvcache.attention.attention_scratch(rows_together=1)`)
+instead of `ROWS_TOGETHER` rows walking their blocks together, after checking that both give the same
+logits: each's median paged-attention time (its phase's share of the step) and their median ratio.
+Through HTTP (`bench sizes`) the same streams also carry their prompts, scheduling and streaming; this is
+the step alone.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from decoding.kernels import weight_cache
 from decoding.kernels.forward import KernelWeights
 from decoding.kernels.phases import PHASES
 from decoding.model.config import ModelConfig
+from kvcache.attention import ROWS_TOGETHER, attention_scratch
 from kvcache.batch import KVBatchArrays
 from kvcache.storage import KVCacheSpec, KVCacheStorage
 from threadpool import SpinPool
@@ -115,10 +120,41 @@ def _against_no_tiles(runners: dict[str, ModelRunner], batch: StepBatch, rounds:
             "tiles_speedup": statistics.median(ratios)}  # fmt: skip
 
 
+def _against_one_row(runner: ModelRunner, cfg: ModelConfig, batch: StepBatch, rounds: int) -> dict[str, float]:
+    """The prompt's step with its attention items of `ROWS_TOGETHER` rows (the step's own scratch) and of one
+    row, alternated `rounds` times in this process: each's median paged-attention time (the phase's share of
+    the step's cycles times the step) and the median of each round's ratio, once both gave the same logits."""
+    together = runner.state.attn_scratch
+    scratches = {"rows": together, "one_row": attention_scratch(together.shape[0], cfg.n_heads, cfg.n_kv_heads,
+                                                                cfg.head_dim, BLOCK_SIZE, rows_together=1)}
+    logits: dict[str, np.ndarray] = {}
+    attention: dict[str, list[float]] = {name: [] for name in scratches}
+    try:
+        for _ in range(rounds):
+            for name, scratch in scratches.items():
+                runner.state = runner.state._replace(attn_scratch=scratch)
+                runner.profile_phases(True)
+                started = time.perf_counter()
+                logits.setdefault(name, runner.forward(batch).copy())
+                took = time.perf_counter() - started
+                cycles = runner.phase_cycles
+                attention[name].append(took * float(cycles[PHASES.index("paged attention")] / cycles.sum()))
+                runner.profile_phases(False)
+    finally:
+        runner.state = runner.state._replace(attn_scratch=together)
+    if not np.array_equal(logits["rows"], logits["one_row"]):
+        raise RuntimeError("attention items of one row gave other logits than items of several")
+    ratios = [alone / shared for shared, alone in zip(attention["rows"], attention["one_row"], strict=True)]
+    return {"attention_ms": 1e3 * statistics.median(attention["rows"]),
+            "one_row_attention_ms": 1e3 * statistics.median(attention["one_row"]),
+            "rows_together_speedup": statistics.median(ratios)}  # fmt: skip
+
+
 def measure(path: Path, streams: list[int], context: int, threads: int, steps: int,
-            prompt_tokens: int = 0, against_no_tiles: int = 0) -> dict[str, Any]:  # fmt: skip
+            prompt_tokens: int = 0, against_no_tiles: int = 0, against_one_row: int = 0) -> dict[str, Any]:  # fmt: skip
     """Each level's step (and the prompt's); with `against_no_tiles` rounds, where the tiles run (granted, or
-    TREADLE_AMX=emulate), each step also alternated with the same step without them."""
+    TREADLE_AMX=emulate), each step also alternated with the same step without them; with `against_one_row`
+    rounds, the prompt's step also alternated with attention items of one row."""
     from bench.engine_rooflines import measure_int8_gmacs
     from decoding.kernels.amx import HARDWARE
     from decoding.kernels.amx_probe import tile_support
@@ -166,6 +202,8 @@ def measure(path: Path, streams: list[int], context: int, threads: int, steps: i
                                  "gmacs": prompt_macs / step / 1e9, "phases": phases}  # fmt: skip
             if runners:
                 results["prompt"].update(_against_no_tiles(runners, _prompt_batch(prompt_tokens), against_no_tiles))
+            if against_one_row:
+                results["prompt"].update(_against_one_row(runner, cfg, _prompt_batch(prompt_tokens), against_one_row))
     after = probes()
     # the guests here change speed by tens of percent within minutes: the roof is the higher of two probes
     results["probes"] = {"before": before, "after": after}
@@ -203,6 +241,11 @@ def report(results: dict[str, Any]) -> str:
             line += (f" {level['no_tiles_step_ms']:.1f} | {level['tiles_speedup']:.2f}x |" if "tiles_speedup" in level
                      else " — | — |")  # fmt: skip
         lines.append(line)
+    prompt = results.get("prompt") or {}
+    if "rows_together_speedup" in prompt:
+        lines += ["", f"The prompt's paged attention, items of {ROWS_TOGETHER} rows against items of one: "
+                      f"{prompt['attention_ms']:.1f} against {prompt['one_row_attention_ms']:.1f} ms, "
+                      f"{prompt['rows_together_speedup']:.2f}x (medians of alternated rounds; the same logits)"]
     return "\n".join(lines)
 
 
@@ -218,13 +261,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--against-no-tiles", type=int, default=0, metavar="ROUNDS",
                         help="where AMX tiles run, also each step without them, alternated ROUNDS times in this "
                              "process: the tiles' speedup (default: not)")
+    parser.add_argument("--against-one-row", type=int, default=0, metavar="ROUNDS",
+                        help="also the prompt's step with attention items of one query row, alternated ROUNDS "
+                             "times in this process: what rows walking their blocks together give (default: not)")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     results = measure(args.file, [int(s) for s in args.streams.split(",")], args.context, args.threads, args.steps,
-                      args.prompt_tokens, args.against_no_tiles)
+                      args.prompt_tokens, args.against_no_tiles, args.against_one_row)
     print(report(results))
     prompt = f" --prompt-tokens {args.prompt_tokens}" if args.prompt_tokens else ""
     prompt += f" --against-no-tiles {args.against_no_tiles}" if args.against_no_tiles else ""
+    prompt += f" --against-one-row {args.against_one_row}" if args.against_one_row else ""
     print(f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; `treadle bench batch-decode {args.file} "
           f"--streams {args.streams} --context {args.context}{prompt} --threads {args.threads}`")
     if args.json:

@@ -50,3 +50,11 @@ def test_against_no_tiles_alternates_each_step_with_the_vnni_kernels_alone(tiny_
     table = report(results)
     assert "the tiles' speedup" in table and f"{results['prompt']['tiles_speedup']:.2f}x |" in table
     assert "the tiles' speedup" not in report(measure(tiny_file, [4], context=40, threads=2, steps=1))
+
+
+def test_against_one_row_alternates_the_prompt_with_attention_items_of_one_row(tiny_file):
+    results = measure(tiny_file, [1], context=40, threads=2, steps=1, prompt_tokens=37, against_one_row=2)
+    prompt = results["prompt"]
+    assert prompt["attention_ms"] > 0 and prompt["one_row_attention_ms"] > 0 and prompt["rows_together_speedup"] > 0
+    assert f"{prompt['rows_together_speedup']:.2f}x (medians of alternated rounds; the same logits)" in report(results)
+    assert "items of one" not in report(measure(tiny_file, [1], context=40, threads=2, steps=1, prompt_tokens=37))
