@@ -284,6 +284,18 @@ def paged_attention_rows(
 
 
 @njit(nogil=True, cache=True, fastmath=False, inline="always")
+def _blocks_ahead(block_table, logical_block, highest_block, quantized):
+    """The blocks whose tiles a vector-IR call asks for while it folds `logical_block` (-1: none, past
+    `highest_block`): an int8 call's pair INT8_BLOCKS_AHEAD on, a float call's block FLOAT_BLOCKS_AHEAD on."""
+    if quantized:
+        ahead = logical_block + INT8_BLOCKS_AHEAD
+        return (block_table[ahead] if ahead <= highest_block else -1,
+                block_table[ahead + 1] if ahead + 1 <= highest_block else -1)
+    ahead = logical_block + FLOAT_BLOCKS_AHEAD
+    return (block_table[ahead] if ahead <= highest_block else -1, -1)
+
+
+@njit(nogil=True, cache=True, fastmath=False, inline="always")
 def _starts_pair(logical_block, first_key, last_block, block_size, pairable):
     """Whether a row whose keys run first_key..(its position) folds `logical_block` together with the next:
     int8 vector-IR blocks of heads of 64 or 128 go two a call, paired by position (2k, 2k + 1), so that
@@ -361,14 +373,7 @@ def _attend_rows(out, query, key_cache, value_cache, block_table, first_row, row
         span = 2 if pairable else 1
         if (vector_ir and rows > 1 and logical_block % span == 0 and logical_block * block_size >= highest_first_key
                 and (logical_block + span) * block_size <= position + 1):
-            ahead_ids = (-1, -1)
-            if prefetch and quantized:
-                ahead = logical_block + INT8_BLOCKS_AHEAD
-                ahead_ids = (block_table[ahead] if ahead <= highest_block else -1,
-                             block_table[ahead + 1] if ahead + 1 <= highest_block else -1)
-            elif prefetch:
-                ahead = logical_block + FLOAT_BLOCKS_AHEAD
-                ahead_ids = (block_table[ahead] if ahead <= highest_block else -1, -1)
+            ahead_ids = _blocks_ahead(block_table, logical_block, highest_block, quantized) if prefetch else (-1, -1)
             second_id = block_table[logical_block + 1] if pairable else block_id
             second_keys = block_size if pairable else 0
             total = rows * group_size
@@ -396,13 +401,8 @@ def _attend_rows(out, query, key_cache, value_cache, block_table, first_row, row
             second_id = block_table[logical_block + 1] if paired else block_id
             second_keys = min(block_size, row_position + 1 - (logical_block + 1) * block_size) if paired else 0
             ahead_ids = (-1, -1)  # later blocks' tiles travel from DRAM into L2 while this one is computed
-            if not asked and quantized and vector_ir:  # asked for from the vector IR's loops
-                ahead = logical_block + INT8_BLOCKS_AHEAD
-                ahead_ids = (block_table[ahead] if ahead <= highest_block else -1,
-                             block_table[ahead + 1] if ahead + 1 <= highest_block else -1)
-            elif not asked and vector_ir:
-                ahead = logical_block + FLOAT_BLOCKS_AHEAD
-                ahead_ids = (block_table[ahead] if ahead <= highest_block else -1, -1)
+            if not asked and vector_ir:  # asked for from the vector IR's loops
+                ahead_ids = _blocks_ahead(block_table, logical_block, highest_block, quantized)
             elif not asked:
                 for ahead in range(first_ahead, last_ahead + 1, ahead_step):
                     if logical_block + ahead <= highest_block:
