@@ -268,3 +268,25 @@ def test_the_loaders_reader_gives_gguf_pys_fields_whole_and_by_index(tmp_path, t
             for index in range(len(field.data) if field.types[0] == gguf.GGUFValueType.ARRAY else 0):
                 assert mine.contents(index) == field.contents(index), (name, index)
         assert [(t.name, t.data_offset) for t in ours.tensors] == [(t.name, t.data_offset) for t in theirs.tensors]
+
+
+@pytest.mark.parametrize("weight_cache", [False, True], ids=["repacked-in-memory", "mapped-from-the-weight-cache"])
+def test_a_built_fast_model_keeps_none_of_its_file_resident(tmp_path, weight_cache):
+    """The fast kernels read only their repacked copy; the norms and biases are copied out of the file. Reading
+    those small tensors at load faults in the file pages around them (a whole large page-cache folio each where
+    the kernel has them: 120 MiB of the 7B shape's file), which must not stay in the process's RSS."""
+    from decoding.kernels.forward import KernelWeights
+
+    path = write_gguf(tmp_path / "tiny.gguf", TinyShape(dim=256, hidden_dim=1024), qtype=QType.Q8_0, seed=4)
+    cache = tmp_path / "tiny.packed" if weight_cache else None
+    if cache is not None:
+        first = load_model(path)
+        KernelWeights.build(first.config, first.weights, fast=True, cache=cache)
+        assert cache.exists()
+    model = load_model(path)
+    before = np.array(model.weights.layers[0].attn_norm)  # the map is read: its pages are resident
+    assert _resident_kib(path) > 0
+    built = KernelWeights.build(model.config, model.weights, fast=True, cache=cache)
+    assert _resident_kib(path) == 0
+    np.testing.assert_array_equal(built.arrays.norms[0, 0], before)
+    assert built.token_rows.gather(np.array([3, 1], dtype=np.int64)).shape[0] == 2  # rows still read from the file

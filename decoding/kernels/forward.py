@@ -43,7 +43,7 @@ from threadpool import barrier_wait
 
 from ..model.config import ModelConfig
 from ..model.token_rows import TokenRows
-from ..model.weights import LayerWeights, ModelWeights, WeightMatrix, release_mapped_pages
+from ..model.weights import LayerWeights, ModelWeights, WeightMatrix, release_file_maps, release_mapped_pages
 from . import weight_cache
 from .amx import (
     EMULATED,
@@ -143,6 +143,12 @@ def _packed(matrix: WeightMatrix, fast: bool, parts: int = 1) -> np.ndarray:
 
 def _layer_matrices(layer: LayerWeights) -> tuple[WeightMatrix, ...]:
     return (layer.wq, layer.wk, layer.wv, layer.wo, layer.w_gate, layer.w_up, layer.w_down)
+
+
+def _stored_matrices(weights: ModelWeights) -> list[WeightMatrix]:
+    """Every matrix as the file stores it: the layers', the token embedding and the LM head."""
+    return [m for layer in weights.layers for m in _layer_matrices(layer)] + [weights.token_embedding,
+                                                                              weights.lm_head]
 
 
 def _all_packed(weights: ModelWeights, fast: bool, cache: Path | None, n_experts: int) -> list[np.ndarray]:
@@ -275,6 +281,9 @@ class KernelWeights:
                 routers[i] = layer.router
         ropes = sorted({cfg.layer_rope(i) for i in range(cfg.n_layers)})
         rope_shape = (len(ropes), cfg.max_context, cfg.head_dim // 2)  # zeros: filled by cover_positions
+        output_norm = np.array(weights.output_norm, dtype=np.float32)
+        if fast:  # every tensor read from the file is copied or repacked by now
+            release_file_maps([m.data for m in _stored_matrices(weights)] + [weights.output_norm])
         return cls(typed_list(matrices), typed_list(packed), WeightArrays(
             qtypes=qtypes, packed_qtypes=packed_qtypes, norms=norms, biases=biases, head_norms=head_norms,
             layer_windows=np.array([cfg.layer_window(i) for i in range(cfg.n_layers)], dtype=np.int64),
@@ -284,7 +293,7 @@ class KernelWeights:
             lm_head_packed=all_packed[-1], lm_head_packed_qtype=int(packed_type(weights.lm_head.qtype)),
             # a copy: a read-only view (an F32 tensor of a mapped file) is another numba type, and the
             # step would compile again for it
-            output_norm=np.array(weights.output_norm, dtype=np.float32),
+            output_norm=output_norm,
             rope_cos=np.zeros(rope_shape, dtype=np.float32), rope_sin=np.zeros(rope_shape, dtype=np.float32),
             routers=routers, key_centres=np.zeros((cfg.n_layers, cfg.kv_dim), dtype=np.float32),
         ), token_rows=TokenRows(_as_bytes(weights.token_embedding)), ropes=ropes,
