@@ -145,15 +145,14 @@ def _layer_matrices(layer: LayerWeights) -> tuple[WeightMatrix, ...]:
     return (layer.wq, layer.wk, layer.wv, layer.wo, layer.w_gate, layer.w_up, layer.w_down)
 
 
-def _stored_matrices(weights: ModelWeights) -> list[WeightMatrix]:
-    """Every matrix as the file stores it: the layers', the token embedding and the LM head."""
-    return [m for layer in weights.layers for m in _layer_matrices(layer)] + [weights.token_embedding,
-                                                                              weights.lm_head]
+def _step_matrices(weights: ModelWeights) -> list[WeightMatrix]:
+    """The matrices a step multiplies: every layer's (WQ..W_DOWN order), then the LM head."""
+    return [m for layer in weights.layers for m in _layer_matrices(layer)] + [weights.lm_head]
 
 
 def _all_packed(weights: ModelWeights, fast: bool, cache: Path | None, n_experts: int) -> list[np.ndarray]:
     """Every layer's matrices (WQ..W_DOWN order) then the LM head, repacked (or empty where not)."""
-    all_matrices = [m for layer in weights.layers for m in _layer_matrices(layer)] + [weights.lm_head]
+    all_matrices = _step_matrices(weights)
     parts = [max(n_experts, 1) if i % MATRICES_PER_LAYER >= W_GATE else 1
              for i in range(len(all_matrices) - 1)] + [1]  # fmt: skip
     if not fast or cache is None:
@@ -173,8 +172,7 @@ def resident_weight_bytes(weights: ModelWeights, fast: bool) -> int:
     """Bytes of weights a step reads, all resident while serving: each matrix in the form the kernels
     run (repacked, or as stored where the float path serves it). Embedding rows are read a few at a
     time and not counted."""
-    all_matrices = [m for layer in weights.layers for m in _layer_matrices(layer)] + [weights.lm_head]
-    return sum((fast and packed_nbytes(m.qtype, m.n_rows, m.n_cols)) or m.nbytes for m in all_matrices)
+    return sum((fast and packed_nbytes(m.qtype, m.n_rows, m.n_cols)) or m.nbytes for m in _step_matrices(weights))
 
 
 def bytes_read_per_token(cfg: ModelConfig, weights: ModelWeights, fast: bool) -> int:
@@ -283,7 +281,8 @@ class KernelWeights:
         rope_shape = (len(ropes), cfg.max_context, cfg.head_dim // 2)  # zeros: filled by cover_positions
         output_norm = np.array(weights.output_norm, dtype=np.float32)
         if fast:  # every tensor read from the file is copied or repacked by now
-            release_file_maps([m.data for m in _stored_matrices(weights)] + [weights.output_norm])
+            release_file_maps([m.data for m in _step_matrices(weights)]
+                              + [weights.token_embedding.data, weights.output_norm])
         return cls(typed_list(matrices), typed_list(packed), WeightArrays(
             qtypes=qtypes, packed_qtypes=packed_qtypes, norms=norms, biases=biases, head_norms=head_norms,
             layer_windows=np.array([cfg.layer_window(i) for i in range(cfg.n_layers)], dtype=np.int64),
