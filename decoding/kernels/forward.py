@@ -279,6 +279,8 @@ class KernelWeights:
                 routers[i] = layer.router
         ropes = sorted({cfg.layer_rope(i) for i in range(cfg.n_layers)})
         rope_shape = (len(ropes), cfg.max_context, cfg.head_dim // 2)  # zeros: filled by cover_positions
+        # a copy: a read-only view (an F32 tensor of a mapped file) is another numba type, and the step
+        # would compile again for it
         output_norm = np.array(weights.output_norm, dtype=np.float32)
         if fast:  # every tensor read from the file is copied or repacked by now
             release_file_maps([m.data for m in _step_matrices(weights)]
@@ -290,8 +292,6 @@ class KernelWeights:
             embedding_qtype=int(weights.token_embedding.qtype),
             lm_head=_as_bytes(weights.lm_head), lm_head_qtype=int(weights.lm_head.qtype),
             lm_head_packed=all_packed[-1], lm_head_packed_qtype=int(packed_type(weights.lm_head.qtype)),
-            # a copy: a read-only view (an F32 tensor of a mapped file) is another numba type, and the
-            # step would compile again for it
             output_norm=output_norm,
             rope_cos=np.zeros(rope_shape, dtype=np.float32), rope_sin=np.zeros(rope_shape, dtype=np.float32),
             routers=routers, key_centres=np.zeros((cfg.n_layers, cfg.kv_dim), dtype=np.float32),

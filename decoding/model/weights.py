@@ -119,9 +119,9 @@ def release_mapped_pages(array: np.ndarray) -> bool:
     return True
 
 
-def release_file_maps(arrays: Iterable[np.ndarray]) -> int:
-    """Drop this process's resident copy of every read-only file map under `arrays`, each map whole;
-    returns the bytes of the maps released (0 where none is file-mapped).
+def release_file_maps(arrays: Iterable[np.ndarray]) -> None:
+    """Drop this process's resident copy of every read-only file map under `arrays`, each map whole
+    (arrays that map no file, or a writable one, are passed over).
 
     For a caller that has copied or repacked all it reads every step: the fast kernels' model, whose
     norms and biases are read at load, and whose file pages around them then stay mapped, however
@@ -129,7 +129,7 @@ def release_file_maps(arrays: Iterable[np.ndarray]) -> int:
     (120 MiB of the Qwen2.5-7B shape's file at start, 2 MiB a fault). A page still read (a matrix the
     float path serves) faults back from the page cache, unchanged.
     """
-    released, seen = 0, set()
+    seen = set()
     for array in arrays:
         backing = _backing_map(array)
         if backing is None or id(backing) in seen:
@@ -139,8 +139,6 @@ def release_file_maps(arrays: Iterable[np.ndarray]) -> int:
         if whole.size and _libc.madvise(ctypes.c_void_p(whole.ctypes.data), ctypes.c_size_t(whole.size),
                                         mmap.MADV_DONTNEED):  # fmt: skip
             raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed on a model file's map")
-        released += whole.size
-    return released
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
